@@ -1,0 +1,1 @@
+"""Generated wire contract (python -m maskd.protogen); do not edit."""

@@ -1,0 +1,222 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Whitespace(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WHITESPACE_DEFAULT: _ClassVar[Whitespace]
+    WHITESPACE_FLEXIBLE: _ClassVar[Whitespace]
+    WHITESPACE_COMPACT: _ClassVar[Whitespace]
+
+class GrammarState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    GRAMMAR_STATE_UNSPECIFIED: _ClassVar[GrammarState]
+    GRAMMAR_STATE_COMPILING: _ClassVar[GrammarState]
+    GRAMMAR_STATE_READY: _ClassVar[GrammarState]
+    GRAMMAR_STATE_FAILED: _ClassVar[GrammarState]
+
+class SeqStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SEQ_STATUS_UNSPECIFIED: _ClassVar[SeqStatus]
+    SEQ_STATUS_READY: _ClassVar[SeqStatus]
+    SEQ_STATUS_WAITING: _ClassVar[SeqStatus]
+    SEQ_STATUS_FAILED: _ClassVar[SeqStatus]
+    SEQ_STATUS_FINISHED: _ClassVar[SeqStatus]
+    SEQ_STATUS_CLOSED: _ClassVar[SeqStatus]
+    SEQ_STATUS_ERROR: _ClassVar[SeqStatus]
+
+class RowEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROW_ENCODING_DENSE: _ClassVar[RowEncoding]
+    ROW_ENCODING_ALLOWED_IDS: _ClassVar[RowEncoding]
+    ROW_ENCODING_REJECTED_IDS: _ClassVar[RowEncoding]
+    ROW_ENCODING_DICT_REF: _ClassVar[RowEncoding]
+WHITESPACE_DEFAULT: Whitespace
+WHITESPACE_FLEXIBLE: Whitespace
+WHITESPACE_COMPACT: Whitespace
+GRAMMAR_STATE_UNSPECIFIED: GrammarState
+GRAMMAR_STATE_COMPILING: GrammarState
+GRAMMAR_STATE_READY: GrammarState
+GRAMMAR_STATE_FAILED: GrammarState
+SEQ_STATUS_UNSPECIFIED: SeqStatus
+SEQ_STATUS_READY: SeqStatus
+SEQ_STATUS_WAITING: SeqStatus
+SEQ_STATUS_FAILED: SeqStatus
+SEQ_STATUS_FINISHED: SeqStatus
+SEQ_STATUS_CLOSED: SeqStatus
+SEQ_STATUS_ERROR: SeqStatus
+ROW_ENCODING_DENSE: RowEncoding
+ROW_ENCODING_ALLOWED_IDS: RowEncoding
+ROW_ENCODING_REJECTED_IDS: RowEncoding
+ROW_ENCODING_DICT_REF: RowEncoding
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InfoResponse(_message.Message):
+    __slots__ = ("server_version", "backend", "backend_version", "tokenizer", "vocab_size", "logits_width", "words_per_row", "tokenizer_fingerprint", "eos_token_ids", "max_message_bytes", "max_rows_per_step", "row_encodings", "row_dictionary_size")
+    SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LOGITS_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    WORDS_PER_ROW_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_ROWS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
+    ROW_ENCODINGS_FIELD_NUMBER: _ClassVar[int]
+    ROW_DICTIONARY_SIZE_FIELD_NUMBER: _ClassVar[int]
+    server_version: str
+    backend: str
+    backend_version: str
+    tokenizer: str
+    vocab_size: int
+    logits_width: int
+    words_per_row: int
+    tokenizer_fingerprint: str
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_message_bytes: int
+    max_rows_per_step: int
+    row_encodings: _containers.RepeatedScalarFieldContainer[RowEncoding]
+    row_dictionary_size: int
+    def __init__(self, server_version: _Optional[str] = ..., backend: _Optional[str] = ..., backend_version: _Optional[str] = ..., tokenizer: _Optional[str] = ..., vocab_size: _Optional[int] = ..., logits_width: _Optional[int] = ..., words_per_row: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_message_bytes: _Optional[int] = ..., max_rows_per_step: _Optional[int] = ..., row_encodings: _Optional[_Iterable[_Union[RowEncoding, str]]] = ..., row_dictionary_size: _Optional[int] = ...) -> None: ...
+
+class GrammarOptions(_message.Message):
+    __slots__ = ("whitespace", "reasoning_start", "reasoning_end")
+    WHITESPACE_FIELD_NUMBER: _ClassVar[int]
+    REASONING_START_FIELD_NUMBER: _ClassVar[int]
+    REASONING_END_FIELD_NUMBER: _ClassVar[int]
+    whitespace: Whitespace
+    reasoning_start: str
+    reasoning_end: str
+    def __init__(self, whitespace: _Optional[_Union[Whitespace, str]] = ..., reasoning_start: _Optional[str] = ..., reasoning_end: _Optional[str] = ...) -> None: ...
+
+class ChoiceList(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, items: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GrammarSpec(_message.Message):
+    __slots__ = ("json_schema", "regex", "lark", "ebnf", "choice", "structural_tag", "options")
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    LARK_FIELD_NUMBER: _ClassVar[int]
+    EBNF_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURAL_TAG_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    json_schema: str
+    regex: str
+    lark: str
+    ebnf: str
+    choice: ChoiceList
+    structural_tag: str
+    options: GrammarOptions
+    def __init__(self, json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., lark: _Optional[str] = ..., ebnf: _Optional[str] = ..., choice: _Optional[_Union[ChoiceList, _Mapping]] = ..., structural_tag: _Optional[str] = ..., options: _Optional[_Union[GrammarOptions, _Mapping]] = ...) -> None: ...
+
+class RegisterGrammarRequest(_message.Message):
+    __slots__ = ("spec", "wait", "backend", "tokenizer_fingerprint")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    spec: GrammarSpec
+    wait: bool
+    backend: str
+    tokenizer_fingerprint: str
+    def __init__(self, spec: _Optional[_Union[GrammarSpec, _Mapping]] = ..., wait: _Optional[bool] = ..., backend: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ...) -> None: ...
+
+class RegisterGrammarResponse(_message.Message):
+    __slots__ = ("grammar_id", "state", "error", "compile_seconds")
+    GRAMMAR_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    COMPILE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    grammar_id: str
+    state: GrammarState
+    error: str
+    compile_seconds: float
+    def __init__(self, grammar_id: _Optional[str] = ..., state: _Optional[_Union[GrammarState, str]] = ..., error: _Optional[str] = ..., compile_seconds: _Optional[float] = ...) -> None: ...
+
+class SeqStep(_message.Message):
+    __slots__ = ("seq_id", "step", "tokens", "draft_tokens", "grammar_id", "spec", "close", "rollback")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_ID_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_FIELD_NUMBER: _ClassVar[int]
+    ROLLBACK_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    step: int
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    draft_tokens: _containers.RepeatedScalarFieldContainer[int]
+    grammar_id: str
+    spec: GrammarSpec
+    close: bool
+    rollback: int
+    def __init__(self, seq_id: _Optional[str] = ..., step: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., grammar_id: _Optional[str] = ..., spec: _Optional[_Union[GrammarSpec, _Mapping]] = ..., close: _Optional[bool] = ..., rollback: _Optional[int] = ...) -> None: ...
+
+class StepRequest(_message.Message):
+    __slots__ = ("seqs", "want_forced_tokens")
+    SEQS_FIELD_NUMBER: _ClassVar[int]
+    WANT_FORCED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    seqs: _containers.RepeatedCompositeFieldContainer[SeqStep]
+    want_forced_tokens: bool
+    def __init__(self, seqs: _Optional[_Iterable[_Union[SeqStep, _Mapping]]] = ..., want_forced_tokens: _Optional[bool] = ...) -> None: ...
+
+class SeqResult(_message.Message):
+    __slots__ = ("seq_id", "step", "status", "code", "reason", "forced_tokens", "first_row", "num_rows", "drafts_valid", "accepting")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    FORCED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_ROW_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_VALID_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTING_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    step: int
+    status: SeqStatus
+    code: int
+    reason: str
+    forced_tokens: _containers.RepeatedScalarFieldContainer[int]
+    first_row: int
+    num_rows: int
+    drafts_valid: int
+    accepting: bool
+    def __init__(self, seq_id: _Optional[str] = ..., step: _Optional[int] = ..., status: _Optional[_Union[SeqStatus, str]] = ..., code: _Optional[int] = ..., reason: _Optional[str] = ..., forced_tokens: _Optional[_Iterable[int]] = ..., first_row: _Optional[int] = ..., num_rows: _Optional[int] = ..., drafts_valid: _Optional[int] = ..., accepting: _Optional[bool] = ...) -> None: ...
+
+class MaskRow(_message.Message):
+    __slots__ = ("encoding", "data", "ref")
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    REF_FIELD_NUMBER: _ClassVar[int]
+    encoding: RowEncoding
+    data: bytes
+    ref: int
+    def __init__(self, encoding: _Optional[_Union[RowEncoding, str]] = ..., data: _Optional[bytes] = ..., ref: _Optional[int] = ...) -> None: ...
+
+class StepResponse(_message.Message):
+    __slots__ = ("results", "rows", "words_per_row", "server_seconds")
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    WORDS_PER_ROW_FIELD_NUMBER: _ClassVar[int]
+    SERVER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[SeqResult]
+    rows: _containers.RepeatedCompositeFieldContainer[MaskRow]
+    words_per_row: int
+    server_seconds: float
+    def __init__(self, results: _Optional[_Iterable[_Union[SeqResult, _Mapping]]] = ..., rows: _Optional[_Iterable[_Union[MaskRow, _Mapping]]] = ..., words_per_row: _Optional[int] = ..., server_seconds: _Optional[float] = ...) -> None: ...
