@@ -4,7 +4,8 @@ A session groups the sequences of one GPU worker. Tensor-parallel ranks attach t
 same session (same key) so every rank may ask for a step and all get identical rows.
 
 Per sequence the server keeps the matcher, the step number and what that step carried.
-A step is applied at most once: repeating (seq, step) with the same tokens recomputes
+A sequence opens at step 0, or at any later step when a client restores it (after a
+lost stream or worker) with its whole token history. A step is applied at most once: repeating (seq, step) with the same tokens recomputes
 the rows from the unchanged matcher; with other tokens it is a divergence error. Every
 refusal leaves the sequence as it was.
 """
@@ -150,9 +151,6 @@ class Session:
                 if seq is not None:
                     self._refuse(res, _C.ALREADY_EXISTS,
                                  f"sequence {sid!r} is already open (at step {seq.step}); close it first")
-                    continue
-                if msg.step != 0:
-                    self._refuse(res, _C.INVALID_ARGUMENT, f"a sequence opens at step 0, not {msg.step}")
                     continue
                 if len(self.seqs) >= self.limits.max_sequences_per_session:
                     self._refuse(res, _C.RESOURCE_EXHAUSTED,

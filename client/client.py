@@ -1,0 +1,477 @@
+"""MaskClient: one gRPC session stream from a GPU worker to a maskd server.
+
+    with MaskClient("127.0.0.1:50051") as mc:
+        mc.open("req-1", {"json_schema": schema})
+        fut = mc.step_async({"req-1": []})        # right after sampling
+        ...                                       # forward pass runs
+        res = fut.result()                        # right before the next sampling
+        rows = res.bitmask                        # int32 (rows, words)
+
+One StepRequest per decode step carries the whole batch. Steps are idempotent on the
+server, so when the stream breaks the client reconnects, restores its sequences (each
+re-opened at its step with its whole token history) and resends the steps in flight:
+nothing is lost and no output changes.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import enum
+import itertools
+import logging
+import queue
+import threading
+import time
+import uuid
+from typing import Any, Iterable, Mapping, Sequence
+
+import grpc
+import numpy as np
+
+from maskd.rowcodec import RowDecoder
+from maskd.specs import GrammarSpec
+from maskd.v1 import maskd_pb2 as pb
+from maskd.v1 import maskd_pb2_grpc as pb_grpc
+
+log = logging.getLogger("maskd_client")
+SESSION_METADATA_KEY = "maskd-session"
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL,
+              grpc.StatusCode.UNKNOWN)
+
+
+class MaskClientError(RuntimeError):
+    """A server or protocol problem the caller has to act on."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class SeqStatus(enum.Enum):
+    READY = pb.SEQ_STATUS_READY
+    WAITING = pb.SEQ_STATUS_WAITING
+    FAILED = pb.SEQ_STATUS_FAILED
+    FINISHED = pb.SEQ_STATUS_FINISHED
+    CLOSED = pb.SEQ_STATUS_CLOSED
+    ERROR = pb.SEQ_STATUS_ERROR
+
+    @property
+    def has_rows(self) -> bool:
+        return self in (SeqStatus.READY, SeqStatus.FINISHED)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerInfo:
+    server_version: str
+    backend: str
+    backend_version: str
+    tokenizer: str
+    vocab_size: int
+    logits_width: int
+    words_per_row: int
+    tokenizer_fingerprint: str
+    eos_token_ids: tuple[int, ...]
+    max_message_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInput:
+    """What one sequence carries in a step (a plain token list is the common case)."""
+    tokens: Sequence[int] = ()
+    drafts: Sequence[int] = ()
+    rollback: int = 0
+
+
+@dataclasses.dataclass
+class SeqResult:
+    seq_id: str
+    step: int
+    status: SeqStatus
+    row: int                  # index of this sequence's first row in StepResult.bitmask (-1: none)
+    num_rows: int
+    forced_tokens: list[int]
+    reason: str = ""
+    code: grpc.StatusCode | None = None
+    accepting: bool = False
+    drafts_valid: int = 0
+
+
+@dataclasses.dataclass
+class StepResult:
+    seqs: dict[str, SeqResult]
+    bitmask: np.ndarray       # int32 (rows, words_per_row)
+    server_seconds: float
+    round_trip_seconds: float
+
+    def row_index(self, seq_id: str) -> int:
+        return self.seqs[seq_id].row
+
+    def tensor(self, device=None, buffers=None):
+        """The rows as an int32 torch tensor (through preallocated BitmaskBuffers if given)."""
+        if buffers is not None:
+            return buffers.upload(self.bitmask)
+        import torch
+        t = torch.from_numpy(self.bitmask)
+        return t if device is None else t.to(device, non_blocking=True)
+
+
+_CODE_BY_VALUE = {c.value[0]: c for c in grpc.StatusCode}
+
+
+@dataclasses.dataclass
+class _Seq:
+    spec: pb.GrammarSpec
+    step: int = -1                      # last step sent
+    history: list = dataclasses.field(default_factory=list)  # accepted tokens, as sent
+    opened: bool = False                # an open has been sent
+
+
+@dataclasses.dataclass
+class _Pending:
+    request: pb.StepRequest
+    future: concurrent.futures.Future
+    # per seq: (seq_id, step, n_tokens, popped_by_rollback, opened_here)
+    undo: list
+    sent_at: float = 0.0
+    internal: bool = False
+
+
+class MaskClient:
+    def __init__(self, target: str, tokenizer: Any = None, *, session: str | None = None,
+                 retries: int = 3, retry_backoff_s: float = 0.2, want_forced_tokens: bool = True,
+                 channel_options: Iterable[tuple[str, Any]] = (), timeout_s: float = 30.0) -> None:
+        self.target = target
+        self.session = session or uuid.uuid4().hex
+        self.retries = retries
+        self.retry_backoff_s = retry_backoff_s
+        self.want_forced_tokens = want_forced_tokens
+        self.timeout_s = timeout_s
+        self._expected_fp = _fingerprint_of(tokenizer)
+        self._channel = grpc.insecure_channel(target, options=[
+            ("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1),
+            *channel_options])
+        self._stub = pb_grpc.MaskServiceStub(self._channel)
+        self._info: ServerInfo | None = None
+        self._seqs: dict[str, _Seq] = {}
+        self._lock = threading.Lock()          # guards _seqs, _pending, stream state
+        self._pending: list[_Pending] = []
+        self._queue: queue.Queue | None = None
+        self._call = None
+        self._reader: threading.Thread | None = None
+        self._decoder: RowDecoder | None = None
+        self._closed = False
+        self._generation = itertools.count()
+        self.reconnects = 0
+
+    # -- context manager ------------------------------------------------------------------------
+    def __enter__(self) -> "MaskClient":
+        self.info()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # -- unary ----------------------------------------------------------------------------------
+    def info(self) -> ServerInfo:
+        if self._info is None:
+            try:
+                r = self._stub.Info(pb.InfoRequest(), timeout=self.timeout_s, wait_for_ready=True)
+            except grpc.RpcError as exc:
+                raise MaskClientError(f"maskd at {self.target}: {exc.details()}", exc.code()) from exc
+            info = ServerInfo(r.server_version, r.backend, r.backend_version, r.tokenizer, r.vocab_size,
+                              r.logits_width, r.words_per_row, r.tokenizer_fingerprint,
+                              tuple(r.eos_token_ids), r.max_message_bytes)
+            if self._expected_fp and info.tokenizer_fingerprint != self._expected_fp:
+                raise MaskClientError(
+                    f"maskd at {self.target} serves tokenizer {info.tokenizer!r} with fingerprint "
+                    f"{info.tokenizer_fingerprint[:16]}..., not the expected {self._expected_fp[:16]}...: "
+                    "masks would not line up with this model's vocabulary",
+                    grpc.StatusCode.FAILED_PRECONDITION)
+            self._info = info
+        return self._info
+
+    def register(self, spec, *, wait: bool = True) -> str:
+        """Registers a grammar and returns its id; raises MaskClientError with the compile error."""
+        req = pb.RegisterGrammarRequest(spec=_spec_proto(spec), wait=wait,
+                                        tokenizer_fingerprint=self._expected_fp or "")
+        try:
+            return self._stub.RegisterGrammar(req, timeout=self.timeout_s).grammar_id
+        except grpc.RpcError as exc:
+            raise MaskClientError(exc.details(), exc.code()) from exc
+
+    # -- sequences ------------------------------------------------------------------------------
+    def open(self, seq_id: str, spec) -> None:
+        """Opens a sequence; the open travels with the next step, whose reply has its first mask."""
+        spec_pb = _spec_proto(spec)
+        with self._lock:
+            if seq_id in self._seqs:
+                raise MaskClientError(f"sequence {seq_id!r} is already open on this client",
+                                      grpc.StatusCode.ALREADY_EXISTS)
+            self._seqs[seq_id] = _Seq(spec_pb)
+
+    def close(self, seq_id: str) -> concurrent.futures.Future:
+        """Closes a sequence (sent at once; the reply needs no waiting)."""
+        with self._lock:
+            seq = self._seqs.pop(seq_id, None)
+        if seq is None or not seq.opened:
+            f: concurrent.futures.Future = concurrent.futures.Future()
+            f.set_result(None)
+            return f
+        req = pb.StepRequest(seqs=[pb.SeqStep(seq_id=seq_id, step=seq.step, close=True)])
+        return self._send(req, [], internal=True)
+
+    def history(self, seq_id: str) -> list[int]:
+        return list(self._seqs[seq_id].history)
+
+    @property
+    def open_sequences(self) -> list[str]:
+        return list(self._seqs)
+
+    # -- steps ----------------------------------------------------------------------------------
+    def step(self, tokens_by_seq: Mapping[str, Any], timeout: float | None = None) -> StepResult:
+        return self.step_async(tokens_by_seq).result(timeout if timeout is not None else self.timeout_s)
+
+    def step_async(self, tokens_by_seq: Mapping[str, Any]) -> concurrent.futures.Future:
+        """Sends one step for the batch now; the future resolves to its StepResult."""
+        req = pb.StepRequest(want_forced_tokens=self.want_forced_tokens)
+        undo = []
+        with self._lock:
+            for seq_id, value in tokens_by_seq.items():
+                seq = self._seqs.get(seq_id)
+                if seq is None:
+                    raise MaskClientError(f"sequence {seq_id!r} is not open on this client",
+                                          grpc.StatusCode.NOT_FOUND)
+                inp = value if isinstance(value, StepInput) else StepInput(tokens=value)
+                tokens = [int(t) for t in inp.tokens]
+                entry = req.seqs.add(seq_id=seq_id, tokens=tokens, draft_tokens=[int(t) for t in inp.drafts],
+                                     rollback=inp.rollback)
+                opened_here = not seq.opened
+                if opened_here:
+                    entry.spec.CopyFrom(seq.spec)
+                    seq.opened = True
+                popped: list[int] = []
+                if inp.rollback:
+                    if inp.rollback > len(seq.history):
+                        raise MaskClientError(
+                            f"cannot roll back {inp.rollback} tokens of {seq_id!r}: it has {len(seq.history)}",
+                            grpc.StatusCode.OUT_OF_RANGE)
+                    popped = seq.history[-inp.rollback:]
+                    del seq.history[-inp.rollback:]
+                seq.step += 1
+                entry.step = seq.step
+                seq.history.extend(tokens)
+                undo.append((seq_id, seq.step, len(tokens), popped, opened_here))
+        return self._send(req, undo)
+
+    # -- stream machinery -----------------------------------------------------------------------
+    def _send(self, req: pb.StepRequest, undo: list, internal: bool = False) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        pending = _Pending(req, fut, undo, time.perf_counter(), internal)
+        with self._lock:
+            if self._closed:
+                raise MaskClientError("client is shut down")
+            self._ensure_stream()
+            self._pending.append(pending)
+            self._queue.put(req)
+        return fut
+
+    def _ensure_stream(self) -> None:
+        if self._call is not None:
+            return
+        info = self.info()
+        self._decoder = RowDecoder(info.words_per_row, info.logits_width)
+        q: queue.Queue = queue.Queue()
+        self._queue = q
+
+        def requests():
+            while True:
+                item = q.get()
+                if item is None:
+                    return
+                yield item
+
+        self._call = self._stub.Session(requests(), metadata=((SESSION_METADATA_KEY, self.session),))
+        gen = next(self._generation)
+        self._reader = threading.Thread(target=self._read, args=(self._call, gen), daemon=True,
+                                        name=f"maskd-client-reader-{gen}")
+        self._reader.start()
+
+    def _read(self, call, gen: int) -> None:
+        try:
+            for reply in call:
+                with self._lock:
+                    if not self._pending:
+                        log.error("maskd sent a reply nobody asked for")
+                        continue
+                    pending = self._pending.pop(0)
+                    decoder = self._decoder
+                self._resolve(pending, reply, decoder)
+        except grpc.RpcError as exc:
+            self._on_stream_error(call, exc)
+            return
+        except Exception as exc:  # a decoding bug: fail what is pending rather than hang
+            self._fail_all(MaskClientError(f"maskd client reader failed: {exc}"))
+            return
+        self._on_stream_error(call, None)
+
+    def _resolve(self, pending: _Pending, reply: pb.StepResponse, decoder: RowDecoder) -> None:
+        try:
+            bitmask = decoder.decode(reply)
+        except Exception as exc:
+            pending.future.set_exception(MaskClientError(f"cannot decode mask rows: {exc}"))
+            return
+        seqs = {}
+        for r in reply.results:
+            status = SeqStatus(r.status)
+            seqs[r.seq_id] = SeqResult(
+                r.seq_id, r.step, status, r.first_row if status.has_rows else -1, r.num_rows,
+                list(r.forced_tokens), r.reason, _CODE_BY_VALUE.get(r.code) if r.code else None,
+                r.accepting, r.drafts_valid)
+        if not pending.internal:
+            # An ERROR leaves the server's sequence unchanged: undo what this step did locally.
+            errors = [s for s in seqs.values() if s.status is SeqStatus.ERROR]
+            if errors:
+                self._undo({e.seq_id for e in errors}, pending.undo)
+        pending.future.set_result(StepResult(seqs, bitmask, reply.server_seconds,
+                                             time.perf_counter() - pending.sent_at))
+
+    def _undo(self, seq_ids: set[str], undo: list) -> None:
+        with self._lock:
+            for seq_id, step, n_tokens, popped, opened_here in undo:
+                seq = self._seqs.get(seq_id)
+                if seq_id not in seq_ids or seq is None or seq.step != step:
+                    continue
+                if n_tokens:
+                    del seq.history[-n_tokens:]
+                seq.history.extend(popped)
+                seq.step -= 1
+                if opened_here:
+                    seq.opened = False
+
+    def _on_stream_error(self, call, exc: grpc.RpcError | None) -> None:
+        with self._lock:
+            if self._call is not call:
+                return
+            self._call = None
+            if self._queue is not None:
+                self._queue.put(None)
+            if self._closed or not self._pending:
+                return
+            pending = list(self._pending)
+            self._pending.clear()
+        code = exc.code() if exc is not None else grpc.StatusCode.UNAVAILABLE
+        details = exc.details() if exc is not None else "stream ended"
+        if code not in _RETRYABLE:
+            for p in pending:
+                p.future.set_exception(MaskClientError(f"maskd stream failed: {details}", code))
+            return
+        self._reconnect(pending, details)
+
+    def _reconnect(self, pending: list[_Pending], details: str) -> None:
+        last_error = details
+        for attempt in range(self.retries):
+            time.sleep(self.retry_backoff_s * (2 ** attempt))
+            self.reconnects += 1
+            try:
+                self._restore_and_resend(pending)
+                return
+            except (grpc.RpcError, MaskClientError) as exc:
+                last_error = getattr(exc, "details", lambda: str(exc))()
+                with self._lock:
+                    self._call = None
+        for p in pending:
+            if not p.future.done():
+                p.future.set_exception(MaskClientError(
+                    f"maskd stream to {self.target} lost and not restored after {self.retries} tries: {last_error}",
+                    grpc.StatusCode.UNAVAILABLE))
+
+    def restore_message(self, pending: list[_Pending]) -> pb.StepRequest:
+        """Re-opens every live sequence at the state before the steps still in flight."""
+        with self._lock:
+            state = {sid: (s.step, list(s.history), s.opened, s.spec) for sid, s in self._seqs.items()}
+        for p in reversed(pending):
+            for seq_id, step, n_tokens, popped, opened_here in p.undo:
+                if seq_id not in state:
+                    continue
+                s_step, hist, opened, spec = state[seq_id]
+                if n_tokens:
+                    del hist[-n_tokens:]
+                hist.extend(popped)
+                state[seq_id] = (step - 1, hist, opened and not opened_here, spec)
+        req = pb.StepRequest()
+        for seq_id, (step, hist, opened, spec) in state.items():
+            if opened and step >= 0:
+                e = req.seqs.add(seq_id=seq_id, step=step, tokens=hist)
+                e.spec.CopyFrom(spec)
+        return req
+
+    def _restore_and_resend(self, pending: list[_Pending]) -> None:
+        restore = self.restore_message(pending)
+        if restore.seqs:
+            reply = self._stub_session_once(restore)
+            for r in reply.results:
+                if r.status == pb.SEQ_STATUS_ERROR and r.code not in (
+                        grpc.StatusCode.ALREADY_EXISTS.value[0], grpc.StatusCode.ABORTED.value[0]):
+                    raise MaskClientError(f"cannot restore sequence {r.seq_id!r}: {r.reason}")
+        with self._lock:
+            self._ensure_stream()
+            for p in pending:
+                self._pending.append(p)
+                self._queue.put(p.request)
+
+    def _stub_session_once(self, request: pb.StepRequest) -> pb.StepResponse:
+        """Sends one message on the (new) stream and waits for its reply."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            self._ensure_stream()
+            self._pending.append(_Pending(request, fut, [], time.perf_counter(), True))
+            self._queue.put(request)
+        raw = fut.result(self.timeout_s)
+        return _as_reply(raw)
+
+    def _fail_all(self, exc: Exception) -> None:
+        with self._lock:
+            pending = list(self._pending)
+            self._pending.clear()
+            self._call = None
+        for p in pending:
+            if not p.future.done():
+                p.future.set_exception(exc)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._closed = True
+            call, q = self._call, self._queue
+            self._call = None
+        if q is not None:
+            q.put(None)
+        if call is not None:
+            call.cancel()
+        self._channel.close()
+
+
+def _as_reply(result: StepResult) -> pb.StepResponse:
+    reply = pb.StepResponse()
+    for s in result.seqs.values():
+        reply.results.add(seq_id=s.seq_id, step=s.step, status=s.status.value,
+                          code=s.code.value[0] if s.code else 0, reason=s.reason)
+    return reply
+
+
+def _spec_proto(spec) -> pb.GrammarSpec:
+    if isinstance(spec, pb.GrammarSpec):
+        return spec
+    if isinstance(spec, GrammarSpec):
+        return spec.to_proto()
+    return GrammarSpec.from_dict(spec).to_proto()
+
+
+def _fingerprint_of(tokenizer: Any) -> str | None:
+    if tokenizer is None:
+        return None
+    if isinstance(tokenizer, str):
+        return tokenizer
+    fp = getattr(tokenizer, "fingerprint", None)
+    if isinstance(fp, str):
+        return fp
+    raise TypeError("tokenizer is a fingerprint string or an object with a .fingerprint attribute")
