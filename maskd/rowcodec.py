@@ -2,52 +2,424 @@
 
 Both ends of a stream hold one RowEncoder / RowDecoder; the decoder always yields the
 dense int32 rows (n_rows, words_per_row), whatever the encoding on the wire.
+
+A row is ``words_per_row`` int32 words; bit ``i % 32`` of word ``i // 32`` set means token
+``i`` is allowed. Bits at positions >= ``width`` are always 0 (the encoder refuses rows that
+set them, the decoder refuses replies that would produce them).
+
+Encodings (``MaskRow.encoding``), per row, whichever is smallest:
+
+``ROW_ENCODING_DENSE``
+    ``data`` is the words as little-endian int32 (``4 * words_per_row`` bytes).
+``ROW_ENCODING_ALLOWED_IDS``
+    ``data`` is the sorted ids of the set bits, delta-encoded (the first value is the id
+    itself, every later value is the difference to the previous id, so it is >= 1), each
+    value an unsigned LEB128 varint (7 bits per byte, low group first, high bit set on every
+    byte but the last of a value). Empty ``data`` is the all-rejected row.
+``ROW_ENCODING_REJECTED_IDS``
+    The same, over the ids in ``[0, width)`` whose bit is 0. Empty ``data`` is the row that
+    allows every id below ``width``.
+``ROW_ENCODING_DICT_REF``
+    ``data`` is empty and ``ref`` is a slot of the stream's row dictionary: the row is the
+    one stored there.
+
+Size ties go to the lower enum value (dense, then allowed ids, then rejected ids).
+
+The row dictionary (``dict_size`` = D rows per stream, 0 disables it) is kept in step by
+both ends with this rule, applied to the rows of a stream in order (replies in the order
+sent, rows of a reply in index order):
+
+* Each end counts insertions, starting at 0 when the stream opens (``counter``).
+* A row sent with a non-REF encoding is inserted at slot ``counter % D`` (overwriting
+  whatever was there) and ``counter`` increases by 1. Nothing else is inserted; a
+  DICT_REF row leaves the dictionary unchanged.
+* A DICT_REF row may name only a filled slot, i.e. ``ref < min(counter, D)``; its row is
+  the row in that slot at that point (so a repeat within one reply refers to the slot that
+  the first occurrence in the same reply filled).
+
+The encoder sends DICT_REF whenever the row is byte-equal to a row present in its
+dictionary (looked up by the row bytes, so a hash collision can never produce a wrong
+reference); a row present in the dictionary is never inserted twice. An encoder whose
+``encodings`` exclude DICT_REF keeps no dictionary at all; the decoder's inserts are then
+harmless. The decoder must be built with the encoder's ``dict_size`` (``InfoResponse.
+row_dictionary_size``). After a RowCodecError the decoder's dictionary may be out of step:
+the stream must be dropped.
+
+All work on a row is vectorized numpy; the per-row Python overhead is a few microseconds.
 """
 from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
 
 import numpy as np
 
 from maskd.v1 import maskd_pb2 as pb
 
 DENSE = pb.ROW_ENCODING_DENSE
+ALLOWED_IDS = pb.ROW_ENCODING_ALLOWED_IDS
+REJECTED_IDS = pb.ROW_ENCODING_REJECTED_IDS
+DICT_REF = pb.ROW_ENCODING_DICT_REF
+
+#: Short names, e.g. for metrics labels and ``encoded_sizes``.
+ENCODING_NAMES: dict[int, str] = {
+    DENSE: "dense",
+    ALLOWED_IDS: "allowed_ids",
+    REJECTED_IDS: "rejected_ids",
+    DICT_REF: "dict_ref",
+}
+ALL_ENCODINGS: tuple[int, ...] = (DENSE, ALLOWED_IDS, REJECTED_IDS, DICT_REF)
+DEFAULT_DICT_SIZE = 64
+
+_MAX_WIDTH = 2**31 - 1          # ids and deltas fit int64 sums with room to spare
+_MAX_VARINT_BYTES = 5           # enough for any value < 2**35 (ids are < 2**31)
+_ARANGE32 = np.arange(32, dtype=np.int64)
+_SPARSE_SET_BITS = 512          # below this many ids, np.add.at beats a packbits pass
+
+if hasattr(np, "bitwise_count"):  # numpy >= 2.0
+    def _popcount(words_u32: np.ndarray) -> int:
+        return int(np.bitwise_count(words_u32).sum(dtype=np.int64))
+else:  # pragma: no cover - older numpy on a client
+    _POP8 = np.array([bin(i).count("1") for i in range(256)], dtype=np.uint8)
+
+    def _popcount(words_u32: np.ndarray) -> int:
+        return int(_POP8[words_u32.view(np.uint8)].sum(dtype=np.int64))
 
 
 class RowCodecError(ValueError):
     """A reply whose rows cannot be decoded (corrupt or from a mismatched server)."""
 
 
-class RowEncoder:
-    """Encodes the rows of one stream. This version sends dense words."""
+# -- shared helpers --------------------------------------------------------------------------
+def _check_shape(words_per_row: int, width: int) -> tuple[int, int]:
+    words_per_row, width = int(words_per_row), int(width)
+    if not 0 < width <= _MAX_WIDTH:
+        raise ValueError(f"width {width} must be in [1, {_MAX_WIDTH}]")
+    if words_per_row * 32 < width:
+        raise ValueError(f"{words_per_row} words hold {words_per_row * 32} bits, fewer than width {width}")
+    return words_per_row, width
 
-    def __init__(self, words_per_row: int, width: int) -> None:
-        self.words_per_row = words_per_row
-        self.width = width
+
+def _full_row(words_per_row: int, width: int) -> np.ndarray:
+    """uint32 words with exactly the bits [0, width) set."""
+    full = np.zeros(words_per_row, dtype=np.uint32)
+    whole, rest = divmod(width, 32)
+    full[:whole] = 0xFFFFFFFF
+    if rest:
+        full[whole] = (1 << rest) - 1
+    return full
+
+
+def _bit_ids(words_u32: np.ndarray, count: int) -> np.ndarray:
+    """Sorted positions (int64) of the set bits of little-endian uint32 words."""
+    if count == 0:
+        return np.empty(0, dtype=np.int64)
+    words_u32 = words_u32.astype("<u4", copy=False)
+    if count * 8 <= len(words_u32):
+        # Sparse: unpack only the nonzero words.
+        nz = np.flatnonzero(words_u32)
+        bits = np.unpackbits(words_u32[nz].view(np.uint8), bitorder="little").view(bool)
+        return (nz[:, None] * 32 + _ARANGE32)[bits.reshape(-1, 32)]
+    bits = np.unpackbits(words_u32.view(np.uint8), bitorder="little").view(bool)
+    return np.flatnonzero(bits)
+
+
+def _varint_size(values: np.ndarray) -> int:
+    """Exact byte count of LEB128 varints of non-negative values (< 2**35)."""
+    n = len(values)
+    if n == 0:
+        return 0
+    return (n + int(np.count_nonzero(values >= 1 << 7)) + int(np.count_nonzero(values >= 1 << 14))
+            + int(np.count_nonzero(values >= 1 << 21)) + int(np.count_nonzero(values >= 1 << 28)))
+
+
+def varint_encode(values: np.ndarray) -> bytes:
+    """Unsigned LEB128 varints of non-negative integer values (< 2**35), concatenated."""
+    values = np.asarray(values, dtype=np.int64)
+    if len(values) == 0:
+        return b""
+    nbytes = (1 + (values >= 1 << 7).astype(np.int64) + (values >= 1 << 14)
+              + (values >= 1 << 21) + (values >= 1 << 28))
+    width = int(nbytes.max())
+    if width == 1:
+        return values.astype(np.uint8).tobytes()
+    k = np.arange(width, dtype=np.int64)
+    groups = (values[:, None] >> (7 * k)) & 0x7F
+    groups |= (k < (nbytes - 1)[:, None]).astype(np.int64) << 7   # continuation bits
+    return groups.astype(np.uint8)[k < nbytes[:, None]].tobytes()
+
+
+def varint_decode(data: bytes) -> np.ndarray:
+    """Values (int64) of concatenated unsigned LEB128 varints; RowCodecError when malformed."""
+    b = np.frombuffer(data, dtype=np.uint8)
+    n = len(b)
+    if n == 0:
+        return np.empty(0, dtype=np.int64)
+    term = b < 0x80
+    if not term[-1]:
+        raise RowCodecError("truncated varint at the end of the row data")
+    ends = np.flatnonzero(term)
+    if len(ends) == n:                       # every value fits one byte
+        return b.astype(np.int64)
+    starts = np.empty_like(ends)
+    starts[0] = 0
+    starts[1:] = ends[:-1] + 1
+    lengths = ends - starts + 1
+    if int(lengths.max()) > _MAX_VARINT_BYTES:
+        raise RowCodecError(f"varint longer than {_MAX_VARINT_BYTES} bytes")
+    pos = np.arange(n, dtype=np.int64) - np.repeat(starts, lengths)
+    contrib = (b & 0x7F).astype(np.int64) << (7 * pos)
+    return np.add.reduceat(contrib, starts)
+
+
+def _ids_to_deltas(ids: np.ndarray) -> np.ndarray:
+    deltas = np.empty_like(ids)
+    if len(ids):
+        deltas[0] = ids[0]
+        np.subtract(ids[1:], ids[:-1], out=deltas[1:])
+    return deltas
+
+
+def _deltas_to_ids(values: np.ndarray, width: int) -> np.ndarray:
+    n = len(values)
+    if n == 0:
+        return values
+    if n > width:
+        raise RowCodecError(f"{n} ids for a row of width {width}")
+    if n > 1 and not values[1:].all():
+        raise RowCodecError("ids are not strictly increasing (a delta of 0)")
+    if int(values.max()) >= width:
+        raise RowCodecError(f"id or delta {int(values.max())} out of range for width {width}")
+    ids = np.cumsum(values)                  # < width * width <= 2**62: no overflow
+    if int(ids[-1]) >= width:
+        raise RowCodecError(f"id {int(ids[-1])} out of range for width {width}")
+    return ids
+
+
+def _set_ids(dst_u32: np.ndarray, ids: np.ndarray) -> None:
+    """dst_u32[:] = the row with exactly the bits at ids set (ids sorted, unique, in range)."""
+    if len(ids) < _SPARSE_SET_BITS:
+        dst_u32[:] = 0
+        if len(ids):
+            np.add.at(dst_u32, ids >> 5, np.left_shift(np.uint32(1), (ids & 31).astype(np.uint32)))
+        return
+    bits = np.zeros(len(dst_u32) * 32, dtype=np.uint8)
+    bits[ids] = 1
+    dst_u32[:] = np.packbits(bits, bitorder="little").view("<u4")
+
+
+def _as_row_u32(row: np.ndarray, words_per_row: int, full: np.ndarray, width: int) -> np.ndarray:
+    row = np.ascontiguousarray(row)
+    if row.dtype.kind not in "iu" or row.dtype.itemsize != 4:
+        raise ValueError(f"rows must be int32/uint32 words, got {row.dtype}")
+    if row.shape != (words_per_row,):
+        raise ValueError(f"row has shape {row.shape}, expected ({words_per_row},)")
+    if not (row.dtype.byteorder == "<" or (row.dtype.byteorder in "=|" and sys.byteorder == "little")):
+        row = row.astype(row.dtype.newbyteorder("<"))
+    u = row.view("<u4")
+    tail = width // 32
+    if tail < words_per_row and (u[tail:] & ~full[tail:]).any():
+        raise ValueError(f"row sets bits at positions >= width {width}")
+    return u
+
+
+def _sizes_for(u: np.ndarray, full: np.ndarray, width: int) -> dict[str, int]:
+    k = _popcount(u)
+    rejected = full ^ u
+    return {
+        "dense": 4 * len(u),
+        "allowed_ids": _varint_size(_ids_to_deltas(_bit_ids(u, k))),
+        "rejected_ids": _varint_size(_ids_to_deltas(_bit_ids(rejected, width - k))),
+    }
+
+
+def encoded_sizes(row: np.ndarray, width: int) -> dict[str, int]:
+    """Bytes of ``data`` each non-REF encoding would take for one row (int32 words).
+
+    Keys: ``"dense"``, ``"allowed_ids"``, ``"rejected_ids"``.
+    """
+    row = np.asarray(row)
+    words = row.shape[-1] if row.ndim else 0
+    words, width = _check_shape(words, width)
+    full = _full_row(words, width)
+    return _sizes_for(_as_row_u32(row, words, full, width), full, width)
+
+
+# -- encoder ---------------------------------------------------------------------------------
+class RowEncoder:
+    """Encodes the rows of one stream, each in the smallest allowed encoding.
+
+    ``encodings``: the encodings this encoder may use (default: all four); at least one of
+    DENSE / ALLOWED_IDS / REJECTED_IDS. ``dict_size``: rows in the stream's dictionary
+    (0, or DICT_REF left out of ``encodings``, disables it). The encoder keeps the bytes of
+    up to ``dict_size`` rows (64 * 16 KB = 1 MB for a 129k vocabulary).
+
+    After ``encode``, ``last_encodings`` lists the encoding of each row it sent;
+    ``counts`` accumulates rows per encoding over the stream.
+    """
+
+    def __init__(self, words_per_row: int, width: int, *, dict_size: int = DEFAULT_DICT_SIZE,
+                 encodings: Iterable[int] | None = None) -> None:
+        self.words_per_row, self.width = _check_shape(words_per_row, width)
+        allowed = frozenset(ALL_ENCODINGS if encodings is None else (int(e) for e in encodings))
+        unknown = allowed - set(ALL_ENCODINGS)
+        if unknown:
+            raise ValueError(f"unknown row encodings {sorted(unknown)}")
+        if not allowed & {DENSE, ALLOWED_IDS, REJECTED_IDS}:
+            raise ValueError("encodings must include at least one of DENSE, ALLOWED_IDS, REJECTED_IDS")
+        if dict_size < 0:
+            raise ValueError("dict_size must be >= 0")
+        self.encodings = allowed
+        self.dict_size = int(dict_size) if DICT_REF in allowed else 0
+        self._full = _full_row(self.words_per_row, self.width)
+        self._slots: list[bytes | None] = [None] * self.dict_size
+        self._index: dict[bytes, int] = {}
+        self._counter = 0
+        self.last_encodings: list[int] = []
+        self.counts: dict[int, int] = {e: 0 for e in ALL_ENCODINGS}
+
+    @property
+    def last_encoding_names(self) -> list[str]:
+        return [ENCODING_NAMES[e] for e in self.last_encodings]
 
     def encode(self, rows: np.ndarray, reply: pb.StepResponse) -> list[int]:
-        """Appends one MaskRow per row to reply.rows; returns the bytes per row sent."""
+        """Appends one MaskRow per row to reply.rows; returns the bytes per row sent.
+
+        The size of a row is ``len(data)``, or for DICT_REF the bytes of its ``ref`` varint.
+        """
+        rows = np.asarray(rows)
+        if rows.ndim != 2:
+            raise ValueError(f"rows must be 2-D (n, {self.words_per_row}), got shape {rows.shape}")
         add = reply.rows.add
-        sizes = []
+        sizes: list[int] = []
+        chosen: list[int] = []
+        use_dict = self.dict_size > 0
         for row in rows:
-            data = row.tobytes()
-            add(data=data)
+            u = _as_row_u32(row, self.words_per_row, self._full, self.width)
+            key = u.tobytes()
+            if use_dict:
+                slot = self._index.get(key)
+                if slot is not None:
+                    add(encoding=DICT_REF, ref=slot)
+                    sizes.append(max(1, (slot.bit_length() + 6) // 7))
+                    chosen.append(DICT_REF)
+                    continue
+            enc, data = self._encode_row(u, key)
+            add(encoding=enc, data=data)
             sizes.append(len(data))
+            chosen.append(enc)
+            if use_dict:
+                self._insert(key)
+        self.last_encodings = chosen
+        for enc in chosen:
+            self.counts[enc] += 1
         return sizes
 
+    def _insert(self, key: bytes) -> None:
+        slot = self._counter % self.dict_size
+        old = self._slots[slot]
+        if old is not None:
+            del self._index[old]      # a row is in at most one slot: hits are never inserted
+        self._slots[slot] = key
+        self._index[key] = slot
+        self._counter += 1
 
+    def _encode_row(self, u: np.ndarray, key: bytes) -> tuple[int, bytes]:
+        allowed = self.encodings
+        best_size, best_enc, best_deltas = (len(key), DENSE, None) if DENSE in allowed else (1 << 62, 99, None)
+        k = _popcount(u)
+        candidates = []
+        if ALLOWED_IDS in allowed:
+            candidates.append((k, ALLOWED_IDS))
+        if REJECTED_IDS in allowed:
+            candidates.append((self.width - k, REJECTED_IDS))
+        candidates.sort()
+        # Each id costs at least one byte, so the id count is a lower bound on the size:
+        # most rows are settled without building the other lists.
+        for lower, enc in candidates:
+            if lower > best_size or (lower == best_size and enc > best_enc):
+                continue
+            if enc == ALLOWED_IDS:
+                ids = _bit_ids(u, k)
+            else:
+                ids = _bit_ids(self._full ^ u, self.width - k)
+            deltas = _ids_to_deltas(ids)
+            size = _varint_size(deltas)
+            if size < best_size or (size == best_size and enc < best_enc):
+                best_size, best_enc, best_deltas = size, enc, deltas
+        if best_enc == DENSE:
+            return DENSE, key
+        return best_enc, varint_encode(best_deltas)
+
+
+# -- decoder ---------------------------------------------------------------------------------
 class RowDecoder:
-    def __init__(self, words_per_row: int, width: int) -> None:
-        self.words_per_row = words_per_row
-        self.width = width
+    """Decodes the rows of one stream into dense int32 words.
+
+    ``dict_size`` must equal the server's (``InfoResponse.row_dictionary_size``).
+    """
+
+    def __init__(self, words_per_row: int, width: int, *, dict_size: int = DEFAULT_DICT_SIZE) -> None:
+        self.words_per_row, self.width = _check_shape(words_per_row, width)
+        if dict_size < 0:
+            raise ValueError("dict_size must be >= 0")
+        self.dict_size = int(dict_size)
+        self._full = _full_row(self.words_per_row, self.width)
+        self._dict: np.ndarray | None = None   # (dict_size, words) uint32, allocated on first insert
+        self._counter = 0
+        self.last_encodings: list[int] = []
 
     def decode(self, reply: pb.StepResponse, out: np.ndarray | None = None) -> np.ndarray:
         n = len(reply.rows)
+        words = self.words_per_row
+        if reply.words_per_row and reply.words_per_row != words:
+            raise RowCodecError(f"reply has {reply.words_per_row} words per row, this client expects {words}")
         if out is None:
-            out = np.empty((n, self.words_per_row), dtype=np.int32)
-        row_bytes = self.words_per_row * 4
+            out = np.empty((n, words), dtype=np.int32)
+        elif out.dtype != np.int32 or out.ndim != 2 or out.shape[0] < n or out.shape[1] != words:
+            raise ValueError(f"out must be int32 of shape (>= {n}, {words}), got {out.dtype} {out.shape}")
+        out_u = out.view(np.uint32)
+        row_bytes = words * 4
+        width = self.width
+        tail = width // 32
+        chosen = []
         for i, row in enumerate(reply.rows):
-            if row.encoding != DENSE:
-                raise RowCodecError(f"row {i}: encoding {row.encoding} is not supported by this client")
-            if len(row.data) != row_bytes:
-                raise RowCodecError(f"row {i}: {len(row.data)} bytes, expected {row_bytes}")
-            out[i] = np.frombuffer(row.data, dtype=np.int32)
+            enc = row.encoding
+            data = row.data
+            chosen.append(enc)
+            dst = out_u[i]
+            try:
+                if enc == DICT_REF:
+                    if data:
+                        raise RowCodecError("a DICT_REF row carries data")
+                    ref = row.ref
+                    filled = min(self._counter, self.dict_size)
+                    if ref >= filled:
+                        raise RowCodecError(f"DICT_REF to slot {ref}, but only {filled} of "
+                                            f"{self.dict_size} dictionary slots are filled")
+                    dst[:] = self._dict[ref]
+                    continue
+                if row.ref:
+                    raise RowCodecError(f"ref {row.ref} set on a row with encoding {enc}")
+                if enc == DENSE:
+                    if len(data) != row_bytes:
+                        raise RowCodecError(f"dense row of {len(data)} bytes, expected {row_bytes}")
+                    dst[:] = np.frombuffer(data, dtype="<u4")
+                    if tail < words and (dst[tail:] & ~self._full[tail:]).any():
+                        raise RowCodecError(f"dense row sets bits at positions >= width {width}")
+                elif enc == ALLOWED_IDS:
+                    _set_ids(dst, _deltas_to_ids(varint_decode(data), width))
+                elif enc == REJECTED_IDS:
+                    _set_ids(dst, _deltas_to_ids(varint_decode(data), width))
+                    np.bitwise_xor(dst, self._full, out=dst)
+                else:
+                    raise RowCodecError(f"unknown encoding {enc}")
+            except RowCodecError as exc:
+                raise RowCodecError(f"row {i}: {exc}") from None
+            if self.dict_size:
+                if self._dict is None:
+                    self._dict = np.zeros((self.dict_size, words), dtype=np.uint32)
+                self._dict[self._counter % self.dict_size] = dst
+                self._counter += 1
+        self.last_encodings = chosen
         return out

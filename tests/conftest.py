@@ -1,0 +1,27 @@
+import pathlib
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+MASKBENCH = (REPO / ".." / "shared" / "maskbench-dev").resolve()
+needs_maskbench = pytest.mark.skipif(
+    not MASKBENCH.is_dir(), reason=f"needs ../shared/maskbench-dev (MaskBench-dev files) at {MASKBENCH}")
+
+
+@pytest.fixture(scope="session")
+def cl100k():
+    from maskd.tokenizers import load_tokenizer
+    return load_tokenizer("cl100k")
+
+
+@pytest.fixture(scope="session")
+def deepseek():
+    from maskd.tokenizers import load_tokenizer
+    return load_tokenizer("deepseek-v4")
+
+
+def allowed_ids(row):
+    """Token ids whose bit is set in one int32 mask row."""
+    import numpy as np
+    bits = np.unpackbits(np.ascontiguousarray(row).view(np.uint8), bitorder="little")
+    return set(np.flatnonzero(bits).tolist())
