@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import textwrap
 
 import numpy as np
 import pytest
@@ -427,39 +426,117 @@ assert torch.equal(lg, ref)
 """
 
 
-def _run_py(code: str, env_extra: dict | None = None, timeout: float = 120) -> str:
-    env = dict(os.environ)
-    env.update(env_extra or {})
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=timeout,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc.stdout
+_TRITON_INTERPRETER_CHECK = """
+import torch
+import maskd_client.apply as m
+assert m.triton_available()
+g = torch.Generator().manual_seed(1)
+cases = [(1, 1, None), (33, 1, None), (100, 4, [3, 0]), (100, 7, None), (70, 2, [1]),
+         (5000, 150, [2, 4, 0]), (5000, 200, None)]
+for dtype in (torch.float32, torch.float16, torch.bfloat16):
+    for vocab, words, idx in cases:
+        n = len(idx) if idx else 5
+        bm = torch.randint(-2**31, 2**31, (n, words), dtype=torch.int32, generator=g)
+        bm[0, ::2] = -2**31
+        lg = (torch.randn(5, vocab, generator=g) * 10).to(dtype)
+        ref = m.apply_token_bitmask_reference(lg.clone(), bm, idx)
+        out = lg.clone()
+        l2, b2, i2 = m._validate(out, bm, idx)
+        m._apply_triton(l2, b2, i2)
+        assert torch.equal(out, ref), (dtype, vocab, words, idx)
+        if idx:  # indices already a tensor
+            out = lg.clone()
+            m._apply_triton(out, bm, torch.tensor(idx))
+            assert torch.equal(out, ref), (dtype, vocab, words, idx, "tensor")
+base = torch.randn(4, 300, generator=g)
+bm = torch.randint(-2**31, 2**31, (4, 4), dtype=torch.int32, generator=g)
+exp = base.clone()
+m.apply_token_bitmask_reference(exp[:, 50:150], bm)
+m._apply_triton(base[:, 50:150], bm, None)
+assert torch.equal(base, exp)
+print("ok")
+"""
+
+_TRITON_SM90_COMPILE = """
+import triton
+try:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+except ImportError as e:
+    print("skip", e); raise SystemExit(0)
+import maskd_client.apply as m
+assert m.triton_available()
+for ptr, has_idx in (("*fp32", False), ("*bf16", True), ("*fp16", True)):
+    sig = {"logits_ptr": ptr, "bitmask_ptr": "*i32", "indices_ptr": "*i64", "vocab": "i32",
+           "words": "i32", "logits_row_stride": "i64", "logits_col_stride": "i32",
+           "bitmask_row_stride": "i32", "HAS_INDICES": "constexpr", "BLOCK_WORDS": "constexpr"}
+    src = ASTSource(fn=m._triton_kernel, signature=sig,
+                    constexprs={"HAS_INDICES": has_idx, "BLOCK_WORDS": m._BLOCK_WORDS})
+    try:
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32))
+    except Exception as e:  # no NVIDIA backend / ptxas in this Triton build
+        if "ptxas" in str(e) or "backend" in str(e).lower():
+            print("skip", e); raise SystemExit(0)
+        raise
+    assert k.asm.get("cubin"), ptr
+print("ok")
+"""
 
 
-def test_works_with_triton_blocked():
-    out = _run_py(
-        "import sys\nsys.modules['triton'] = None\n"
-        + _CPU_SMOKE
-        + "import maskd_client.apply as m\n"
-        "assert m.triton_available() is False\n"
-        "assert sys.modules['triton'] is None\n"
-        "print('ok')\n"
-    )
-    assert out.strip() == "ok"
+@pytest.fixture(scope="module")
+def subprocs(tmp_path_factory):
+    """Start every subprocess check at once (each pays a torch import), collect them by name."""
+    cache = tmp_path_factory.mktemp("triton-cache")
+    jobs = {
+        "blocked": (
+            "import sys\nsys.modules['triton'] = None\n"
+            + _CPU_SMOKE
+            + "import maskd_client.apply as m\n"
+            "assert m.triton_available() is False\n"
+            "assert sys.modules['triton'] is None\n"
+            "print('ok')\n",
+            {},
+        ),
+        "no_import": ("import sys\n" + _CPU_SMOKE + "print('triton' in sys.modules)\n", {}),
+    }
+    if _has_triton():
+        jobs["interpreter"] = (_TRITON_INTERPRETER_CHECK, {"TRITON_INTERPRET": "1"})
+        jobs["sm90"] = (
+            _TRITON_SM90_COMPILE,
+            {"TRITON_CACHE_DIR": str(cache), "TRITON_DEFAULT_FP_FUSION": "1"},
+        )
+    procs = {}
+    for name, (code, extra) in jobs.items():
+        env = dict(os.environ)
+        env.pop("TRITON_INTERPRET", None)
+        env.update(extra)
+        procs[name] = subprocess.Popen(
+            [sys.executable, "-c", code],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+
+    def result(name: str) -> str:
+        proc = procs[name]
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-4000:]
+        return out.strip()
+
+    yield result
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
 
 
-def test_cpu_path_never_imports_triton():
-    out = _run_py(
-        "import sys\n"
-        + _CPU_SMOKE
-        + "print('triton' in sys.modules)\n"
-    )
-    assert out.strip() == "False"
+def test_works_with_triton_blocked(subprocs):
+    assert subprocs("blocked") == "ok"
+
+
+def test_cpu_path_never_imports_triton(subprocs):
+    assert subprocs("no_import") == "False"
 
 
 # -------------------------------------------------------------------------------------------
@@ -468,68 +545,13 @@ def test_cpu_path_never_imports_triton():
 
 
 @pytest.mark.skipif(not _has_triton(), reason="triton not installed")
-def test_triton_kernel_under_interpreter():
-    code = """
-    import torch
-    import maskd_client.apply as m
-    assert m.triton_available()
-    g = torch.Generator().manual_seed(1)
-    cases = [(1, 1, None), (33, 1, None), (100, 4, [3, 0]), (100, 7, None), (70, 2, [1]),
-             (5000, 150, [2, 4, 0]), (5000, 200, None)]
-    for dtype in (torch.float32, torch.float16, torch.bfloat16):
-        for vocab, words, idx in cases:
-            n = len(idx) if idx else 5
-            bm = torch.randint(-2**31, 2**31, (n, words), dtype=torch.int32, generator=g)
-            bm[0, ::2] = -2**31
-            lg = (torch.randn(5, vocab, generator=g) * 10).to(dtype)
-            ref = m.apply_token_bitmask_reference(lg.clone(), bm, idx)
-            out = lg.clone()
-            l2, b2, i2 = m._validate(out, bm, idx)
-            m._apply_triton(l2, b2, i2)
-            assert torch.equal(out, ref), (dtype, vocab, words, idx)
-            if idx:  # indices already a tensor
-                out = lg.clone()
-                m._apply_triton(out, bm, torch.tensor(idx))
-                assert torch.equal(out, ref), (dtype, vocab, words, idx, "tensor")
-    base = torch.randn(4, 300, generator=g)
-    bm = torch.randint(-2**31, 2**31, (4, 4), dtype=torch.int32, generator=g)
-    exp = base.clone()
-    m.apply_token_bitmask_reference(exp[:, 50:150], bm)
-    m._apply_triton(base[:, 50:150], bm, None)
-    assert torch.equal(base, exp)
-    print("ok")
-    """
-    assert _run_py(code, {"TRITON_INTERPRET": "1"}).strip() == "ok"
+def test_triton_kernel_under_interpreter(subprocs):
+    assert subprocs("interpreter") == "ok"
 
 
 @pytest.mark.skipif(not _has_triton(), reason="triton not installed")
-def test_triton_kernel_compiles_for_sm90(tmp_path):
-    code = """
-    import triton
-    try:
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
-    except ImportError as e:
-        print("skip", e); raise SystemExit(0)
-    import maskd_client.apply as m
-    assert m.triton_available()
-    for ptr, has_idx in (("*fp32", False), ("*bf16", True), ("*fp16", True)):
-        sig = {"logits_ptr": ptr, "bitmask_ptr": "*i32", "indices_ptr": "*i64", "vocab": "i32",
-               "words": "i32", "logits_row_stride": "i64", "logits_col_stride": "i32",
-               "bitmask_row_stride": "i32", "HAS_INDICES": "constexpr", "BLOCK_WORDS": "constexpr"}
-        src = ASTSource(fn=m._triton_kernel, signature=sig,
-                        constexprs={"HAS_INDICES": has_idx, "BLOCK_WORDS": m._BLOCK_WORDS})
-        try:
-            k = triton.compile(src, target=GPUTarget("cuda", 90, 32))
-        except Exception as e:  # no NVIDIA backend / ptxas in this Triton build
-            if "ptxas" in str(e) or "backend" in str(e).lower():
-                print("skip", e); raise SystemExit(0)
-            raise
-        assert k.asm.get("cubin"), ptr
-    print("ok")
-    """
-    env = {"TRITON_CACHE_DIR": str(tmp_path), "TRITON_DEFAULT_FP_FUSION": "1"}
-    out = _run_py(code, env).strip()
+def test_triton_kernel_compiles_for_sm90(subprocs):
+    out = subprocs("sm90")
     if out.startswith("skip"):
         pytest.skip(out)
     assert out == "ok"

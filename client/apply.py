@@ -1,0 +1,548 @@
+"""Apply packed token bitmasks to logits in place, and stage bitmask rows on the device.
+
+Layout (the one of vLLM, xgrammar and llguidance): a row is ``words`` int32 words; bit ``i % 32``
+of word ``i // 32`` set means token ``i`` is allowed. Words are signed int32, so a word whose
+bit 31 is set is negative; every shift below is an arithmetic shift followed by ``& 1``, which is
+exact for negative words too.
+
+Two differences from xgrammar's function of the same name, both deliberate:
+
+* ``indices[k]`` names the logits row that bitmask row ``k`` applies to (the bitmask holds only
+  the rows of sequences that have a grammar, packed); xgrammar indexes both tensors with
+  ``indices[k]``.
+* Logits columns past ``32 * words`` are set to ``-inf`` (padding past the vocabulary is never
+  allowed, as the wire format's rows are sized to the logits width with bits past the vocabulary
+  at 0); xgrammar leaves them untouched.
+
+On CUDA the work is one Triton kernel when ``triton`` can be imported; elsewhere (CPU, or CUDA
+without Triton) it is a few vectorized torch ops. Triton is imported lazily, only on the first
+CUDA call, so a CPU-only worker never imports it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+__all__ = [
+    "apply_token_bitmask_inplace",
+    "apply_token_bitmask_reference",
+    "BitmaskBuffers",
+    "triton_available",
+]
+
+_LOGITS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# Words per Triton program: a (BLOCK_WORDS, 32) tile, i.e. 1,024 logits per program.
+_BLOCK_WORDS = 32
+
+# The torch path expands bits into an int32 temporary of (rows, 32 * words); process rows in
+# chunks so that temporary stays near this many elements (16 MiB) whatever the batch.
+_TORCH_CHUNK_ELEMS = 1 << 22
+
+IndicesLike = Any  # None, a sequence of ints, a numpy integer array or an integer torch tensor
+
+
+# --------------------------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------------------------
+
+
+def _as_2d_logits(logits: Any) -> torch.Tensor:
+    if not isinstance(logits, torch.Tensor):
+        raise ValueError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
+    if logits.dtype not in _LOGITS_DTYPES:
+        raise ValueError(
+            f"logits dtype must be float32, float16 or bfloat16, got {logits.dtype}"
+        )
+    if logits.dim() == 1:
+        logits = logits.unsqueeze(0)
+    elif logits.dim() != 2:
+        raise ValueError(
+            f"logits must be 1-D (vocab,) or 2-D (batch, vocab), got shape {tuple(logits.shape)}"
+        )
+    for size, stride in zip(logits.shape, logits.stride()):
+        if stride == 0 and size > 1:
+            raise ValueError(
+                "logits has overlapping memory (an expanded/broadcast view); "
+                "it cannot be masked in place"
+            )
+    return logits
+
+
+def _as_2d_bitmask(bitmask: Any) -> torch.Tensor:
+    if not isinstance(bitmask, torch.Tensor):
+        raise ValueError(f"bitmask must be a torch.Tensor, got {type(bitmask).__name__}")
+    if bitmask.dtype != torch.int32:
+        raise ValueError(f"bitmask dtype must be torch.int32, got {bitmask.dtype}")
+    if bitmask.dim() == 1:
+        bitmask = bitmask.unsqueeze(0)
+    elif bitmask.dim() != 2:
+        raise ValueError(
+            "bitmask must be 1-D (words,) or 2-D (rows, words), "
+            f"got shape {tuple(bitmask.shape)}"
+        )
+    return bitmask
+
+
+def _indices_to_numpy(indices: IndicesLike, logits_device: torch.device) -> np.ndarray:
+    """Host copy of ``indices`` as int64, after checking type, dtype, rank and device."""
+    if isinstance(indices, torch.Tensor):
+        if indices.device.type != "cpu" and indices.device != logits_device:
+            raise ValueError(
+                f"indices are on {indices.device} but logits are on {logits_device}"
+            )
+        if indices.dtype == torch.bool or indices.is_floating_point() or indices.is_complex():
+            raise ValueError(f"indices must hold integers, got dtype {indices.dtype}")
+        if indices.dim() != 1:
+            raise ValueError(f"indices must be 1-D, got shape {tuple(indices.shape)}")
+        # A device tensor costs one synchronizing copy here; pass a list or a CPU tensor on the
+        # hot path.
+        return indices.detach().to("cpu", torch.int64).numpy()
+    if isinstance(indices, (str, bytes)):
+        raise ValueError(f"indices must be a sequence of ints, got {type(indices).__name__}")
+    try:
+        arr = np.asarray(indices)
+    except Exception as exc:  # ragged lists and the like
+        raise ValueError(f"indices must be a 1-D sequence of ints: {exc}") from None
+    if arr.ndim != 1:
+        raise ValueError(f"indices must be 1-D, got shape {arr.shape}")
+    if arr.size == 0:
+        return np.empty(0, dtype=np.int64)
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"indices must hold integers, got {arr.dtype} ({arr[:4].tolist()}...)")
+    if arr.dtype.kind == "u" and arr.max() > np.iinfo(np.int64).max:
+        raise ValueError("indices out of range")
+    return arr.astype(np.int64, copy=False)
+
+
+def _validate(
+    logits: Any, bitmask: Any, indices: IndicesLike
+) -> tuple[torch.Tensor, torch.Tensor, np.ndarray | None]:
+    logits2d = _as_2d_logits(logits)
+    bitmask2d = _as_2d_bitmask(bitmask)
+    if logits2d.device != bitmask2d.device:
+        raise ValueError(
+            f"logits are on {logits2d.device} but bitmask is on {bitmask2d.device}; "
+            "copy the bitmask to the logits' device first"
+        )
+    n_logit_rows = logits2d.shape[0]
+    n_mask_rows = bitmask2d.shape[0]
+    if indices is None:
+        if n_mask_rows != n_logit_rows:
+            raise ValueError(
+                f"bitmask has {n_mask_rows} rows but logits have {n_logit_rows}; "
+                "pass indices to mask a subset of the logits rows"
+            )
+        return logits2d, bitmask2d, None
+    idx = _indices_to_numpy(indices, logits2d.device)
+    if idx.shape[0] != n_mask_rows:
+        raise ValueError(
+            f"{idx.shape[0]} indices for {n_mask_rows} bitmask rows; "
+            "indices[k] names the logits row masked by bitmask row k"
+        )
+    if idx.size:
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < 0 or hi >= n_logit_rows:
+            bad = lo if lo < 0 else hi
+            raise ValueError(
+                f"index {bad} out of range for logits with {n_logit_rows} rows"
+            )
+        if np.unique(idx).size != idx.size:
+            raise ValueError("indices must be unique (each logits row gets at most one bitmask row)")
+    return logits2d, bitmask2d, idx
+
+
+# --------------------------------------------------------------------------------------------
+# Torch path (CPU; CUDA without Triton)
+# --------------------------------------------------------------------------------------------
+
+
+def _mask_rows_torch(target: torch.Tensor, bm: torch.Tensor, shifts: torch.Tensor) -> None:
+    """Mask ``target`` (c, vocab) with ``bm`` (c, words) in place."""
+    c, vocab = target.shape
+    words = bm.shape[1]
+    covered = min(vocab, 32 * words)
+    if covered > 0:
+        bits = (bm.unsqueeze(-1) >> shifts) & 1  # (c, words, 32), bit j of word w at [.., w, j]
+        disallowed = bits.reshape(c, 32 * words)[:, :covered] == 0
+        target[:, :covered].masked_fill_(disallowed, float("-inf"))
+    if vocab > covered:
+        target[:, covered:].fill_(float("-inf"))
+
+
+def _apply_torch(logits2d: torch.Tensor, bitmask2d: torch.Tensor, idx: np.ndarray | None) -> None:
+    n = bitmask2d.shape[0]
+    words = bitmask2d.shape[1]
+    device = logits2d.device
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    chunk = max(1, _TORCH_CHUNK_ELEMS // max(1, 32 * words))
+    idx_t = None
+    if idx is not None:
+        idx_t = torch.from_numpy(idx).to(device, non_blocking=True)
+    for start in range(0, n, chunk):
+        stop = min(n, start + chunk)
+        bm = bitmask2d[start:stop]
+        if idx_t is None:
+            _mask_rows_torch(logits2d[start:stop], bm, shifts)
+        else:
+            rows = idx_t[start:stop]
+            sub = logits2d.index_select(0, rows)
+            _mask_rows_torch(sub, bm, shifts)
+            logits2d.index_copy_(0, rows, sub)
+
+
+# --------------------------------------------------------------------------------------------
+# Triton path (CUDA)
+# --------------------------------------------------------------------------------------------
+
+# Bound by _load_triton(); the kernel below resolves ``tl`` from these module globals when Triton
+# compiles it, never at import time (annotations are strings under ``from __future__``).
+triton = None
+tl = None
+_triton_kernel = None
+_triton_state = "unknown"  # "unknown" | "ok" | "missing"
+_triton_lock = threading.Lock()
+
+
+def _bitmask_kernel(
+    logits_ptr,
+    bitmask_ptr,
+    indices_ptr,
+    vocab,
+    words,
+    logits_row_stride,
+    logits_col_stride,
+    bitmask_row_stride,
+    HAS_INDICES: tl.constexpr,
+    BLOCK_WORDS: tl.constexpr,
+):
+    # One program per (bitmask row, block of BLOCK_WORDS words); the grid covers
+    # ceil(vocab / 32) words, so columns past 32 * words are reached and masked too.
+    mask_row = tl.program_id(0)
+    block = tl.program_id(1)
+    if HAS_INDICES:
+        logits_row = tl.load(indices_ptr + mask_row).to(tl.int64)
+    else:
+        logits_row = mask_row.to(tl.int64)
+    word = block * BLOCK_WORDS + tl.arange(0, BLOCK_WORDS)
+    packed = tl.load(
+        bitmask_ptr + mask_row.to(tl.int64) * bitmask_row_stride + word,
+        mask=word < words,
+        other=0,  # words past the row: no bit set, token disallowed
+    )
+    bit = tl.arange(0, 32)
+    allowed = (packed[:, None] >> bit[None, :]) & 1  # (BLOCK_WORDS, 32)
+    token = word[:, None].to(tl.int64) * 32 + bit[None, :]
+    disallowed = (allowed == 0) & (token < vocab)
+    ptrs = logits_ptr + logits_row * logits_row_stride + token * logits_col_stride
+    neg_inf = tl.full([BLOCK_WORDS, 32], float("-inf"), logits_ptr.dtype.element_ty)
+    tl.store(ptrs, neg_inf, mask=disallowed)
+
+
+def _load_triton() -> bool:
+    """Import Triton and JIT the kernel once; False when Triton cannot be imported."""
+    global triton, tl, _triton_kernel, _triton_state
+    if _triton_state != "unknown":
+        return _triton_state == "ok"
+    with _triton_lock:
+        if _triton_state != "unknown":
+            return _triton_state == "ok"
+        try:
+            import triton as _triton
+            import triton.language as _tl
+        except Exception:  # ImportError, or a broken install failing on import
+            _triton_state = "missing"
+            return False
+        triton, tl = _triton, _tl
+        _triton_kernel = _triton.jit(_bitmask_kernel)
+        _triton_state = "ok"
+        return True
+
+
+def triton_available() -> bool:
+    """Whether the CUDA path uses Triton (imports Triton on the first call)."""
+    return _load_triton()
+
+
+def _apply_triton(
+    logits2d: torch.Tensor, bitmask2d: torch.Tensor, idx: np.ndarray | torch.Tensor | None
+) -> None:
+    if not _load_triton():
+        raise RuntimeError("triton is not importable")
+    n = bitmask2d.shape[0]
+    vocab = logits2d.shape[1]
+    if n == 0 or vocab == 0:
+        return
+    bm = bitmask2d if bitmask2d.stride(1) == 1 else bitmask2d.contiguous()
+    device = logits2d.device
+    if idx is None:
+        idx_t = bm  # placeholder pointer; never read when HAS_INDICES is False
+    elif isinstance(idx, torch.Tensor):
+        idx_t = idx.to(device, torch.int64).contiguous()
+    else:
+        idx_t = torch.from_numpy(idx).to(device, non_blocking=True)
+    grid = (n, triton.cdiv(triton.cdiv(vocab, 32), _BLOCK_WORDS))
+    ctx = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with ctx:
+        _triton_kernel[grid](
+            logits2d,
+            bm,
+            idx_t,
+            vocab,
+            bm.shape[1],
+            logits2d.stride(0),
+            logits2d.stride(1),
+            bm.stride(0),
+            HAS_INDICES=idx is not None,
+            BLOCK_WORDS=_BLOCK_WORDS,
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Public functions
+# --------------------------------------------------------------------------------------------
+
+
+def apply_token_bitmask_inplace(
+    logits: torch.Tensor,
+    bitmask: torch.Tensor,
+    indices: Sequence[int] | np.ndarray | torch.Tensor | None = None,
+) -> None:
+    """Set disallowed logits to ``-inf`` in place.
+
+    logits: (batch, vocab) or (vocab,), float32/float16/bfloat16, on any device.
+    bitmask: (rows, words) or (words,), int32, on the logits' device; bit ``i % 32`` of word
+        ``i // 32`` set means token ``i`` is allowed. Logits columns past ``32 * words`` are
+        masked; bits past ``vocab`` are ignored.
+    indices: optional 1-D ints, unique, one per bitmask row: logits row ``indices[k]`` is masked
+        with bitmask row ``k`` and logits rows not listed are left untouched. Without indices the
+        bitmask has one row per logits row. A list or CPU tensor costs no device synchronization;
+        a device tensor is copied to the host once for the range check.
+
+    Raises ValueError on inputs of the wrong type, dtype, rank, device or row count, and on
+    indices out of range or repeated.
+    """
+    logits2d, bitmask2d, idx = _validate(logits, bitmask, indices)
+    if bitmask2d.shape[0] == 0 or logits2d.shape[1] == 0:
+        return
+    if logits2d.device.type == "cuda" and _load_triton():
+        if isinstance(indices, torch.Tensor) and indices.device == logits2d.device:
+            _apply_triton(logits2d, bitmask2d, indices)  # already on the device: no copy
+        else:
+            _apply_triton(logits2d, bitmask2d, idx)
+        return
+    _apply_torch(logits2d, bitmask2d, idx)
+
+
+def apply_token_bitmask_reference(
+    logits: torch.Tensor,
+    bitmask: torch.Tensor,
+    indices: Sequence[int] | np.ndarray | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Slow, obviously correct version of :func:`apply_token_bitmask_inplace`, for tests.
+
+    Masks ``logits`` in place and returns it. Does no validation beyond what it needs.
+    """
+    one_d = logits.dim() == 1
+    rows = logits.unsqueeze(0) if one_d else logits
+    masks = bitmask.detach().cpu().numpy()
+    if masks.ndim == 1:
+        masks = masks[None, :]
+    if indices is None:
+        targets = list(range(masks.shape[0]))
+    else:
+        targets = [int(i) for i in (indices.tolist() if hasattr(indices, "tolist") else indices)]
+    vocab = rows.shape[1]
+    words = masks.shape[1]
+    token = np.arange(vocab)
+    inside = token < 32 * words  # tokens past the row's bits are disallowed
+    for k, r in enumerate(targets):
+        # The words as unsigned 64-bit values: no sign-extension games.
+        row_words = masks[k].astype(np.int64) & 0xFFFFFFFF
+        allowed = np.zeros(vocab, dtype=bool)
+        t = token[inside]
+        allowed[inside] = (row_words[t // 32] >> (t % 32)) & 1 == 1
+        disallowed = torch.from_numpy(~allowed).to(rows.device)
+        rows[r][disallowed] = float("-inf")
+    return logits
+
+
+# --------------------------------------------------------------------------------------------
+# Staging buffers
+# --------------------------------------------------------------------------------------------
+
+
+class _Slot:
+    __slots__ = ("host", "host_np", "device", "copied", "consumed")
+
+    def __init__(self) -> None:
+        self.host: torch.Tensor | None = None
+        self.host_np: np.ndarray | None = None
+        self.device: torch.Tensor | None = None
+        self.copied: Any = None  # torch.cuda.Event recorded after the H2D copy
+        self.consumed: Any = None  # torch.cuda.Event recorded by mark_consumed()
+
+
+class BitmaskBuffers:
+    """Preallocated host (pinned on CUDA machines) and device buffers for bitmask rows.
+
+    ``upload(rows)`` copies (n, words) int32 rows into the host buffer, then non-blocking onto
+    the device buffer, and returns the (n, words) device view to pass to
+    :func:`apply_token_bitmask_inplace`. On a CPU device it returns the host view.
+
+    Buffers are used round robin over ``num_slots`` slots (default 2), so the rows of step t+1
+    can be uploaded while step t's rows are still being read. A returned view stays valid until
+    ``num_slots`` further uploads. Reusing a slot is made safe by construction:
+
+    * before the host buffer of a slot is overwritten, the host waits for that slot's previous
+      copy to finish (normally long done);
+    * before the device buffer of a slot is overwritten, the copy stream waits (on the GPU, not
+      the host) for the event recorded by :meth:`mark_consumed`, when the consumer recorded one.
+      Copies on the consumer's own stream (``stream=None``, the default) are ordered anyway.
+
+    With ``stream=`` a side stream, the consumer must wait for the copy before reading: call
+    :meth:`wait` (makes the current stream wait, without blocking the host) or use
+    :meth:`ready_event`; then call :meth:`mark_consumed` after the kernel that reads the rows.
+    """
+
+    def __init__(
+        self,
+        max_rows: int,
+        words: int,
+        device: torch.device | str | None = None,
+        *,
+        pin_memory: bool | None = None,
+        num_slots: int = 2,
+    ) -> None:
+        if int(max_rows) < 0:
+            raise ValueError(f"max_rows must be >= 0, got {max_rows}")
+        if int(words) < 0:
+            raise ValueError(f"words must be >= 0, got {words}")
+        if int(num_slots) < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.words = int(words)
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
+        self._on_device = self.device.type != "cpu"
+        self._slots = [_Slot() for _ in range(int(num_slots))]
+        self._next = 0
+        self._last: _Slot | None = None
+        self._capacity = max(1, int(max_rows))
+        for slot in self._slots:
+            self._allocate(slot, self._capacity)
+
+    # -- allocation --------------------------------------------------------------------------
+
+    @property
+    def max_rows(self) -> int:
+        """Rows every slot can take without growing."""
+        return self._capacity
+
+    def _allocate(self, slot: _Slot, rows: int) -> None:
+        # Old buffers may still be read or written by queued copies: let those finish first.
+        if slot.copied is not None:
+            slot.copied.synchronize()
+        if slot.consumed is not None:
+            slot.consumed.synchronize()
+        slot.copied = slot.consumed = None
+        slot.host = torch.empty((rows, self.words), dtype=torch.int32, pin_memory=self.pin_memory)
+        slot.host_np = slot.host.numpy()
+        slot.device = (
+            torch.empty((rows, self.words), dtype=torch.int32, device=self.device)
+            if self._on_device
+            else None
+        )
+
+    def _grow(self, n: int) -> None:
+        self._capacity = max(n, 2 * self._capacity)
+        for slot in self._slots:
+            self._allocate(slot, self._capacity)
+
+    # -- the hot path ------------------------------------------------------------------------
+
+    def upload(self, rows_np: np.ndarray, stream: Any = None) -> torch.Tensor:
+        """Copy ``rows_np`` ((n, words) int32; uint32 is taken bit for bit) onto the device.
+
+        Returns the (n, words) int32 view of the device buffer (of the host buffer on a CPU
+        device). ``stream``: the CUDA stream to copy on; the current stream when None.
+        """
+        if not isinstance(rows_np, np.ndarray):
+            raise ValueError(f"rows must be a numpy array, got {type(rows_np).__name__}")
+        if rows_np.ndim != 2:
+            raise ValueError(f"rows must be 2-D (n, words), got shape {rows_np.shape}")
+        if rows_np.dtype == np.uint32:
+            rows_np = rows_np.view(np.int32)
+        elif rows_np.dtype != np.int32:
+            raise ValueError(f"rows must be int32, got {rows_np.dtype}")
+        n, words = rows_np.shape
+        if words != self.words:
+            raise ValueError(f"rows have {words} words but the buffers were made for {self.words}")
+        if n > self._capacity:
+            self._grow(n)
+
+        slot = self._slots[self._next]
+        self._next = (self._next + 1) % len(self._slots)
+        self._last = slot
+
+        # The previous copy out of this host buffer must be done before we overwrite it.
+        if slot.copied is not None:
+            slot.copied.synchronize()
+            slot.copied = None
+        np.copyto(slot.host_np[:n], rows_np, casting="no")
+        if not self._on_device:
+            return slot.host[:n]
+
+        if self.device.type != "cuda":  # another accelerator: plain ordered copy
+            slot.device[:n].copy_(slot.host[:n], non_blocking=True)
+            return slot.device[:n]
+
+        s = stream if stream is not None else torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(s):
+            if slot.consumed is not None:
+                s.wait_event(slot.consumed)  # GPU-side: the last reader of this slot is done
+                slot.consumed = None
+            slot.device[:n].copy_(slot.host[:n], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(s)
+        slot.copied = event
+        return slot.device[:n]
+
+    def ready_event(self) -> Any:
+        """The CUDA event recorded after the last upload's copy (None on CPU or before any)."""
+        return None if self._last is None else self._last.copied
+
+    def wait(self, stream: Any = None) -> None:
+        """Make ``stream`` (the current stream when None) wait for the last upload, on the GPU."""
+        event = self.ready_event()
+        if event is None:
+            return
+        s = stream if stream is not None else torch.cuda.current_stream(self.device)
+        s.wait_event(event)
+
+    def synchronize(self) -> None:
+        """Block the host until the last upload's copy is done."""
+        event = self.ready_event()
+        if event is not None:
+            event.synchronize()
+
+    def mark_consumed(self, stream: Any = None) -> None:
+        """Record that the last uploaded rows have been read by work queued on ``stream``.
+
+        Needed only when uploads run on a side stream: the next upload into the same slot waits
+        for this event on the GPU before overwriting the device buffer.
+        """
+        if self._last is None or not self._on_device or self.device.type != "cuda":
+            return
+        s = stream if stream is not None else torch.cuda.current_stream(self.device)
+        event = torch.cuda.Event()
+        event.record(s)
+        self._last.consumed = event
