@@ -117,36 +117,49 @@ def _bit_ids(words_u32: np.ndarray, count: int) -> np.ndarray:
     words_u32 = words_u32.astype("<u4", copy=False)
     if count * 8 <= len(words_u32):
         # Sparse: unpack only the nonzero words.
-        nz = np.flatnonzero(words_u32)
+        nz = np.flatnonzero(words_u32 != 0)   # bool input: numpy's fast nonzero path
         bits = np.unpackbits(words_u32[nz].view(np.uint8), bitorder="little").view(bool)
         return (nz[:, None] * 32 + _ARANGE32)[bits.reshape(-1, 32)]
     bits = np.unpackbits(words_u32.view(np.uint8), bitorder="little").view(bool)
     return np.flatnonzero(bits)
 
 
+_VARINT_LIMITS = np.array([1 << 7, 1 << 14, 1 << 21, 1 << 28], dtype=np.int64)
+
+
+def _varint_extra(values: np.ndarray) -> np.ndarray:
+    """Bytes beyond the first of each value's LEB128 varint (0..4; values < 2**35)."""
+    return np.searchsorted(_VARINT_LIMITS, values, side="right")
+
+
 def _varint_size(values: np.ndarray) -> int:
     """Exact byte count of LEB128 varints of non-negative values (< 2**35)."""
-    n = len(values)
-    if n == 0:
-        return 0
-    return (n + int(np.count_nonzero(values >= 1 << 7)) + int(np.count_nonzero(values >= 1 << 14))
-            + int(np.count_nonzero(values >= 1 << 21)) + int(np.count_nonzero(values >= 1 << 28)))
+    return len(values) + int(_varint_extra(values).sum()) if len(values) else 0
 
 
-def varint_encode(values: np.ndarray) -> bytes:
-    """Unsigned LEB128 varints of non-negative integer values (< 2**35), concatenated."""
+def varint_encode(values: np.ndarray, extra: np.ndarray | None = None) -> bytes:
+    """Unsigned LEB128 varints of non-negative integer values (< 2**35), concatenated.
+
+    ``extra``: ``_varint_extra(values)`` when the caller already has it.
+    """
     values = np.asarray(values, dtype=np.int64)
     if len(values) == 0:
         return b""
-    nbytes = (1 + (values >= 1 << 7).astype(np.int64) + (values >= 1 << 14)
-              + (values >= 1 << 21) + (values >= 1 << 28))
-    width = int(nbytes.max())
-    if width == 1:
+    if extra is None:
+        if int(values.min()) < 0 or int(values.max()) >= 1 << 35:
+            raise ValueError("varint values must be in [0, 2**35)")
+        extra = _varint_extra(values)
+    if not extra.any():
         return values.astype(np.uint8).tobytes()
-    k = np.arange(width, dtype=np.int64)
-    groups = (values[:, None] >> (7 * k)) & 0x7F
-    groups |= (k < (nbytes - 1)[:, None]).astype(np.int64) << 7   # continuation bits
-    return groups.astype(np.uint8)[k < nbytes[:, None]].tobytes()
+    # One slot per output byte: the value it belongs to, shifted right by 7 * (its group);
+    # the continuation bit is set where more groups remain.
+    lengths = extra + 1
+    shifted = np.repeat(values, lengths)
+    ends = np.cumsum(lengths)
+    group = np.arange(len(shifted), dtype=np.int64) - np.repeat(ends - lengths, lengths)
+    group *= 7
+    shifted >>= group
+    return ((shifted & 0x7F) | ((shifted > 0x7F) << 7)).astype(np.uint8).tobytes()
 
 
 def varint_decode(data: bytes) -> np.ndarray:
@@ -326,7 +339,8 @@ class RowEncoder:
 
     def _encode_row(self, u: np.ndarray, key: bytes) -> tuple[int, bytes]:
         allowed = self.encodings
-        best_size, best_enc, best_deltas = (len(key), DENSE, None) if DENSE in allowed else (1 << 62, 99, None)
+        best_size, best_enc = (len(key), DENSE) if DENSE in allowed else (1 << 62, 99)
+        best = None
         k = _popcount(u)
         candidates = []
         if ALLOWED_IDS in allowed:
@@ -344,12 +358,13 @@ class RowEncoder:
             else:
                 ids = _bit_ids(self._full ^ u, self.width - k)
             deltas = _ids_to_deltas(ids)
-            size = _varint_size(deltas)
+            extra = _varint_extra(deltas)
+            size = len(deltas) + int(extra.sum())
             if size < best_size or (size == best_size and enc < best_enc):
-                best_size, best_enc, best_deltas = size, enc, deltas
+                best_size, best_enc, best = size, enc, (deltas, extra)
         if best_enc == DENSE:
             return DENSE, key
-        return best_enc, varint_encode(best_deltas)
+        return best_enc, varint_encode(*best)
 
 
 # -- decoder ---------------------------------------------------------------------------------
