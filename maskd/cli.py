@@ -27,6 +27,10 @@ def _add_serve(sub) -> None:
     p.add_argument("--max-message-bytes", type=int, default=64 << 20)
     p.add_argument("--max-grammar-bytes", type=int, default=1 << 20)
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (off if unset)")
+    p.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key: serve TLS)")
+    p.add_argument("--tls-key", default=None, help="PEM private key")
+    p.add_argument("--auth-token-env", default="MASKD_AUTH_TOKEN",
+                   help="environment variable holding the bearer token clients must send (unset: no auth)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -37,7 +41,8 @@ def _server_config(args):
                         compile_threads=args.compile_threads, compile_timeout_s=args.compile_timeout,
                         cache_entries=args.cache_entries, max_streams=args.max_streams,
                         max_message_bytes=args.max_message_bytes, max_grammar_bytes=args.max_grammar_bytes,
-                        metrics_port=args.metrics_port)
+                        metrics_port=args.metrics_port, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                        auth_token=os.environ.get(args.auth_token_env) or None)
 
 
 def _start_server(config):
@@ -52,7 +57,7 @@ def _start_server(config):
         return MaskServer(config).start()
     except TokenizerError as exc:
         sys.exit(f"maskd: {exc}")
-    except (OSError, RuntimeError) as exc:
+    except (OSError, RuntimeError, ValueError) as exc:
         sys.exit(f"maskd: cannot start the server: {exc}")
 
 

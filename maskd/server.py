@@ -42,6 +42,32 @@ class ServerConfig:
     max_rows_per_step: int = 8192
     metrics_port: int | None = None   # None: no HTTP endpoint; 0: a free port
     metrics_host: str = "0.0.0.0"
+    tls_cert: str | None = None       # PEM files; both set: serve TLS
+    tls_key: str | None = None
+    auth_token: str | None = None     # clients send "authorization: Bearer <token>"
+    row_dict_size: int = 64
+
+
+class AuthInterceptor(grpc.ServerInterceptor):
+    """Refuses MaskService calls without the bearer token; health checks stay open for probes."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}"
+
+        def deny(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token (authorization metadata)")
+
+        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny_stream = grpc.stream_stream_rpc_method_handler(deny)
+
+    def intercept_service(self, continuation, handler_call_details):
+        method = handler_call_details.method or ""
+        if method.startswith("/grpc.health.v1."):
+            return continuation(handler_call_details)
+        md = dict(handler_call_details.invocation_metadata or ())
+        if md.get("authorization") == self._expected:
+            return continuation(handler_call_details)
+        return self._deny_stream if method.endswith("/Session") else self._deny_unary
 
 
 class MaskServer:
@@ -58,7 +84,7 @@ class MaskServer:
         limits = Limits(max_grammar_bytes=config.max_grammar_bytes, max_draft_tokens=config.max_draft_tokens,
                         max_rows_per_step=config.max_rows_per_step)
         self.service = MaskService(self.engine, self.cache, limits=limits, metrics=self.metrics,
-                                   max_message_bytes=config.max_message_bytes)
+                                   max_message_bytes=config.max_message_bytes, row_dict_size=config.row_dict_size)
         self.health = health.HealthServicer()
         self._grpc = grpc.server(
             concurrent.futures.ThreadPoolExecutor(max_workers=config.max_streams + 8,
@@ -66,10 +92,19 @@ class MaskServer:
             options=[("grpc.max_receive_message_length", config.max_message_bytes),
                      ("grpc.max_send_message_length", -1),
                      ("grpc.so_reuseport", 0)],
-            maximum_concurrent_rpcs=config.max_streams)
+            maximum_concurrent_rpcs=config.max_streams,
+            interceptors=[AuthInterceptor(config.auth_token)] if config.auth_token else [])
         pb_grpc.add_MaskServiceServicer_to_server(self.service, self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
-        self.port = self._grpc.add_insecure_port(f"{config.host}:{config.port}")
+        bind = f"{config.host}:{config.port}"
+        if config.tls_cert or config.tls_key:
+            if not (config.tls_cert and config.tls_key):
+                raise ValueError("TLS needs both a certificate and a key")
+            with open(config.tls_key, "rb") as k, open(config.tls_cert, "rb") as c:
+                creds = grpc.ssl_server_credentials([(k.read(), c.read())])
+            self.port = self._grpc.add_secure_port(bind, creds)
+        else:
+            self.port = self._grpc.add_insecure_port(bind)
         if self.port == 0:
             raise OSError(f"cannot bind {config.host}:{config.port}")
         self.metrics_port: int | None = None

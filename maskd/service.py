@@ -10,7 +10,7 @@ import maskd
 from maskd.engines import Engine
 from maskd.grammar_cache import GrammarCache, GrammarState
 from maskd.metrics import Metrics
-from maskd.rowcodec import RowEncoder
+from maskd.rowcodec import ALL_ENCODINGS, ENCODING_NAMES, RowEncoder
 from maskd.sessions import Limits, Session
 from maskd.specs import GrammarSpec, SpecError
 from maskd.v1 import maskd_pb2 as pb
@@ -23,7 +23,10 @@ _STATE = {GrammarState.COMPILING: pb.GRAMMAR_STATE_COMPILING, GrammarState.READY
 
 class MaskService(pb_grpc.MaskServiceServicer):
     def __init__(self, engine: Engine, cache: GrammarCache, *, limits: Limits, metrics: Metrics,
-                 max_message_bytes: int) -> None:
+                 max_message_bytes: int, row_dict_size: int = 64,
+                 row_encodings: tuple[int, ...] = tuple(ALL_ENCODINGS)) -> None:
+        self.row_dict_size = row_dict_size
+        self.row_encodings = tuple(row_encodings)
         self.engine = engine
         self.cache = cache
         self.limits = limits
@@ -42,7 +45,8 @@ class MaskService(pb_grpc.MaskServiceServicer):
             tokenizer=tok.spec, vocab_size=tok.vocab_size, logits_width=self.engine.width,
             words_per_row=self.engine.words_per_row, tokenizer_fingerprint=tok.fingerprint,
             eos_token_ids=list(tok.eos_token_ids), max_message_bytes=self.max_message_bytes,
-            max_rows_per_step=self.limits.max_rows_per_step, row_encodings=[pb.ROW_ENCODING_DENSE])
+            max_rows_per_step=self.limits.max_rows_per_step, row_encodings=list(self.row_encodings),
+            row_dictionary_size=self.row_dict_size if pb.ROW_ENCODING_DICT_REF in self.row_encodings else 0)
 
     def RegisterGrammar(self, request, context):
         if request.backend and request.backend != self.engine.name:
@@ -77,12 +81,13 @@ class MaskService(pb_grpc.MaskServiceServicer):
             self._abort(context, grpc.StatusCode.UNAVAILABLE, "draining", "server is draining; connect elsewhere")
         key = dict(context.invocation_metadata()).get(SESSION_METADATA_KEY) or f"anon-{next(self._anonymous)}"
         session = self._attach(key)
-        encoder = RowEncoder(self.engine.words_per_row, self.engine.width)
+        encoder = RowEncoder(self.engine.words_per_row, self.engine.width, dict_size=self.row_dict_size,
+                             encodings=self.row_encodings)
         try:
             for request in request_iterator:
                 reply, rows = session.step(request)
                 sizes = encoder.encode(rows, reply)
-                self._observe(session, reply, sizes)
+                self._observe(sizes, encoder.last_encodings)
                 yield reply
         finally:
             self._detach(session)
@@ -106,12 +111,23 @@ class MaskService(pb_grpc.MaskServiceServicer):
                 del self._sessions[session.key]
                 session.close_all()  # a dropped stream frees all its sequences
 
-    def _observe(self, session: Session, reply: pb.StepResponse, sizes: list[int]) -> None:
-        hist = self.metrics.row_bytes.labels("dense")
-        for size in sizes:
-            hist.observe(size)
-        if sizes:
-            self.metrics.rows_sent.labels("dense").inc(len(sizes))
+    def _observe(self, sizes: list[int], encodings: list[int]) -> None:
+        if not sizes:
+            return
+        per_encoding: dict[int, list[int]] = {}
+        for size, enc in zip(sizes, encodings):
+            per_encoding.setdefault(enc, []).append(size)
+        for enc, group in per_encoding.items():
+            name = ENCODING_NAMES[enc]
+            hist = self.metrics.row_bytes.labels(name)
+            for size in group:
+                hist.observe(size)
+            self.metrics.rows_sent.labels(name).inc(len(group))
+        refs = len(per_encoding.get(pb.ROW_ENCODING_DICT_REF, ()))
+        if refs:
+            self.metrics.row_dict.labels("hit").inc(refs)
+        if len(sizes) > refs:
+            self.metrics.row_dict.labels("miss").inc(len(sizes) - refs)
 
     def update_gauges(self) -> None:
         """Live/waiting gauges; called periodically, off the step path."""

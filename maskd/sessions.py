@@ -47,7 +47,7 @@ class Limits:
 
 class Sequence_:
     """Server-side state of one sequence."""
-    __slots__ = ("seq_id", "entry", "matcher", "step", "accepted", "dead_reason",
+    __slots__ = ("seq_id", "entry", "matcher", "step", "accepted", "dead_reason", "pending",
                  "last_tokens", "last_drafts", "last_rollback", "last_status", "finished")
 
     def __init__(self, seq_id: str, entry: CacheEntry) -> None:
@@ -56,6 +56,7 @@ class Sequence_:
         self.matcher: Matcher | None = None
         self.step = -1              # last step applied
         self.accepted = 0           # tokens accepted so far (bounds rollback)
+        self.pending: list = []     # tokens received while the grammar compiled
         self.dead_reason = ""       # set once the sequence failed
         self.last_tokens: tuple = ()
         self.last_drafts: tuple = ()
@@ -183,10 +184,15 @@ class Session:
             if entry.state is GrammarState.COMPILING:
                 self.cache.get(entry.grammar_id)  # applies the compile deadline
             if entry.state is GrammarState.COMPILING:
-                if msg.tokens or msg.draft_tokens or msg.rollback:
-                    self._refuse(res, _C.FAILED_PRECONDITION,
-                                 f"sequence {sid!r} is waiting for its grammar; it takes no tokens yet")
+                # Tokens (a restored history) queue until the grammar is ready; no rows meanwhile.
+                if msg.rollback > len(seq.pending):
+                    self._refuse(res, _C.OUT_OF_RANGE,
+                                 f"cannot roll back {msg.rollback} tokens: sequence {sid!r} has accepted "
+                                 f"{len(seq.pending)}")
                     continue
+                if msg.rollback:
+                    del seq.pending[-msg.rollback:]
+                seq.pending.extend(msg.tokens)
                 self._record(seq, msg)
                 seq.last_status = res.status = WAITING
                 continue
@@ -195,8 +201,12 @@ class Session:
                 seq.dead_reason = f"grammar {entry.grammar_id} does not compile: {entry.error}"
                 self._fail(res, seq, seq.dead_reason)
                 continue
+            tokens = msg.tokens
             if seq.matcher is None:
                 seq.matcher = self.engine.new_matcher(entry.compiled)
+                if seq.pending:  # tokens queued while the grammar compiled come first
+                    tokens = seq.pending + list(msg.tokens)
+                    seq.pending = []
             if msg.rollback:
                 if msg.rollback > seq.accepted:
                     self._refuse(res, _C.OUT_OF_RANGE,
@@ -207,9 +217,9 @@ class Session:
                 seq.accepted -= msg.rollback
                 seq.finished = False
             self._record(seq, msg)
-            if msg.tokens:
+            if tokens:
                 consume_seqs.append(seq)
-                consume_tokens.append(msg.tokens)
+                consume_tokens.append(tokens)
                 consume_results.append(res)
             else:
                 fill.append((res, seq, tuple(msg.draft_tokens)))

@@ -299,10 +299,9 @@ def test_waiting_while_compiling_then_ready(server, stub, cl100k):
         spec = {"regex": "w[0-9]{3}"}
         r = s.send(step("w", 0, spec=spec))
         assert r.results[0].status == pb.SEQ_STATUS_WAITING and len(r.rows) == 0
-        r = s.send(step("w", 1, [15]))  # tokens while waiting are refused, state kept
-        assert r.results[0].status == pb.SEQ_STATUS_ERROR and "waiting" in r.results[0].reason
-        r = s.send(step("w", 1))
-        assert r.results[0].status == pb.SEQ_STATUS_WAITING
+        w = cl100k.encode("w")
+        r = s.send(step("w", 1, w))  # tokens while waiting (a restored history) queue; no rows
+        assert r.results[0].status == pb.SEQ_STATUS_WAITING and len(r.rows) == 0
     finally:
         gate.set()
     deadline = time.time() + 5
@@ -316,7 +315,8 @@ def test_waiting_while_compiling_then_ready(server, stub, cl100k):
             break
         time.sleep(0.01)
     assert r.results[0].status == pb.SEQ_STATUS_READY
-    assert allowed_ids(rows(r, r.results[0])) == {cl100k.encode("w")[0]}
+    ids = allowed_ids(rows(r, r.results[0]))  # "w" was applied: digits follow
+    assert ids and all(cl100k.decode([i]).isdigit() for i in ids)
     s.close()
 
 

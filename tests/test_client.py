@@ -1,0 +1,184 @@
+"""MaskClient against real servers: pipelined steps, fingerprint guard, recovery after a lost
+server, TLS and auth, and the client-only install."""
+import json
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import grpc
+import numpy as np
+import pytest
+
+from conftest import REPO, allowed_ids
+from maskd.server import MaskServer, ServerConfig
+from maskd_client import MaskClient, MaskClientError, SeqStatus, StepInput
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999},
+                                           "tag": {"enum": ["a", "bb", "ccc"]}},
+          "required": ["n", "tag"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = MaskServer(ServerConfig(port=0, tokenizer="cl100k", threads=2)).start()
+    yield srv
+    srv.stop(grace=0.5)
+
+
+def pick(row_ids, rng):
+    return int(rng.choice(sorted(row_ids)))
+
+
+def generate(client, seq_ids, seed, budget=60, on_step=None):
+    """Deterministic generations: each sequence samples uniformly among allowed ids."""
+    rng = np.random.default_rng(seed)
+    eos = client.info().eos_token_ids[0]
+    out = {s: [] for s in seq_ids}
+    pending = {s: [] for s in seq_ids}
+    live = set(seq_ids)
+    n = 0
+    while live and n < budget:
+        if on_step:
+            on_step(n)
+        res = client.step_async({s: pending[s] for s in sorted(live)}).result(30)
+        n += 1
+        for s in sorted(live):
+            r = res.seqs[s]
+            assert r.status in (SeqStatus.READY, SeqStatus.FINISHED, SeqStatus.WAITING), r
+            if r.status is SeqStatus.WAITING:
+                pending[s] = []
+                continue
+            tok = pick(allowed_ids(res.bitmask[r.row]), rng)
+            if tok == eos:
+                live.discard(s)
+                continue
+            out[s].append(tok)
+            pending[s] = [tok]
+    return out
+
+
+def test_generation_and_tensor(server, cl100k):
+    with MaskClient(server.address, tokenizer=cl100k) as mc:
+        for i in range(3):
+            mc.open(f"g{i}", {"json_schema": SCHEMA, "whitespace": "compact"})
+        out = generate(mc, [f"g{i}" for i in range(3)], seed=1)
+        for toks in out.values():
+            doc = json.loads(cl100k.decode(toks))
+            assert set(doc) == {"n", "tag"}
+        mc.open("t", {"regex": "[0-9]"})
+        res = mc.step({"t": []})
+        while res.seqs["t"].status is SeqStatus.WAITING:
+            res = mc.step({"t": []})
+        t = res.tensor()
+        assert t.dtype.is_floating_point is False and tuple(t.shape) == res.bitmask.shape
+
+
+def test_fingerprint_mismatch_is_refused(server):
+    with pytest.raises(MaskClientError, match="fingerprint"):
+        MaskClient(server.address, tokenizer="0" * 64).info()
+
+
+def test_step_errors_are_reported_and_undone(server, cl100k):
+    with MaskClient(server.address, tokenizer=cl100k) as mc:
+        mc.open("e", {"regex": "[0-9]+"})
+        r = mc.step({"e": []})
+        while r.seqs["e"].status is SeqStatus.WAITING:
+            r = mc.step({"e": []})
+        bad = mc.step({"e": [10 ** 6]})
+        assert bad.seqs["e"].status is SeqStatus.ERROR and bad.seqs["e"].code == grpc.StatusCode.INVALID_ARGUMENT
+        ok = mc.step({"e": cl100k.encode("5")})  # the client undid the refused step: numbers line up
+        assert ok.seqs["e"].status is SeqStatus.READY
+        assert mc.history("e") == cl100k.encode("5")
+        with pytest.raises(MaskClientError, match="not open"):
+            mc.step({"nope": []})
+        with pytest.raises(MaskClientError, match="roll back"):
+            mc.step({"e": StepInput(rollback=5)})
+        with pytest.raises(Exception):
+            mc.open("x", {"regex": 5})
+
+
+def test_lost_server_is_replaced_and_outputs_do_not_change(cl100k):
+    """Steps are idempotent and state is a function of the tokens: after the server is lost the
+    client restores every sequence on the replacement and the outputs are the undisturbed ones."""
+    ids = [f"r{i}" for i in range(4)]
+    ref_srv = MaskServer(ServerConfig(port=0, tokenizer="cl100k", threads=2)).start()
+    with MaskClient(ref_srv.address, tokenizer=cl100k) as mc:
+        for s in ids:
+            mc.open(s, {"json_schema": SCHEMA, "whitespace": "compact"})
+        reference = generate(mc, ids, seed=7)
+    ref_srv.stop(grace=0)
+
+    first = MaskServer(ServerConfig(port=0, tokenizer="cl100k", threads=2)).start()
+    port = first.port
+    state = {"server": first}
+
+    def swap(n):
+        if n == 6:  # lose the server mid-generation, bring a fresh one up on the same port
+            state["server"].stop(grace=0)
+            state["server"] = MaskServer(ServerConfig(port=port, tokenizer="cl100k", threads=2)).start()
+
+    with MaskClient(f"127.0.0.1:{port}", tokenizer=cl100k, retries=5) as mc:
+        for s in ids:
+            mc.open(s, {"json_schema": SCHEMA, "whitespace": "compact"})
+        out = generate(mc, ids, seed=7, on_step=swap)
+        assert mc.reconnects >= 1
+    state["server"].stop(grace=0)
+    assert out == reference
+
+
+def test_unreachable_server_is_a_clear_error():
+    mc = MaskClient("127.0.0.1:1", timeout_s=1.0)
+    with pytest.raises(MaskClientError, match="127.0.0.1:1"):
+        mc.info()
+    mc.shutdown()
+
+
+def test_auth_token(cl100k):
+    srv = MaskServer(ServerConfig(port=0, tokenizer="cl100k", threads=1, auth_token="s3cret")).start()
+    try:
+        with pytest.raises(MaskClientError) as err:
+            MaskClient(srv.address, timeout_s=5).info()
+        assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(MaskClientError):
+            MaskClient(srv.address, timeout_s=5, auth_token="wrong").info()
+        with MaskClient(srv.address, auth_token="s3cret") as mc:
+            mc.open("a", {"regex": "[0-9]"})
+            r = mc.step({"a": []})
+            assert r.seqs["a"].status in (SeqStatus.WAITING, SeqStatus.READY)
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+        with grpc.insecure_channel(srv.address) as ch:  # probes need no token
+            assert health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest()).status == 1
+    finally:
+        srv.stop(grace=0)
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a test certificate")
+def test_tls(tmp_path, cl100k):
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
+                    "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    srv = MaskServer(ServerConfig(host="127.0.0.1", port=0, tokenizer="cl100k", threads=1,
+                                  tls_cert=str(cert), tls_key=str(key))).start()
+    try:
+        with MaskClient(f"localhost:{srv.port}", tls_root_certs=cert.read_bytes()) as mc:
+            assert mc.info().tokenizer == "cl100k"
+        with pytest.raises(MaskClientError):
+            MaskClient(f"localhost:{srv.port}", timeout_s=3).info()  # plaintext to a TLS port
+    finally:
+        srv.stop(grace=0)
+
+
+def test_client_extra_pulls_no_ray_and_no_engine(tmp_path):
+    """Resolve `pip install .[client]` from scratch (a dry run against the package index)."""
+    report = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
+                           "--report", str(report), f"{REPO}[client]"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"pip could not resolve against the package index here: {proc.stderr[-300:]}")
+    names = {item["metadata"]["name"].lower() for item in json.loads(report.read_text())["install"]}
+    assert {"grpcio", "protobuf", "numpy"} <= names
+    forbidden = {"ray", "llguidance", "xgrammar", "torch", "transformers", "tokenizers", "tiktoken"}
+    assert not names & forbidden, names & forbidden
