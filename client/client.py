@@ -11,6 +11,10 @@ One StepRequest per decode step carries the whole batch. Steps are idempotent on
 server, so when the stream breaks the client reconnects, restores its sequences (each
 re-opened at its step with its whole token history) and resends the steps in flight:
 nothing is lost and no output changes.
+
+A target of the form ``directory:HOST:PORT`` names a maskd cluster's directory instead of a
+server: ``MaskClient`` then returns a ``maskd_client.cluster.ClusterClient`` with the same API,
+which opens each sequence on its owner, splits every step by owner and merges the rows back.
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ import queue
 import threading
 import time
 import uuid
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import grpc
 import numpy as np
@@ -35,6 +39,7 @@ from maskd.v1 import maskd_pb2_grpc as pb_grpc
 
 log = logging.getLogger("maskd_client")
 SESSION_METADATA_KEY = "maskd-session"
+DIRECTORY_PREFIX = "directory:"
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL,
               grpc.StatusCode.UNKNOWN)
 
@@ -72,6 +77,7 @@ class ServerInfo:
     tokenizer_fingerprint: str
     eos_token_ids: tuple[int, ...]
     max_message_bytes: int
+    row_dictionary_size: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,19 +143,37 @@ class _Pending:
 
 
 class MaskClient:
+    def __new__(cls, target: str = "", *args, **kwargs):
+        # A cluster directory as target: the cluster client (same API) instead of one stream.
+        if cls is MaskClient and isinstance(target, str) and target.startswith(DIRECTORY_PREFIX):
+            from maskd_client.cluster import ClusterClient
+            return ClusterClient(target, *args, **kwargs)
+        return super().__new__(cls)
+
     def __init__(self, target: str, tokenizer: Any = None, *, session: str | None = None,
                  retries: int = 3, retry_backoff_s: float = 0.2, want_forced_tokens: bool = True,
-                 channel_options: Iterable[tuple[str, Any]] = (), timeout_s: float = 30.0) -> None:
+                 channel_options: Iterable[tuple[str, Any]] = (), timeout_s: float = 30.0,
+                 on_lost: Callable[["MaskClient", Any, str], None] | None = None,
+                 auth_token: str | None = None, tls_root_certs: bytes | None = None,
+                 tls: bool = False) -> None:
         self.target = target
+        # Cluster mode: a broken stream is handed to on_lost(client, call, details) (which moves
+        # the sequences to their new owners) instead of reconnecting to the same target.
+        self._on_lost = on_lost
         self.session = session or uuid.uuid4().hex
         self.retries = retries
         self.retry_backoff_s = retry_backoff_s
         self.want_forced_tokens = want_forced_tokens
         self.timeout_s = timeout_s
         self._expected_fp = _fingerprint_of(tokenizer)
-        self._channel = grpc.insecure_channel(target, options=[
-            ("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1),
-            *channel_options])
+        options = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1),
+                   *channel_options]
+        if tls or tls_root_certs:
+            creds = grpc.ssl_channel_credentials(root_certificates=tls_root_certs)
+            self._channel = grpc.secure_channel(target, creds, options=options)
+        else:
+            self._channel = grpc.insecure_channel(target, options=options)
+        self._auth = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
         self._stub = pb_grpc.MaskServiceStub(self._channel)
         self._info: ServerInfo | None = None
         self._seqs: dict[str, _Seq] = {}
@@ -160,6 +184,7 @@ class MaskClient:
         self._reader: threading.Thread | None = None
         self._decoder: RowDecoder | None = None
         self._closed = False
+        self._lost = False
         self._generation = itertools.count()
         self.reconnects = 0
 
@@ -175,12 +200,13 @@ class MaskClient:
     def info(self) -> ServerInfo:
         if self._info is None:
             try:
-                r = self._stub.Info(pb.InfoRequest(), timeout=self.timeout_s, wait_for_ready=True)
+                r = self._stub.Info(pb.InfoRequest(), timeout=self.timeout_s, wait_for_ready=True,
+                                    metadata=self._auth)
             except grpc.RpcError as exc:
                 raise MaskClientError(f"maskd at {self.target}: {exc.details()}", exc.code()) from exc
             info = ServerInfo(r.server_version, r.backend, r.backend_version, r.tokenizer, r.vocab_size,
                               r.logits_width, r.words_per_row, r.tokenizer_fingerprint,
-                              tuple(r.eos_token_ids), r.max_message_bytes)
+                              tuple(r.eos_token_ids), r.max_message_bytes, r.row_dictionary_size)
             if self._expected_fp and info.tokenizer_fingerprint != self._expected_fp:
                 raise MaskClientError(
                     f"maskd at {self.target} serves tokenizer {info.tokenizer!r} with fingerprint "
@@ -195,7 +221,7 @@ class MaskClient:
         req = pb.RegisterGrammarRequest(spec=_spec_proto(spec), wait=wait,
                                         tokenizer_fingerprint=self._expected_fp or "")
         try:
-            return self._stub.RegisterGrammar(req, timeout=self.timeout_s).grammar_id
+            return self._stub.RegisterGrammar(req, timeout=self.timeout_s, metadata=self._auth).grammar_id
         except grpc.RpcError as exc:
             raise MaskClientError(exc.details(), exc.code()) from exc
 
@@ -233,6 +259,8 @@ class MaskClient:
 
     def step_async(self, tokens_by_seq: Mapping[str, Any]) -> concurrent.futures.Future:
         """Sends one step for the batch now; the future resolves to its StepResult."""
+        if self._lost and self._on_lost is None:
+            self._recover_idle()  # before this step changes the local state the restore replays
         req = pb.StepRequest(want_forced_tokens=self.want_forced_tokens)
         undo = []
         with self._lock:
@@ -279,7 +307,7 @@ class MaskClient:
         if self._call is not None:
             return
         info = self.info()
-        self._decoder = RowDecoder(info.words_per_row, info.logits_width)
+        self._decoder = RowDecoder(info.words_per_row, info.logits_width, dict_size=info.row_dictionary_size)
         q: queue.Queue = queue.Queue()
         self._queue = q
 
@@ -290,7 +318,7 @@ class MaskClient:
                     return
                 yield item
 
-        self._call = self._stub.Session(requests(), metadata=((SESSION_METADATA_KEY, self.session),))
+        self._call = self._stub.Session(requests(), metadata=((SESSION_METADATA_KEY, self.session), *self._auth))
         gen = next(self._generation)
         self._reader = threading.Thread(target=self._read, args=(self._call, gen), daemon=True,
                                         name=f"maskd-client-reader-{gen}")
@@ -349,13 +377,22 @@ class MaskClient:
                     seq.opened = False
 
     def _on_stream_error(self, call, exc: grpc.RpcError | None) -> None:
+        if self._on_lost is not None and (exc is None or exc.code() in _RETRYABLE):
+            with self._lock:
+                mine = self._call is call and not self._closed
+            if mine:
+                self._on_lost(self, call, exc.details() if exc is not None else "stream ended")
+            return
         with self._lock:
             if self._call is not call:
                 return
             self._call = None
             if self._queue is not None:
                 self._queue.put(None)
-            if self._closed or not self._pending:
+            if self._closed:
+                return
+            if not self._pending:
+                self._lost = True  # restored before the next step is sent
                 return
             pending = list(self._pending)
             self._pending.clear()
@@ -367,15 +404,23 @@ class MaskClient:
             return
         self._reconnect(pending, details)
 
-    def _reconnect(self, pending: list[_Pending], details: str) -> None:
+    def _recover_idle(self) -> None:
+        """The stream was lost between steps: restore the sequences before sending more."""
+        self._lost = False
+        if not self._reconnect([], "stream lost between steps"):
+            self._lost = True
+            raise MaskClientError(f"maskd stream to {self.target} lost and not restored after "
+                                  f"{self.retries} tries", grpc.StatusCode.UNAVAILABLE)
+
+    def _reconnect(self, pending: list[_Pending], details: str) -> bool:
         last_error = details
         for attempt in range(self.retries):
             time.sleep(self.retry_backoff_s * (2 ** attempt))
             self.reconnects += 1
             try:
                 self._restore_and_resend(pending)
-                return
-            except (grpc.RpcError, MaskClientError) as exc:
+                return True
+            except (grpc.RpcError, MaskClientError, concurrent.futures.TimeoutError) as exc:
                 last_error = getattr(exc, "details", lambda: str(exc))()
                 with self._lock:
                     self._call = None
@@ -384,6 +429,7 @@ class MaskClient:
                 p.future.set_exception(MaskClientError(
                     f"maskd stream to {self.target} lost and not restored after {self.retries} tries: {last_error}",
                     grpc.StatusCode.UNAVAILABLE))
+        return False
 
     def restore_message(self, pending: list[_Pending]) -> pb.StepRequest:
         """Re-opens every live sequence at the state before the steps still in flight."""
@@ -428,6 +474,42 @@ class MaskClient:
             self._queue.put(request)
         raw = fut.result(self.timeout_s)
         return _as_reply(raw)
+
+    # -- cluster mode: handing sequences from a lost worker to their new owners ------------------
+    def hand_over(self, call) -> list[_Pending] | None:
+        """Takes this client out of service after its stream `call` broke; returns the steps that
+        were in flight (None if `call` is not the current stream). ``restore_message`` and
+        ``take_sequences`` still work afterwards."""
+        with self._lock:
+            if self._call is not call or self._closed:
+                return None
+            self._call = None
+            self._closed = True
+            if self._queue is not None:
+                self._queue.put(None)
+            pending = list(self._pending)
+            self._pending.clear()
+        return pending
+
+    def take_sequences(self) -> dict[str, _Seq]:
+        """Removes and returns the client-side state of every sequence (for another client)."""
+        with self._lock:
+            seqs, self._seqs = self._seqs, {}
+        return seqs
+
+    def adopt_sequences(self, seqs: Mapping[str, _Seq]) -> None:
+        """Takes over sequences from another client (their state travels as is)."""
+        with self._lock:
+            clash = [s for s in seqs if s in self._seqs]
+            if clash:
+                raise MaskClientError(f"sequences {clash[:4]} are already open on {self.target}",
+                                      grpc.StatusCode.ALREADY_EXISTS)
+            self._seqs.update(seqs)
+
+    def send_request(self, request: pb.StepRequest, undo: list = (), *, internal: bool = False
+                     ) -> concurrent.futures.Future:
+        """Sends a prepared StepRequest on this client's stream (restores, resent steps)."""
+        return self._send(request, list(undo), internal=internal)
 
     def _fail_all(self, exc: Exception) -> None:
         with self._lock:
