@@ -76,12 +76,12 @@ _MAX_VARINT_BYTES = 5           # enough for any value < 2**35 (ids are < 2**31)
 _ARANGE32 = np.arange(32, dtype=np.int64)
 _SPARSE_SET_BITS = 512          # below this many ids, np.add.at beats a packbits pass
 
+_POP8 = np.array([bin(i).count("1") for i in range(256)], dtype=np.uint8)
+
 if hasattr(np, "bitwise_count"):  # numpy >= 2.0
     def _popcount(words_u32: np.ndarray) -> int:
         return int(np.bitwise_count(words_u32).sum(dtype=np.int64))
 else:  # pragma: no cover - older numpy on a client
-    _POP8 = np.array([bin(i).count("1") for i in range(256)], dtype=np.uint8)
-
     def _popcount(words_u32: np.ndarray) -> int:
         return int(_POP8[words_u32.view(np.uint8)].sum(dtype=np.int64))
 
@@ -122,6 +122,31 @@ def _bit_ids(words_u32: np.ndarray, count: int) -> np.ndarray:
         return (nz[:, None] * 32 + _ARANGE32)[bits.reshape(-1, 32)]
     bits = np.unpackbits(words_u32.view(np.uint8), bitorder="little").view(bool)
     return np.flatnonzero(bits)
+
+
+def _popcount_rows(words_u32: np.ndarray) -> np.ndarray:
+    """Set bits per row of a 2-D uint32 array (int64)."""
+    if hasattr(np, "bitwise_count"):
+        return np.bitwise_count(words_u32).sum(axis=1, dtype=np.int64)
+    return _POP8[words_u32.view(np.uint8)].reshape(len(words_u32), -1).sum(axis=1, dtype=np.int64)
+
+
+def _row_deltas(words_u32: np.ndarray):
+    """Set-bit ids of every row of a 2-D uint32 array, as (row of each id, delta-encoded ids,
+    varint extra bytes): the first id of a row is kept as is, later ones are differences."""
+    r, w = np.nonzero(words_u32)
+    vals = words_u32[r, w]
+    pos = np.flatnonzero(np.unpackbits(vals.astype("<u4").view(np.uint8), bitorder="little"))
+    word = pos >> 5
+    ids = w[word].astype(np.int64) * 32 + (pos & 31)
+    rid = r[word]
+    deltas = np.empty_like(ids)
+    if len(ids):
+        deltas[0] = ids[0]
+        np.subtract(ids[1:], ids[:-1], out=deltas[1:])
+        first = np.flatnonzero(rid[1:] != rid[:-1]) + 1
+        deltas[first] = ids[first]
+    return rid, deltas, _varint_extra(deltas)
 
 
 _VARINT_LIMITS = np.array([1 << 7, 1 << 14, 1 << 21, 1 << 28], dtype=np.int64)
@@ -299,34 +324,99 @@ class RowEncoder:
         """Appends one MaskRow per row to reply.rows; returns the bytes per row sent.
 
         The size of a row is ``len(data)``, or for DICT_REF the bytes of its ``ref`` varint.
+        The dictionary is walked row by row (it is sequential by definition); the id lists of
+        all new rows are then built at once, vectorized over the whole reply.
         """
-        rows = np.asarray(rows)
-        if rows.ndim != 2:
-            raise ValueError(f"rows must be 2-D (n, {self.words_per_row}), got shape {rows.shape}")
+        u = self._as_rows_u32(rows)
+        n = len(u)
+        keys = [u[i].tobytes() for i in range(n)]
+        refs: list[int | None] = [None] * n
+        if self.dict_size > 0:
+            index = self._index
+            for i, key in enumerate(keys):
+                slot = index.get(key)
+                if slot is not None:
+                    refs[i] = slot
+                else:
+                    self._insert(key)
+        new = [i for i in range(n) if refs[i] is None]
+        encs, payloads = self._encode_batch(u, new, keys)
         add = reply.rows.add
         sizes: list[int] = []
         chosen: list[int] = []
-        use_dict = self.dict_size > 0
-        for row in rows:
-            u = _as_row_u32(row, self.words_per_row, self._full, self.width)
-            key = u.tobytes()
-            if use_dict:
-                slot = self._index.get(key)
-                if slot is not None:
-                    add(encoding=DICT_REF, ref=slot)
-                    sizes.append(max(1, (slot.bit_length() + 6) // 7))
-                    chosen.append(DICT_REF)
-                    continue
-            enc, data = self._encode_row(u, key)
-            add(encoding=enc, data=data)
-            sizes.append(len(data))
-            chosen.append(enc)
-            if use_dict:
-                self._insert(key)
+        j = 0
+        for i in range(n):
+            slot = refs[i]
+            if slot is not None:
+                add(encoding=DICT_REF, ref=slot)
+                sizes.append(max(1, (slot.bit_length() + 6) // 7))
+                chosen.append(DICT_REF)
+            else:
+                enc, data = encs[j], payloads[j]
+                j += 1
+                add(encoding=enc, data=data)
+                sizes.append(len(data))
+                chosen.append(enc)
         self.last_encodings = chosen
         for enc in chosen:
             self.counts[enc] += 1
         return sizes
+
+    def _as_rows_u32(self, rows: np.ndarray) -> np.ndarray:
+        rows = np.ascontiguousarray(rows)
+        if rows.ndim != 2 or rows.shape[1] != self.words_per_row:
+            raise ValueError(f"rows must be 2-D (n, {self.words_per_row}), got shape {rows.shape}")
+        if rows.dtype.kind not in "iu" or rows.dtype.itemsize != 4:
+            raise ValueError(f"rows must be int32/uint32 words, got {rows.dtype}")
+        if not (rows.dtype.byteorder == "<" or (rows.dtype.byteorder in "=|" and sys.byteorder == "little")):
+            rows = rows.astype(rows.dtype.newbyteorder("<"))
+        u = rows.view("<u4")
+        tail = self.width // 32
+        if len(u) and tail < self.words_per_row and (u[:, tail:] & ~self._full[tail:]).any():
+            raise ValueError(f"row sets bits at positions >= width {self.width}")
+        return u
+
+    def _encode_batch(self, u: np.ndarray, new: list[int], keys: list[bytes]):
+        """Smallest encoding of each new row (ties to the lower enum value), all rows at once."""
+        if not new:
+            return [], []
+        allowed = self.encodings
+        sel = u[new]
+        m = len(new)
+        pop = _popcount_rows(sel)
+        inf = np.int64(1 << 62)
+        best_size = np.full(m, 4 * self.words_per_row if DENSE in allowed else inf, dtype=np.int64)
+        best_enc = np.full(m, DENSE if DENSE in allowed else 99, dtype=np.int64)
+        lists = {}
+        for enc, lower in ((ALLOWED_IDS, pop), (REJECTED_IDS, self.width - pop)):
+            if enc not in allowed:
+                continue
+            # Each id costs at least one byte: rows whose id count cannot win are skipped.
+            cand = np.flatnonzero((lower < best_size) | ((lower == best_size) & (enc < best_enc)))
+            if not len(cand):
+                continue
+            words = sel[cand] if enc == ALLOWED_IDS else (sel[cand] ^ self._full)
+            rid, deltas, extra = _row_deltas(words)
+            size = np.bincount(rid, weights=extra + 1, minlength=len(cand)).astype(np.int64)
+            wins = (size < best_size[cand]) | ((size == best_size[cand]) & (enc < best_enc[cand]))
+            best_size[cand[wins]] = size[wins]
+            best_enc[cand[wins]] = enc
+            lists[enc] = (cand, rid, deltas, extra)
+        payloads: list[bytes | None] = [None] * m
+        for enc, (cand, rid, deltas, extra) in lists.items():
+            mine = best_enc[cand] == enc
+            if not mine.any():
+                continue
+            keep = mine[rid]
+            blob = varint_encode(deltas[keep], extra[keep])
+            offsets = np.concatenate(([0], np.cumsum(best_size[cand[mine]])))
+            for k, row in enumerate(cand[mine].tolist()):
+                payloads[row] = blob[offsets[k]:offsets[k + 1]]
+        encs = best_enc.tolist()
+        for k in range(m):
+            if encs[k] == DENSE:
+                payloads[k] = keys[new[k]]
+        return encs, payloads
 
     def _insert(self, key: bytes) -> None:
         slot = self._counter % self.dict_size
@@ -336,35 +426,6 @@ class RowEncoder:
         self._slots[slot] = key
         self._index[key] = slot
         self._counter += 1
-
-    def _encode_row(self, u: np.ndarray, key: bytes) -> tuple[int, bytes]:
-        allowed = self.encodings
-        best_size, best_enc = (len(key), DENSE) if DENSE in allowed else (1 << 62, 99)
-        best = None
-        k = _popcount(u)
-        candidates = []
-        if ALLOWED_IDS in allowed:
-            candidates.append((k, ALLOWED_IDS))
-        if REJECTED_IDS in allowed:
-            candidates.append((self.width - k, REJECTED_IDS))
-        candidates.sort()
-        # Each id costs at least one byte, so the id count is a lower bound on the size:
-        # most rows are settled without building the other lists.
-        for lower, enc in candidates:
-            if lower > best_size or (lower == best_size and enc > best_enc):
-                continue
-            if enc == ALLOWED_IDS:
-                ids = _bit_ids(u, k)
-            else:
-                ids = _bit_ids(self._full ^ u, self.width - k)
-            deltas = _ids_to_deltas(ids)
-            extra = _varint_extra(deltas)
-            size = len(deltas) + int(extra.sum())
-            if size < best_size or (size == best_size and enc < best_enc):
-                best_size, best_enc, best = size, enc, (deltas, extra)
-        if best_enc == DENSE:
-            return DENSE, key
-        return best_enc, varint_encode(*best)
 
 
 # -- decoder ---------------------------------------------------------------------------------
