@@ -40,6 +40,9 @@ class LoadedTokenizer:
     encode: Callable[[str], list[int]]
     # Filled lazily: sha256 over every token's bytes and the special ids.
     _fingerprint: list = dataclasses.field(default_factory=list, repr=False, compare=False)
+    # Where the vocabulary came from, for backends that build their own tokenizer tables
+    # (xgrammar's TokenizerInfo.from_huggingface): the tokenizer.json of hf:PATH and deepseek-v4.
+    hf_tokenizer_file: str | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def logits_width(self) -> int:
@@ -95,7 +98,7 @@ def _from_hf_json(spec: str, path: pathlib.Path, width: int | None) -> LoadedTok
     def encode(text: str) -> list[int]:
         return hf.encode(text, add_special_tokens=False).ids
 
-    return LoadedTokenizer(spec, ll, vocab_size, tuple(eos_ids), encode)
+    return LoadedTokenizer(spec, ll, vocab_size, tuple(eos_ids), encode, hf_tokenizer_file=str(path))
 
 
 def _n_vocab(spec: str, vocab_size: int, width: int | None) -> int | None:
