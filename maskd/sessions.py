@@ -102,7 +102,10 @@ class Session:
         consume_seqs: list[Sequence_] = []
         consume_tokens: list[Sequence[int]] = []
         consume_results: list[pb.SeqResult] = []
-        total_rows = sum(1 + len(s.draft_tokens) for s in request.seqs)
+        n_seqs = len(request.seqs)
+        total_rows = n_seqs
+        if n_seqs * (1 + self.limits.max_draft_tokens) > self.limits.max_rows_per_step:
+            total_rows += sum(len(s.draft_tokens) for s in request.seqs)
         too_many = total_rows > self.limits.max_rows_per_step
 
         for msg in request.seqs:
@@ -308,9 +311,12 @@ class Session:
         res.reason = reason
 
     def _check_tokens(self, msg: pb.SeqStep) -> str:
-        n = len(msg.tokens) + len(msg.draft_tokens)
-        if n == 0:
-            return ""
+        tokens = msg.tokens
+        n_drafts = len(msg.draft_tokens)
+        if not n_drafts:
+            n = len(tokens)
+            if n == 0 or (n == 1 and 0 <= tokens[0] < self.vocab_limit):  # the decode-step case
+                return ""
         if len(msg.draft_tokens) > self.limits.max_draft_tokens:
             return f"{len(msg.draft_tokens)} draft tokens; the limit is {self.limits.max_draft_tokens}"
         if len(msg.tokens) > self.limits.max_tokens_per_step:

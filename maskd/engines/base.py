@@ -29,6 +29,7 @@ class CompiledGrammar:
     spec: GrammarSpec
     handle: Any            # backend object (llguidance grammar string, xgrammar CompiledGrammar)
     compile_seconds: float
+    prototype: Any = None  # backend's initial-state matcher that new matchers copy, if it has one
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 from typing import Sequence
 
@@ -65,6 +66,20 @@ class LLGuidanceMatcher(Matcher):
 
     def reset(self) -> None:
         self.m.reset()
+
+
+class _Prototype:
+    """A matcher in its initial state that new sequences copy; copies are serialized by a lock
+    because sessions on other threads may copy the same grammar's prototype at once."""
+    __slots__ = ("matcher", "lock")
+
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self.matcher = matcher
+        self.lock = threading.Lock()
+
+    def copy(self) -> llguidance.LLMatcher:
+        with self.lock:
+            return self.matcher.deep_copy()
 
 
 class LLGuidanceEngine(Engine):
@@ -130,10 +145,15 @@ class LLGuidanceEngine(Engine):
         probe = llguidance.LLMatcher(self.ll, grammar, log_level=0)
         if probe.is_error():
             raise GrammarCompileError(_first_line(probe.get_error()))
-        return CompiledGrammar(spec, grammar, time.perf_counter() - t0)
+        return CompiledGrammar(spec, grammar, time.perf_counter() - t0, _Prototype(probe))
 
     def new_matcher(self, grammar: CompiledGrammar) -> LLGuidanceMatcher:
-        return LLGuidanceMatcher(llguidance.LLMatcher(self.ll, grammar.handle, log_level=0))
+        # A fresh matcher is a copy of the grammar's untouched prototype (microseconds), not a
+        # new parse of the grammar (milliseconds).
+        proto = grammar.prototype
+        if proto is None:
+            proto = grammar.prototype = _Prototype(llguidance.LLMatcher(self.ll, grammar.handle, log_level=0))
+        return LLGuidanceMatcher(proto.copy())
 
     def consume_batch(self, matchers, tokens):
         reasons: list[str | None] = [None] * len(matchers)
