@@ -1,0 +1,249 @@
+"""``maskd cluster up | status | down``.
+
+``up`` starts or joins a Ray cluster (a local head by default, ``--address`` for an existing one),
+starts the directory, the shared grammar cache and N worker actors (detached, named in a Ray
+namespace) and prints the directory's HOST:PORT on its last line. ``status`` and ``down`` find them
+again through the state file ``up`` writes (``$MASKD_STATE_DIR`` or ``~/.maskd``), ``--address`` or
+``--directory``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+from maskd_cluster import NAMESPACE
+
+_HELP_ADDRESS = "Ray cluster to join (e.g. auto, HOST:6379, ray://HOST:10001); default: a local one"
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("cluster", help="maskd workers on Ray: up, status, down")
+    csub = p.add_subparsers(dest="cluster_command", required=True)
+
+    up = csub.add_parser("up", help="start (or scale) a maskd cluster; prints the directory HOST:PORT last")
+    up.add_argument("--workers", type=int, default=2, help="number of maskd worker actors")
+    up.add_argument("--address", default=None, help=_HELP_ADDRESS)
+    up.add_argument("--namespace", default=NAMESPACE, help="Ray namespace of the cluster's actors")
+    up.add_argument("--num-cpus", type=int, default=None, help="CPUs of a local Ray head this command starts")
+    up.add_argument("--tokenizer", default="deepseek-v4")
+    up.add_argument("--backend", default="llguidance")
+    up.add_argument("--logits-width", type=int, default=None)
+    up.add_argument("--worker-cpus", type=float, default=1.0, help="CPUs each worker actor asks Ray for")
+    up.add_argument("--worker-resource", action="append", default=[], metavar="NAME[=AMOUNT]",
+                    help="custom Ray resource that pins workers to a CPU node pool (repeatable)")
+    up.add_argument("--threads", type=int, default=None, help="mask-fill threads per worker (default: its CPUs)")
+    up.add_argument("--compile-threads", type=int, default=2)
+    up.add_argument("--compile-timeout", type=float, default=30.0)
+    up.add_argument("--cache-entries", type=int, default=1024)
+    up.add_argument("--shared-cache-entries", type=int, default=4096)
+    up.add_argument("--shared-cache-bytes", type=int, default=1 << 30)
+    up.add_argument("--metrics-port", type=int, default=None, help="per-worker Prometheus port (0: a free one)")
+    up.add_argument("--port", type=int, default=0, help="gRPC port every worker binds (default 0: a free one)")
+    up.add_argument("--max-streams", type=int, default=256)
+    up.add_argument("--max-message-bytes", type=int, default=64 << 20)
+    up.add_argument("--max-grammar-bytes", type=int, default=1 << 20)
+    up.add_argument("--tls-cert", default=None, help="PEM certificate chain on the worker nodes (with --tls-key)")
+    up.add_argument("--tls-key", default=None, help="PEM private key on the worker nodes")
+    up.add_argument("--auth-token-env", default="MASKD_AUTH_TOKEN",
+                    help="environment variable (on the worker nodes) holding the bearer token clients must send")
+    up.add_argument("--worker-host", default=None, help="address workers bind and advertise (default: node IP)")
+    up.add_argument("--directory-port", type=int, default=0, help="directory gRPC port (default: a free one)")
+    up.add_argument("--max-restarts", type=int, default=-1, help="worker restarts after failures (-1: no limit)")
+    up.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for the workers")
+    up.set_defaults(func=cmd_up)
+
+    st = csub.add_parser("status", help="workers, sequences per worker, compiles and cache sizes")
+    st.add_argument("--directory", default=None, help="HOST:PORT of the directory (no Ray needed)")
+    st.add_argument("--address", default=None, help=_HELP_ADDRESS)
+    st.add_argument("--namespace", default=NAMESPACE)
+    st.add_argument("--json", action="store_true", help="print JSON")
+    st.set_defaults(func=cmd_status)
+
+    down = csub.add_parser("down", help="drain and remove the maskd cluster (and a local Ray head `up` started)")
+    down.add_argument("--address", default=None, help=_HELP_ADDRESS)
+    down.add_argument("--namespace", default=NAMESPACE)
+    down.add_argument("--grace", type=float, default=10.0, help="seconds open streams get to finish")
+    down.add_argument("--keep-ray", action="store_true", help="leave a local Ray head running")
+    down.set_defaults(func=cmd_down)
+
+
+# -- state between commands -------------------------------------------------------------------------
+def _state_path(namespace: str) -> pathlib.Path:
+    root = pathlib.Path(os.environ.get("MASKD_STATE_DIR") or pathlib.Path.home() / ".maskd")
+    return root / f"cluster-{namespace}.json"
+
+
+def _load_state(namespace: str) -> dict:
+    try:
+        return json.loads(_state_path(namespace).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _save_state(namespace: str, state: dict) -> None:
+    path = _state_path(namespace)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(state, indent=2))
+
+
+def _connect(address: str | None, namespace: str, *, start_local: bool = False,
+             num_cpus: float | None = None) -> bool:
+    """Connects this process to Ray; returns True when it started a local head."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    kwargs = dict(namespace=namespace, logging_level="WARNING", log_to_driver=False)
+    if address:
+        ray.init(address=address, **kwargs)
+        return False
+    try:
+        ray.init(address="auto", **kwargs)   # a local head that is already running
+        return False
+    except ConnectionError:
+        if not start_local:
+            raise
+    cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--disable-usage-stats"]
+    if num_cpus is not None:
+        cmd += ["--num-cpus", str(max(1, round(num_cpus)))]   # `ray start` takes a whole number
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"maskd cluster: cannot start a local Ray head:\n{done.stdout}{done.stderr}")
+    ray.init(address="auto", **kwargs)
+    return True
+
+
+def _parse_resources(items: list[str]) -> dict[str, float]:
+    out = {}
+    for item in items:
+        name, _, amount = item.partition("=")
+        if not name:
+            sys.exit(f"maskd cluster: bad --worker-resource {item!r}; use NAME or NAME=AMOUNT")
+        try:
+            out[name] = float(amount) if amount else 0.01
+        except ValueError:
+            sys.exit(f"maskd cluster: bad amount in --worker-resource {item!r}")
+    return out
+
+
+# -- commands -------------------------------------------------------------------------------------
+def cmd_up(args) -> int:
+    import ray
+    from maskd_cluster import launcher
+
+    if args.workers < 1:
+        sys.exit("maskd cluster up: --workers must be at least 1")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        sys.exit("maskd cluster up: --tls-cert and --tls-key go together")
+    state = _load_state(args.namespace)
+    address = args.address or (state.get("ray_address") if state.get("started_head") else None)
+    started = _connect(address, args.namespace, start_local=True, num_cpus=args.num_cpus)
+    cfg = launcher.ClusterConfig(
+        workers=args.workers, namespace=args.namespace, tokenizer=args.tokenizer, backend=args.backend,
+        logits_width=args.logits_width, threads=args.threads, compile_threads=args.compile_threads,
+        compile_timeout_s=args.compile_timeout, cache_entries=args.cache_entries, metrics_port=args.metrics_port,
+        port=args.port, max_streams=args.max_streams, max_message_bytes=args.max_message_bytes,
+        max_grammar_bytes=args.max_grammar_bytes, tls_cert=args.tls_cert, tls_key=args.tls_key,
+        auth_token_env=args.auth_token_env,
+        worker_cpus=args.worker_cpus, worker_resources=_parse_resources(args.worker_resource),
+        worker_host=args.worker_host, max_restarts=args.max_restarts, directory_port=args.directory_port,
+        shared_cache_entries=args.shared_cache_entries, shared_cache_bytes=args.shared_cache_bytes,
+        detached=True, ready_timeout_s=args.timeout)
+    try:
+        directory = launcher.up(cfg)
+    except (TimeoutError, RuntimeError) as exc:
+        sys.exit(f"maskd cluster up: {exc}")
+    ray_address = ray.get_runtime_context().gcs_address
+    _save_state(args.namespace, {"ray_address": ray_address, "directory": directory, "namespace": args.namespace,
+                                 "started_head": started or bool(state.get("started_head"))})
+    print(f"maskd cluster: {args.workers} workers in Ray namespace {args.namespace!r} on Ray at {ray_address}")
+    print(directory, flush=True)
+    return 0
+
+
+def cmd_status(args) -> int:
+    state = _load_state(args.namespace)
+    directory = args.directory or (None if args.address else state.get("directory"))
+    report = None
+    if directory:
+        report = _status_over_grpc(directory)
+    if report is None:
+        from maskd_cluster import launcher
+        try:
+            _connect(args.address or state.get("ray_address"), args.namespace)
+            report = launcher.status(args.namespace)
+        except (ConnectionError, ValueError) as exc:
+            sys.exit(f"maskd cluster status: no maskd cluster found in namespace {args.namespace!r}: {exc}")
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_status(report))
+    return 0
+
+
+def _status_over_grpc(directory: str) -> dict | None:
+    from maskd_cluster.directory_client import DirectoryClient, DirectoryError
+    try:
+        with DirectoryClient(directory, timeout_s=15.0) as dc:
+            reply = dc.list_workers(stats=True)
+    except DirectoryError:
+        return None
+    workers = []
+    for w in reply.workers:
+        s = w.stats
+        workers.append({"worker_id": w.worker_id, "address": w.address, "live": w.live,
+                        "incarnation": w.incarnation, "restarts": w.restarts, "node_id": w.node_id,
+                        "sequences": s.sequences, "streams": s.streams, "cache_entries": s.cache_entries,
+                        "compiles": s.compiles, "shared_hits": s.shared_hits, "shared_misses": s.shared_misses})
+    c = reply.cache
+    return {"directory": directory, "epoch": reply.epoch, "ring_vnodes": reply.ring_vnodes, "workers": workers,
+            "cache": {"entries": c.entries, "bytes": c.bytes, "hits": c.hits, "misses": c.misses,
+                      "publishes": c.publishes, "waits": c.waits}}
+
+
+def format_status(report: dict) -> str:
+    workers = report.get("workers", [])
+    live = sum(1 for w in workers if w.get("live"))
+    lines = [f"directory {report.get('directory')}  workers {live} live / {len(workers)}  "
+             f"ring epoch {report.get('epoch')} ({report.get('ring_vnodes')} vnodes per worker)"]
+    header = ("WORKER", "LIVE", "ADDRESS", "SEQS", "STREAMS", "GRAMMARS", "COMPILES", "SHARED HIT/MISS", "RESTARTS")
+    rows = [header]
+    for w in workers:
+        rows.append((w["worker_id"], "yes" if w.get("live") else "no", w.get("address") or "-",
+                     str(w.get("sequences", 0)), str(w.get("streams", 0)), str(w.get("cache_entries", 0)),
+                     str(w.get("compiles", 0)), f"{w.get('shared_hits', 0)}/{w.get('shared_misses', 0)}",
+                     str(w.get("restarts", 0))))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines += ["  ".join(cell.ljust(widths[i]) for i, cell in enumerate(r)).rstrip() for r in rows]
+    c = report.get("cache") or {}
+    lines.append(f"shared grammar cache: {c.get('entries', 0)} grammars, {c.get('bytes', 0)} bytes, "
+                 f"hits {c.get('hits', 0)}, misses {c.get('misses', 0)}, waits {c.get('waits', 0)}, "
+                 f"publishes {c.get('publishes', 0)}; compiles cluster-wide "
+                 f"{sum(w.get('compiles', 0) for w in workers)}")
+    return "\n".join(lines)
+
+
+def cmd_down(args) -> int:
+    import ray
+    from maskd_cluster import launcher
+
+    state = _load_state(args.namespace)
+    try:
+        _connect(args.address or state.get("ray_address"), args.namespace)
+    except ConnectionError as exc:
+        sys.exit(f"maskd cluster down: no Ray cluster to connect to: {exc}")
+    stopped = launcher.down(args.namespace, grace_s=args.grace)
+    print(f"maskd cluster: drained and removed {len(stopped)} workers, the directory and the grammar cache "
+          f"(namespace {args.namespace!r})")
+    if state.get("started_head") and not args.keep_ray and not args.address:
+        ray.shutdown()
+        subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop"], capture_output=True)
+        print("maskd cluster: stopped the local Ray head `maskd cluster up` started")
+    try:
+        _state_path(args.namespace).unlink()
+    except OSError:
+        pass
+    return 0

@@ -1,0 +1,138 @@
+"""The cluster-wide grammar cache: a grammar is compiled once per cluster.
+
+``GrammarStore`` is an asyncio Ray actor holding grammar id -> (serialized compiled grammar, or
+the compile error), bounded by entries and bytes (LRU). Its ``get`` is single-flight across
+the cluster: the first worker to miss a grammar gets a claim and compiles; the others wait for
+its ``put`` (up to their compile time limit) instead of compiling the same grammar again. A
+claim dies with its worker (the directory releases it) or at its deadline, and then one of the
+waiters compiles.
+
+The payload is opaque bytes from ``Engine.serialize`` (for llguidance the validated grammar
+string; for xgrammar ``CompiledGrammar.serialize_json``), so the store carries any backend.
+
+``RayGrammarStore`` is the worker-side adapter implementing maskd.grammar_cache.SharedGrammarStore.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import time
+
+log = logging.getLogger("maskd_cluster.store")
+
+
+@dataclasses.dataclass
+class _Claim:
+    requester: str
+    deadline: float
+    event: asyncio.Event
+
+
+class GrammarStore:
+    """Ray actor (asyncio): create with ``ray.remote(GrammarStore).options(...)``."""
+
+    def __init__(self, max_entries: int = 4096, max_bytes: int = 1 << 30, claim_s: float = 30.0) -> None:
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.claim_s = claim_s
+        self._entries: collections.OrderedDict[str, tuple[bytes | None, str | None]] = collections.OrderedDict()
+        self._bytes = 0
+        self._claims: dict[str, _Claim] = {}
+        self._publishes: collections.Counter[str] = collections.Counter()
+        self.hits = self.misses = self.waits = self.publishes = self.evictions = 0
+
+    async def get(self, grammar_id: str, requester: str, wait_s: float = 30.0):
+        """(data, error) when known; None when the caller should compile (it then holds the claim)."""
+        give_up = time.monotonic() + max(0.0, wait_s)
+        waited = False
+        while True:
+            found = self._entries.get(grammar_id)
+            if found is not None:
+                self._entries.move_to_end(grammar_id)
+                self.hits += 1
+                return found
+            now = time.monotonic()
+            claim = self._claims.get(grammar_id)
+            if claim is None or claim.requester == requester or now >= claim.deadline or now >= give_up:
+                break
+            if not waited:
+                self.waits += 1
+                waited = True
+            try:
+                await asyncio.wait_for(claim.event.wait(), timeout=min(claim.deadline, give_up) - now)
+            except asyncio.TimeoutError:
+                pass
+        self.misses += 1
+        self._claims[grammar_id] = _Claim(requester, time.monotonic() + self.claim_s, asyncio.Event())
+        return None
+
+    async def put(self, grammar_id: str, data: bytes | None, error: str | None, requester: str = "") -> None:
+        if data is None and not error:  # nothing to share; let a waiter compile
+            claim = self._claims.pop(grammar_id, None)
+            if claim is not None:
+                claim.event.set()
+            return
+        old = self._entries.pop(grammar_id, None)
+        if old is not None:
+            self._bytes -= _size(old)
+        value = (data, error or None)
+        self._entries[grammar_id] = value
+        self._bytes += _size(value)
+        self._publishes[grammar_id] += 1
+        self.publishes += 1
+        claim = self._claims.pop(grammar_id, None)
+        if claim is not None:
+            claim.event.set()
+        self._evict()
+
+    async def release(self, requester_prefix: str) -> int:
+        """Drops the claims of a worker that is gone, so that a waiter compiles now."""
+        gone = [g for g, c in self._claims.items() if c.requester.startswith(requester_prefix)]
+        for g in gone:
+            self._claims.pop(g).event.set()
+        return len(gone)
+
+    async def stats(self) -> dict:
+        return {"entries": len(self._entries), "bytes": self._bytes, "hits": self.hits, "misses": self.misses,
+                "waits": self.waits, "publishes": self.publishes, "evictions": self.evictions,
+                "claims": len(self._claims)}
+
+    async def publish_count(self, grammar_id: str) -> int:
+        """How many times workers published this grammar (the number of compiles cluster-wide)."""
+        return self._publishes.get(grammar_id, 0)
+
+    async def ready(self) -> bool:
+        return True
+
+    def _evict(self) -> None:
+        while self._entries and (len(self._entries) > self.max_entries or self._bytes > self.max_bytes):
+            gid, value = self._entries.popitem(last=False)
+            self._bytes -= _size(value)
+            self._publishes.pop(gid, None)
+            self.evictions += 1
+
+
+def _size(value: tuple[bytes | None, str | None]) -> int:
+    data, error = value
+    return (len(data) if data else 0) + (len(error) if error else 0) + 64
+
+
+class RayGrammarStore:
+    """SharedGrammarStore for a worker: calls the GrammarStore actor (from compile threads)."""
+
+    def __init__(self, handle, requester: str, *, wait_s: float = 30.0, call_timeout_s: float = 10.0) -> None:
+        self.handle = handle
+        self.requester = requester
+        self.wait_s = wait_s
+        self.call_timeout_s = call_timeout_s
+
+    def get(self, grammar_id: str):
+        import ray
+        return ray.get(self.handle.get.remote(grammar_id, self.requester, self.wait_s),
+                       timeout=self.wait_s + self.call_timeout_s)
+
+    def put(self, grammar_id: str, serialized: bytes | None, error: str | None) -> None:
+        # Fire and forget: the compiled grammar is already in use here; publishing helps the others.
+        self.handle.put.remote(grammar_id, serialized, error, self.requester)
