@@ -45,6 +45,7 @@ def add_parser(sub) -> None:
     up.add_argument("--max-streams", type=int, default=256)
     up.add_argument("--max-message-bytes", type=int, default=64 << 20)
     up.add_argument("--max-grammar-bytes", type=int, default=1 << 20)
+    up.add_argument("--row-dict-size", type=int, default=None, help="rows per stream's row dictionary (default 256)")
     up.add_argument("--tls-cert", default=None, help="PEM certificate chain on the worker nodes (with --tls-key)")
     up.add_argument("--tls-key", default=None, help="PEM private key on the worker nodes")
     up.add_argument("--auth-token-env", default="MASKD_AUTH_TOKEN",
@@ -147,7 +148,7 @@ def cmd_up(args) -> int:
         compile_timeout_s=args.compile_timeout, cache_entries=args.cache_entries, metrics_port=args.metrics_port,
         port=args.port, max_streams=args.max_streams, max_message_bytes=args.max_message_bytes,
         max_grammar_bytes=args.max_grammar_bytes, tls_cert=args.tls_cert, tls_key=args.tls_key,
-        auth_token_env=args.auth_token_env,
+        auth_token_env=args.auth_token_env, row_dict_size=args.row_dict_size,
         worker_cpus=args.worker_cpus, worker_resources=_parse_resources(args.worker_resource),
         worker_host=args.worker_host, max_restarts=args.max_restarts, directory_port=args.directory_port,
         shared_cache_entries=args.shared_cache_entries, shared_cache_bytes=args.shared_cache_bytes,

@@ -39,6 +39,7 @@ class ClusterConfig:
     metrics_port: int | None = None         # per worker: None off, 0 a free port
     tls_cert: str | None = None             # PEM paths on the worker nodes
     tls_key: str | None = None
+    row_dict_size: int | None = None        # None: the server's default
     auth_token_env: str | None = "MASKD_AUTH_TOKEN"  # read on the worker's node, never shipped through Ray
     # placement
     worker_cpus: float = 1.0
@@ -63,7 +64,8 @@ class ClusterConfig:
                 "compile_timeout_s": self.compile_timeout_s, "cache_entries": self.cache_entries,
                 "max_streams": self.max_streams, "max_message_bytes": self.max_message_bytes,
                 "max_grammar_bytes": self.max_grammar_bytes, "port": self.port, "metrics_port": self.metrics_port,
-                "tls_cert": self.tls_cert, "tls_key": self.tls_key, "auth_token_env": self.auth_token_env}
+                "tls_cert": self.tls_cert, "tls_key": self.tls_key, "auth_token_env": self.auth_token_env,
+                **({} if self.row_dict_size is None else {"row_dict_size": self.row_dict_size})}
 
 
 def _ray():

@@ -26,6 +26,8 @@ def _add_serve(sub) -> None:
     p.add_argument("--max-streams", type=int, default=256)
     p.add_argument("--max-message-bytes", type=int, default=64 << 20)
     p.add_argument("--max-grammar-bytes", type=int, default=1 << 20)
+    p.add_argument("--row-dict-size", type=int, default=None,
+                   help="rows each stream's row dictionary keeps for DICT_REF (0: off; default 256)")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (off if unset)")
     p.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key: serve TLS)")
     p.add_argument("--tls-key", default=None, help="PEM private key")
@@ -36,7 +38,10 @@ def _add_serve(sub) -> None:
 
 def _server_config(args):
     from maskd.server import ServerConfig
-    return ServerConfig(host=args.host, port=args.port, tokenizer=args.tokenizer, backend=args.backend,
+    extra = {} if args.row_dict_size is None else {"row_dict_size": args.row_dict_size}
+    if args.row_dict_size is not None and args.row_dict_size < 0:
+        sys.exit("maskd: --row-dict-size must be >= 0")
+    return ServerConfig(**extra, host=args.host, port=args.port, tokenizer=args.tokenizer, backend=args.backend,
                         logits_width=args.logits_width, threads=args.threads,
                         compile_threads=args.compile_threads, compile_timeout_s=args.compile_timeout,
                         cache_entries=args.cache_entries, max_streams=args.max_streams,

@@ -15,6 +15,7 @@ from maskd.engines import create_engine
 from maskd.engines.base import EngineLimits
 from maskd.grammar_cache import GrammarCache, SharedGrammarStore
 from maskd.metrics import Metrics
+from maskd.rowcodec import DEFAULT_DICT_SIZE
 from maskd.service import MaskService
 from maskd.sessions import Limits
 from maskd.tokenizers import load_tokenizer
@@ -45,7 +46,7 @@ class ServerConfig:
     tls_cert: str | None = None       # PEM files; both set: serve TLS
     tls_key: str | None = None
     auth_token: str | None = None     # clients send "authorization: Bearer <token>"
-    row_dict_size: int = 64
+    row_dict_size: int = DEFAULT_DICT_SIZE  # rows per stream for DICT_REF (0: off)
 
 
 class AuthInterceptor(grpc.ServerInterceptor):

@@ -10,7 +10,7 @@ import maskd
 from maskd.engines import Engine
 from maskd.grammar_cache import GrammarCache, GrammarState
 from maskd.metrics import Metrics
-from maskd.rowcodec import ALL_ENCODINGS, ENCODING_NAMES, RowEncoder
+from maskd.rowcodec import ALL_ENCODINGS, DEFAULT_DICT_SIZE, ENCODING_NAMES, RowEncoder
 from maskd.sessions import Limits, Session
 from maskd.specs import GrammarSpec, SpecError
 from maskd.v1 import maskd_pb2 as pb
@@ -23,7 +23,7 @@ _STATE = {GrammarState.COMPILING: pb.GRAMMAR_STATE_COMPILING, GrammarState.READY
 
 class MaskService(pb_grpc.MaskServiceServicer):
     def __init__(self, engine: Engine, cache: GrammarCache, *, limits: Limits, metrics: Metrics,
-                 max_message_bytes: int, row_dict_size: int = 64,
+                 max_message_bytes: int, row_dict_size: int = DEFAULT_DICT_SIZE,
                  row_encodings: tuple[int, ...] = tuple(ALL_ENCODINGS)) -> None:
         self.row_dict_size = row_dict_size
         self.row_encodings = tuple(row_encodings)

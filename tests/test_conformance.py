@@ -105,3 +105,15 @@ def test_serve_drains_on_sigterm(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--row-dict-size", "-1"], "--row-dict-size must be >= 0"),
+    (["--backend", "no-such-engine"], "unknown backend"),
+    (["--threads", "many"], "invalid int value"),
+])
+def test_serve_cli_garbage(args, message):
+    proc = subprocess.run([sys.executable, "-m", "maskd.cli", "serve", "--port", "0", *args],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert message in proc.stderr

@@ -650,14 +650,14 @@ def test_serve_args_parse_with_the_real_cli(chart):
     values = {"server": {"port": 7000, "metricsPort": 9100, "tokenizer": "cl100k", "threads": 6,
                          "logitsWidth": 100352, "compileThreads": 3, "maxMessageBytes": 134217728,
                          "maxGrammarBytes": 2097152, "compileTimeoutSeconds": 12.5, "maxStreams": 512,
-                         "cacheEntries": 4096}}
+                         "cacheEntries": 4096, "rowDictSize": 512}}
     args = container(one(render(chart, values), "Deployment")["spec"]["template"]["spec"], "maskd")["args"]
     ns = _parse(parser, args)
     assert ns.command == "serve"
     assert (ns.host, ns.port, ns.metrics_port) == ("0.0.0.0", 7000, 9100)
     assert (ns.tokenizer, ns.backend, ns.threads, ns.logits_width) == ("cl100k", "llguidance", 6, 100352)
     assert (ns.compile_threads, ns.max_message_bytes, ns.max_grammar_bytes) == (3, 134217728, 2097152)
-    assert (ns.compile_timeout, ns.max_streams, ns.cache_entries) == (12.5, 512, 4096)
+    assert (ns.compile_timeout, ns.max_streams, ns.cache_entries, ns.row_dict_size) == (12.5, 512, 4096, 512)
 
 
 def test_tls_args_parse_with_the_real_cli(chart):
@@ -681,9 +681,13 @@ def test_cluster_up_args_parse_with_the_real_cli(chart):
     parser = _maskd_parser()
     if _subparser(parser, "cluster") is None:
         pytest.skip("`maskd cluster` is not available (maskd_cluster.cli missing or Ray not installed)")
-    rc = one(render(chart, {"mode": "ray"}), "RayCluster")
+    values = {"mode": "ray", "tls": {"enabled": True, "secretName": "maskd-tls"},
+              "server": {"port": 7000, "tokenizer": "cl100k", "rowDictSize": 128}}
+    rc = one(render(chart, values), "RayCluster")
     script = container(rc["spec"]["headGroupSpec"]["template"]["spec"], "maskd-cluster")["args"][0]
     line = next(ln for ln in script.splitlines() if "maskd cluster up" in ln)
     words = shlex.split(line)
     ns = _parse(parser, words[2:])  # drop "exec maskd"
-    assert ns.command == "cluster"
+    assert ns.command == "cluster" and ns.cluster_command == "up" and ns.address == "auto"
+    assert (ns.port, ns.tokenizer, ns.row_dict_size) == (7000, "cl100k", 128)
+    assert ns.workers >= 1 and ns.tls_cert.endswith("/tls.crt") and ns.tls_key.endswith("/tls.key")

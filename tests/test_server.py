@@ -105,6 +105,7 @@ def test_info(stub, cl100k):
     assert info.words_per_row == (100277 + 31) // 32
     assert info.tokenizer_fingerprint == cl100k.fingerprint
     assert list(info.eos_token_ids) == [100257]
+    assert info.row_dictionary_size == 256 and pb.ROW_ENCODING_DICT_REF in info.row_encodings
 
 
 def test_health_serving(server):

@@ -83,6 +83,7 @@ SCHEMA = {
             "compileTimeoutSeconds": {"type": ["number", "null"], "exclusiveMinimum": 0},
             "maxStreams": opt_posint,
             "cacheEntries": opt_posint,
+            "rowDictSize": {"type": ["integer", "null"], "minimum": 0},
             "extraArgs": {"type": "array", "items": {"type": ["string", "number", "boolean"]}},
             "env": arr, "envFrom": arr,
         }, ["port", "metricsPort", "tokenizer", "backend", "threads"]),

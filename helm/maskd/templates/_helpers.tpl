@@ -91,7 +91,7 @@ Call with (dict "root" $ "threads" N); threads defaults to server.threads.
 {{- if not (kindIs "invalid" $s.compileThreads) -}}
 {{- $flags = concat $flags (list "--compile-threads" (include "maskd.int" $s.compileThreads)) -}}
 {{- end -}}
-{{- range $key, $flag := dict "maxMessageBytes" "--max-message-bytes" "maxGrammarBytes" "--max-grammar-bytes" "maxStreams" "--max-streams" "cacheEntries" "--cache-entries" -}}
+{{- range $key, $flag := dict "maxMessageBytes" "--max-message-bytes" "maxGrammarBytes" "--max-grammar-bytes" "maxStreams" "--max-streams" "cacheEntries" "--cache-entries" "rowDictSize" "--row-dict-size" -}}
 {{- $v := index $s $key -}}
 {{- if not (kindIs "invalid" $v) -}}
 {{- $flags = concat $flags (list $flag (include "maskd.int" $v)) -}}
