@@ -84,6 +84,34 @@ def _load_state(namespace: str) -> dict:
         return {}
 
 
+def _reachable(address: str | None, timeout_s: float = 2.0) -> bool:
+    """Whether a TCP connection to HOST:PORT opens (a Ray GCS that is gone hangs ray.init)."""
+    import socket
+
+    host, _, port = (address or "").rpartition(":")
+    if not host or not port.isdigit():
+        return False
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def _live_state(namespace: str) -> dict:
+    """The state `up` wrote, or {} (and the file removed) when its Ray cluster is gone."""
+    state = _load_state(namespace)
+    if state and not _reachable(state.get("ray_address")):
+        print(f"maskd cluster: the Ray cluster at {state.get('ray_address')} recorded in "
+              f"{_state_path(namespace)} is gone; forgetting it", file=sys.stderr)
+        try:
+            _state_path(namespace).unlink()
+        except OSError:
+            pass
+        return {}
+    return state
+
+
 def _save_state(namespace: str, state: dict) -> None:
     path = _state_path(namespace)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -139,7 +167,7 @@ def cmd_up(args) -> int:
         sys.exit("maskd cluster up: --workers must be at least 1")
     if bool(args.tls_cert) != bool(args.tls_key):
         sys.exit("maskd cluster up: --tls-cert and --tls-key go together")
-    state = _load_state(args.namespace)
+    state = _live_state(args.namespace)
     address = args.address or (state.get("ray_address") if state.get("started_head") else None)
     started = _connect(address, args.namespace, start_local=True, num_cpus=args.num_cpus)
     cfg = launcher.ClusterConfig(
@@ -166,7 +194,7 @@ def cmd_up(args) -> int:
 
 
 def cmd_status(args) -> int:
-    state = _load_state(args.namespace)
+    state = _live_state(args.namespace)
     directory = args.directory or (None if args.address else state.get("directory"))
     report = None
     if directory:
@@ -231,7 +259,7 @@ def cmd_down(args) -> int:
     import ray
     from maskd_cluster import launcher
 
-    state = _load_state(args.namespace)
+    state = _live_state(args.namespace)
     try:
         _connect(args.address or state.get("ray_address"), args.namespace)
     except ConnectionError as exc:

@@ -315,3 +315,29 @@ def test_client_recovers_while_the_directory_is_down(mini_cluster):
         outputs, failures, _ = generate(mc, specs, seed=11, on_step=on_step)
         assert failures == {} and outputs == reference
         assert mc.recoveries == 1 and mc.moved == len(lost["open"]) >= 1
+
+
+def test_cli_forgets_state_whose_ray_cluster_is_gone(tmp_path, monkeypatch, capsys):
+    """A state file left by an `up` whose Ray head has died must not make the next command hang
+    on ray.init: it is recognised as stale and removed."""
+    import json
+    import socket
+
+    from maskd_cluster import cli as ccli
+
+    with socket.socket() as s:          # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    monkeypatch.setenv("MASKD_STATE_DIR", str(tmp_path))
+    path = tmp_path / "cluster-ns1.json"
+    path.write_text(json.dumps({"ray_address": dead, "directory": dead, "started_head": True}))
+    assert ccli._live_state("ns1") == {}
+    assert not path.exists() and "is gone" in capsys.readouterr().err
+    # a live address is kept
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        live = f"127.0.0.1:{s.getsockname()[1]}"
+        path.write_text(json.dumps({"ray_address": live, "started_head": True}))
+        assert ccli._live_state("ns1")["ray_address"] == live
+    assert not ccli._reachable("no-port") and not ccli._reachable(None)
