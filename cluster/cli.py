@@ -145,6 +145,15 @@ def _connect(address: str | None, namespace: str, *, start_local: bool = False,
     return True
 
 
+def _token_auth_env() -> None:
+    """A head started with token auth (the default of `ray start` in recent Ray) refuses an
+    explicit address unless RAY_AUTH_MODE says token ("auto" finds that out itself). As Ray does
+    for "auto": a token on this machine and no mode set means token mode. Ray reads the mode
+    once, so this runs before Ray is imported."""
+    if not os.environ.get("RAY_AUTH_MODE") and (pathlib.Path.home() / ".ray" / "auth_token").exists():
+        os.environ["RAY_AUTH_MODE"] = "token"
+
+
 def _parse_resources(items: list[str]) -> dict[str, float]:
     out = {}
     for item in items:
@@ -160,6 +169,7 @@ def _parse_resources(items: list[str]) -> dict[str, float]:
 
 # -- commands -------------------------------------------------------------------------------------
 def cmd_up(args) -> int:
+    _token_auth_env()
     import ray
     from maskd_cluster import launcher
 
@@ -200,6 +210,7 @@ def cmd_status(args) -> int:
     if directory:
         report = _status_over_grpc(directory)
     if report is None:
+        _token_auth_env()
         from maskd_cluster import launcher
         try:
             _connect(args.address or state.get("ray_address"), args.namespace)
@@ -256,6 +267,7 @@ def format_status(report: dict) -> str:
 
 
 def cmd_down(args) -> int:
+    _token_auth_env()
     import ray
     from maskd_cluster import launcher
 
