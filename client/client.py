@@ -140,6 +140,9 @@ class _Pending:
     undo: list
     sent_at: float = 0.0
     internal: bool = False
+    # closes riding on this request: (seq_id, future resolved with that close's SeqResult)
+    closes: list = dataclasses.field(default_factory=list)
+    close_results: dict = dataclasses.field(default_factory=dict)
 
 
 class MaskClient:
@@ -155,8 +158,11 @@ class MaskClient:
                  channel_options: Iterable[tuple[str, Any]] = (), timeout_s: float = 30.0,
                  on_lost: Callable[["MaskClient", Any, str], None] | None = None,
                  auth_token: str | None = None, tls_root_certs: bytes | None = None,
-                 tls: bool = False) -> None:
+                 tls: bool = False, close_linger_s: float = 0.05) -> None:
         self.target = target
+        # A close rides on the next step's message; when no step is sent within this many
+        # seconds it goes alone (0: every close goes at once in its own message).
+        self.close_linger_s = close_linger_s
         # Cluster mode: a broken stream is handed to on_lost(client, call, details) (which moves
         # the sequences to their new owners) instead of reconnecting to the same target.
         self._on_lost = on_lost
@@ -185,6 +191,10 @@ class MaskClient:
         self._decoder: RowDecoder | None = None
         self._closed = False
         self._lost = False
+        self._closes: list[tuple[pb.SeqStep, concurrent.futures.Future]] = []   # not yet sent
+        self._closes_due = 0.0
+        self._closes_cond = threading.Condition(self._lock)
+        self._closer: threading.Thread | None = None
         self._generation = itertools.count()
         self.reconnects = 0
 
@@ -236,15 +246,67 @@ class MaskClient:
             self._seqs[seq_id] = _Seq(spec_pb)
 
     def close(self, seq_id: str) -> concurrent.futures.Future:
-        """Closes a sequence (sent at once; the reply needs no waiting)."""
+        """Closes a sequence. The close travels with this client's next step (one message, one
+        server pass, as a decode loop closes what finished and steps the rest), or on its own
+        after ``close_linger_s`` without a step, or at ``flush_closes()``. The future resolves to
+        the close's SeqResult (None where the sequence never reached the server)."""
         with self._lock:
             seq = self._seqs.pop(seq_id, None)
+            if seq is not None and seq.opened:
+                fut: concurrent.futures.Future = concurrent.futures.Future()
+                self._closes.append((pb.SeqStep(seq_id=seq_id, step=seq.step, close=True), fut))
+                if self.close_linger_s > 0:
+                    if len(self._closes) == 1:
+                        self._closes_due = time.monotonic() + self.close_linger_s
+                        self._start_closer()
+                    return fut
         if seq is None or not seq.opened:
             f: concurrent.futures.Future = concurrent.futures.Future()
             f.set_result(None)
             return f
-        req = pb.StepRequest(seqs=[pb.SeqStep(seq_id=seq_id, step=seq.step, close=True)])
-        return self._send(req, [], internal=True)
+        self.flush_closes()
+        return fut
+
+    def flush_closes(self) -> None:
+        """Sends the closes that wait for a step now, in a message of their own."""
+        with self._lock:
+            closes, self._closes = self._closes, []
+            if not closes:
+                return
+            if self._closed:
+                for _, f in closes:
+                    f.set_result(None)
+                return
+        req = pb.StepRequest(seqs=[c for c, _ in closes])
+        try:
+            self._send(req, [], internal=True, closes=closes)
+        except MaskClientError:   # shut down meanwhile: the dropped stream frees them
+            for _, f in closes:
+                if not f.done():
+                    f.set_result(None)
+
+    def _start_closer(self) -> None:
+        """(under _lock) The thread that sends closes no step took within close_linger_s."""
+        if self._closer is None:
+            self._closer = threading.Thread(target=self._closer_loop, daemon=True, name="maskd-client-closer")
+            self._closer.start()
+        else:
+            self._closes_cond.notify()
+
+    def _closer_loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._closed:
+                    if not self._closes:
+                        self._closes_cond.wait()
+                        continue
+                    left = self._closes_due - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._closes_cond.wait(left)
+                if self._closed:
+                    return
+            self.flush_closes()
 
     def history(self, seq_id: str) -> list[int]:
         return list(self._seqs[seq_id].history)
@@ -258,43 +320,70 @@ class MaskClient:
         return self.step_async(tokens_by_seq).result(timeout if timeout is not None else self.timeout_s)
 
     def step_async(self, tokens_by_seq: Mapping[str, Any]) -> concurrent.futures.Future:
-        """Sends one step for the batch now; the future resolves to its StepResult."""
+        """Sends one step for the batch now; the future resolves to its StepResult.
+
+        Input is checked before anything changes: a bad entry raises MaskClientError and leaves
+        every sequence (and the closes waiting for this step) as it was."""
         if self._lost and self._on_lost is None:
             self._recover_idle()  # before this step changes the local state the restore replays
+        inputs = []
+        for seq_id, value in tokens_by_seq.items():
+            inp = value if isinstance(value, StepInput) else StepInput(tokens=value)
+            try:
+                tokens = [int(t) for t in inp.tokens]
+                drafts = [int(t) for t in inp.drafts]
+                rollback = int(inp.rollback)
+            except (TypeError, ValueError) as exc:
+                raise MaskClientError(f"sequence {seq_id!r}: tokens, drafts and rollback must be integers ({exc})",
+                                      grpc.StatusCode.INVALID_ARGUMENT) from None
+            inputs.append((seq_id, tokens, drafts, rollback))
+        if self._closes and any(c.seq_id in tokens_by_seq for c, _ in self._closes):
+            self.flush_closes()   # a closed id opened again: its close must go first, on its own
         req = pb.StepRequest(want_forced_tokens=self.want_forced_tokens)
         undo = []
         with self._lock:
-            for seq_id, value in tokens_by_seq.items():
+            for seq_id, tokens, drafts, rollback in inputs:
                 seq = self._seqs.get(seq_id)
                 if seq is None:
                     raise MaskClientError(f"sequence {seq_id!r} is not open on this client",
                                           grpc.StatusCode.NOT_FOUND)
-                inp = value if isinstance(value, StepInput) else StepInput(tokens=value)
-                tokens = [int(t) for t in inp.tokens]
-                entry = req.seqs.add(seq_id=seq_id, tokens=tokens, draft_tokens=[int(t) for t in inp.drafts],
-                                     rollback=inp.rollback)
+                if rollback < 0 or rollback > len(seq.history):
+                    raise MaskClientError(
+                        f"cannot roll back {rollback} tokens of {seq_id!r}: it has {len(seq.history)}",
+                        grpc.StatusCode.OUT_OF_RANGE)
+            closes, self._closes = self._closes, []
+            for c, _ in closes:
+                req.seqs.append(c)
+            for seq_id, tokens, drafts, rollback in inputs:
+                seq = self._seqs[seq_id]
+                entry = req.seqs.add(seq_id=seq_id, tokens=tokens, draft_tokens=drafts, rollback=rollback)
                 opened_here = not seq.opened
                 if opened_here:
                     entry.spec.CopyFrom(seq.spec)
                     seq.opened = True
                 popped: list[int] = []
-                if inp.rollback:
-                    if inp.rollback > len(seq.history):
-                        raise MaskClientError(
-                            f"cannot roll back {inp.rollback} tokens of {seq_id!r}: it has {len(seq.history)}",
-                            grpc.StatusCode.OUT_OF_RANGE)
-                    popped = seq.history[-inp.rollback:]
-                    del seq.history[-inp.rollback:]
+                if rollback:
+                    popped = seq.history[-rollback:]
+                    del seq.history[-rollback:]
                 seq.step += 1
                 entry.step = seq.step
                 seq.history.extend(tokens)
                 undo.append((seq_id, seq.step, len(tokens), popped, opened_here))
-        return self._send(req, undo)
+        try:
+            return self._send(req, undo, closes=closes)
+        except MaskClientError:
+            for _, f in closes:
+                if not f.done():
+                    f.set_result(None)
+            raise
 
     # -- stream machinery -----------------------------------------------------------------------
-    def _send(self, req: pb.StepRequest, undo: list, internal: bool = False) -> concurrent.futures.Future:
+    def _send(self, req: pb.StepRequest, undo: list, internal: bool = False,
+              closes: list = ()) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        pending = _Pending(req, fut, undo, time.perf_counter(), internal)
+        pending = _Pending(req, fut, undo, time.perf_counter(), internal, list(closes))
+        if closes:
+            fut.add_done_callback(lambda f, p=pending: _settle_closes(p, f))
         with self._lock:
             if self._closed:
                 raise MaskClientError("client is shut down")
@@ -355,6 +444,8 @@ class MaskClient:
                 r.seq_id, r.step, status, r.first_row if status.has_rows else -1, r.num_rows,
                 list(r.forced_tokens), r.reason, _CODE_BY_VALUE.get(r.code) if r.code else None,
                 r.accepting, r.drafts_valid)
+        for c, _ in pending.closes:   # the closes that rode along are not part of the step's result
+            pending.close_results[c.seq_id] = seqs.pop(c.seq_id, None)
         if not pending.internal:
             # An ERROR leaves the server's sequence unchanged: undo what this step did locally.
             errors = [s for s in seqs.values() if s.status is SeqStatus.ERROR]
@@ -489,6 +580,10 @@ class MaskClient:
                 self._queue.put(None)
             pending = list(self._pending)
             self._pending.clear()
+            closes, self._closes = self._closes, []
+            self._closes_cond.notify_all()
+        for _, f in closes:   # closes of sequences on a lost worker are moot
+            f.set_result(None)
         return pending
 
     def take_sequences(self) -> dict[str, _Seq]:
@@ -521,15 +616,30 @@ class MaskClient:
                 p.future.set_exception(exc)
 
     def shutdown(self) -> None:
+        """Ends the stream; the server frees every sequence of the session when its last stream
+        goes, so closes still waiting for a step need no message of their own."""
         with self._lock:
             self._closed = True
             call, q = self._call, self._queue
             self._call = None
+            closes, self._closes = self._closes, []
+            self._closes_cond.notify_all()
+        for _, f in closes:
+            f.set_result(None)
         if q is not None:
             q.put(None)
         if call is not None:
             call.cancel()
         self._channel.close()
+
+
+def _settle_closes(pending: _Pending, fut: concurrent.futures.Future) -> None:
+    """Resolves the close futures of a request once its own future is done. A close that reached
+    no server (its stream was lost, or its worker) resolves to None: the sequence is gone either way."""
+    failed = fut.cancelled() or fut.exception() is not None
+    for c, f in pending.closes:
+        if not f.done():
+            f.set_result(None if failed else pending.close_results.get(c.seq_id))
 
 
 def _as_reply(result: StepResult) -> pb.StepResponse:

@@ -341,6 +341,13 @@ class ClusterClient:
                 return _done()
             return client.close(seq_id)
 
+    def flush_closes(self) -> None:
+        """Sends every close still waiting for a step, on each worker's stream."""
+        with self._cond:
+            clients = list(self._clients.values())
+        for c in clients:
+            c.flush_closes()
+
     def history(self, seq_id: str) -> list[int]:
         with self._cond:
             while self._owner.get(seq_id) in self._recovering:
@@ -387,10 +394,16 @@ class ClusterClient:
         return _gather(order, futures)
 
     def _check_rollbacks(self, parts: dict[str, dict[str, Any]]) -> None:
-        """Refuses a bad rollback before any part is sent (a half-sent step would split the batch)."""
+        """Refuses bad input before any part is sent (a half-sent step would split the batch)."""
         for address, part in parts.items():
             client = self._clients[address]
             for sid, value in part.items():
+                inp = value if isinstance(value, StepInput) else StepInput(tokens=value)
+                try:
+                    [int(t) for t in inp.tokens] + [int(t) for t in inp.drafts] + [int(inp.rollback)]
+                except (TypeError, ValueError) as exc:
+                    raise MaskClientError(f"sequence {sid!r}: tokens, drafts and rollback must be integers ({exc})",
+                                          _C.INVALID_ARGUMENT) from None
                 if isinstance(value, StepInput) and value.rollback:
                     have = len(client.history(sid))
                     if value.rollback > have:
@@ -429,7 +442,7 @@ class ClusterClient:
         for p in pending:
             if not p.internal:
                 for e in p.request.seqs:
-                    if e.seq_id not in known:
+                    if not e.close and e.seq_id not in known:
                         known.add(e.seq_id)
                         keys.append(e.seq_id)
         suspects = {address}
@@ -531,14 +544,19 @@ class ClusterClient:
             parts: dict[str, tuple[list, list]] = {}
             undo = {u[0]: u for u in p.undo}
             for e in p.request.seqs:
+                if e.close:   # a close that rode on the step: moot on a lost worker
+                    continue
                 a = owners[e.seq_id]
                 part = parts.setdefault(a, ([], []))
                 part[0].append(e)
                 if e.seq_id in undo:
                     part[1].append(undo[e.seq_id])
+            if not parts:   # only closes rode on it
+                p.future.set_result(None)
+                continue
             futures = [targets[a].send_request(pb.StepRequest(seqs=es, want_forced_tokens=p.request.want_forced_tokens),
                                                us) for a, (es, us) in parts.items()]
-            _chain(_gather([e.seq_id for e in p.request.seqs], futures), p.future)
+            _chain(_gather([e.seq_id for e in p.request.seqs if not e.close], futures), p.future)
             self.resent_steps += 1
         log.warning("moved %d sequences of %s (%d re-opened with their tokens, %d steps resent)",
                     len(seqs), lost.target, len(restore.seqs), sum(1 for p in pending if not p.internal))

@@ -333,6 +333,10 @@ class MaskdLogitsProcessor(LogitsProcessor):
                     futures.append(self.client.close(sid))
                 except MaskClientError as exc:
                     log.debug("closing %s: %s", sid, exc)
+        try:   # no step follows: the closes (and those of rows that finished earlier) go now
+            self.client.flush_closes()
+        except MaskClientError as exc:
+            log.debug("closing: %s", exc)
         for f in futures:
             try:
                 f.result(self._timeout_s)

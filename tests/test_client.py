@@ -98,6 +98,84 @@ def test_step_errors_are_reported_and_undone(server, cl100k):
             mc.open("x", {"regex": 5})
 
 
+def _messages(server) -> float:
+    """Step messages the server has handled so far."""
+    return server.metrics.registry.get_sample_value("maskd_step_batch_size_count") or 0.0
+
+
+def _ready(mc, *seq_ids):
+    r = mc.step({s: [] for s in seq_ids})
+    while any(r.seqs[s].status is SeqStatus.WAITING for s in seq_ids):
+        r = mc.step({s: [] for s in seq_ids})
+    return r
+
+
+def test_a_close_rides_on_the_next_step(server, cl100k):
+    with MaskClient(server.address, tokenizer=cl100k, close_linger_s=30) as mc:
+        mc.open("c-a", {"regex": "[0-9]+"})
+        mc.open("c-b", {"regex": "[a-z]+"})
+        _ready(mc, "c-a", "c-b")
+        before_live, before_msgs = server.service.live_sequences(), _messages(server)
+        closed = mc.close("c-a")
+        assert not closed.done()                      # waits for the step, not sent alone
+        res = mc.step({"c-b": cl100k.encode("x")})
+        assert closed.result(5).status is SeqStatus.CLOSED
+        assert set(res.seqs) == {"c-b"} and res.seqs["c-b"].status is SeqStatus.READY
+        assert _messages(server) == before_msgs + 1     # close and step in one message
+        assert server.service.live_sequences() == before_live - 1
+        with pytest.raises(MaskClientError, match="not open"):
+            mc.step({"c-a": []})
+
+
+def test_a_close_with_no_step_after_it_goes_alone(server, cl100k):
+    with MaskClient(server.address, tokenizer=cl100k, close_linger_s=0.05) as mc:
+        mc.open("l-a", {"regex": "[0-9]+"})
+        _ready(mc, "l-a")
+        before = server.service.live_sequences()
+        assert mc.close("l-a").result(10).status is SeqStatus.CLOSED
+        assert server.service.live_sequences() == before - 1
+        mc.open("l-b", {"regex": "[0-9]+"})
+        _ready(mc, "l-b")
+        f = mc.close("l-b")
+        mc.flush_closes()
+        assert f.result(10).status is SeqStatus.CLOSED
+    with MaskClient(server.address, tokenizer=cl100k, close_linger_s=0) as mc:   # 0: at once
+        mc.open("l-c", {"regex": "[0-9]+"})
+        _ready(mc, "l-c")
+        assert mc.close("l-c").result(10).status is SeqStatus.CLOSED
+        assert mc.close("never-opened").result(1) is None
+
+
+def test_a_closed_id_opened_again_before_the_next_step(server, cl100k):
+    with MaskClient(server.address, tokenizer=cl100k, close_linger_s=30) as mc:
+        mc.open("r", {"regex": "[0-9]+"})
+        _ready(mc, "r")
+        mc.step({"r": cl100k.encode("7")})
+        closed = mc.close("r")
+        mc.open("r", {"regex": "[a-z]+"})             # the same id, another grammar
+        res = _ready(mc, "r")
+        assert closed.result(5).status is SeqStatus.CLOSED
+        assert res.seqs["r"].step == 0
+        ids = allowed_ids(res.bitmask[res.seqs["r"].row])
+        assert cl100k.encode("x")[0] in ids and cl100k.encode("7")[0] not in ids
+
+
+def test_garbage_tokens_change_nothing(server, cl100k):
+    with MaskClient(server.address, tokenizer=cl100k, close_linger_s=30) as mc:
+        mc.open("g-a", {"regex": "[0-9]+"})
+        mc.open("g-b", {"regex": "[0-9]+"})
+        _ready(mc, "g-a", "g-b")
+        closed = mc.close("g-b")
+        for garbage in (["x"], [None], [1.5j], StepInput(tokens=[1], rollback="two")):
+            with pytest.raises(MaskClientError, match="integers") as err:
+                mc.step({"g-a": garbage})
+            assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert mc.history("g-a") == [] and not closed.done()
+        res = mc.step({"g-a": cl100k.encode("42")})    # step numbers still line up
+        assert res.seqs["g-a"].status is SeqStatus.READY
+        assert closed.result(5).status is SeqStatus.CLOSED
+
+
 def test_lost_server_is_replaced_and_outputs_do_not_change(cl100k):
     """Steps are idempotent and state is a function of the tokens: after the server is lost the
     client restores every sequence on the replacement and the outputs are the undisturbed ones."""
