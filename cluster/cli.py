@@ -14,6 +14,7 @@ import pathlib
 import subprocess
 import sys
 
+from maskd.rowcodec import DEFAULT_DICT_SIZE
 from maskd_cluster import NAMESPACE
 
 _HELP_ADDRESS = "Ray cluster to join (e.g. auto, HOST:6379, ray://HOST:10001); default: a local one"
@@ -45,7 +46,8 @@ def add_parser(sub) -> None:
     up.add_argument("--max-streams", type=int, default=256)
     up.add_argument("--max-message-bytes", type=int, default=64 << 20)
     up.add_argument("--max-grammar-bytes", type=int, default=1 << 20)
-    up.add_argument("--row-dict-size", type=int, default=None, help="rows per stream's row dictionary (default 256)")
+    up.add_argument("--row-dict-size", type=int, default=DEFAULT_DICT_SIZE,
+                    help=f"rows per stream's row dictionary (default {DEFAULT_DICT_SIZE}; 0: off)")
     up.add_argument("--tls-cert", default=None, help="PEM certificate chain on the worker nodes (with --tls-key)")
     up.add_argument("--tls-key", default=None, help="PEM private key on the worker nodes")
     up.add_argument("--auth-token-env", default="MASKD_AUTH_TOKEN",
@@ -177,6 +179,8 @@ def cmd_up(args) -> int:
         sys.exit("maskd cluster up: --workers must be at least 1")
     if bool(args.tls_cert) != bool(args.tls_key):
         sys.exit("maskd cluster up: --tls-cert and --tls-key go together")
+    if args.row_dict_size < 0:
+        sys.exit("maskd cluster up: --row-dict-size must be >= 0")
     state = _live_state(args.namespace)
     address = args.address or (state.get("ray_address") if state.get("started_head") else None)
     started = _connect(address, args.namespace, start_local=True, num_cpus=args.num_cpus)

@@ -11,6 +11,7 @@ import logging
 import math
 import time
 
+from maskd.server import ServerConfig as _S
 from maskd_cluster import DIRECTORY_NAME, NAMESPACE, STORE_NAME, WORKER_PREFIX, worker_actor_name, worker_id
 from maskd_cluster.hashring import DEFAULT_VNODES
 
@@ -20,26 +21,31 @@ log = logging.getLogger("maskd_cluster.launcher")
 _HELD: dict[str, dict[str, object]] = {}
 
 
+_SERVED = ("tokenizer", "backend", "logits_width", "compile_threads", "compile_timeout_s", "cache_entries",
+           "max_streams", "max_message_bytes", "max_grammar_bytes", "port", "metrics_port", "tls_cert", "tls_key",
+           "row_dict_size")
+
+
 @dataclasses.dataclass
 class ClusterConfig:
     workers: int = 2
     namespace: str = NAMESPACE
-    # what every worker serves (maskd.server.ServerConfig)
-    tokenizer: str = "deepseek-v4"
-    backend: str = "llguidance"
-    logits_width: int | None = None
+    # what every worker serves: the maskd.server.ServerConfig fields named in _SERVED, same defaults
+    tokenizer: str = _S.tokenizer
+    backend: str = _S.backend
+    logits_width: int | None = _S.logits_width
     threads: int | None = None              # mask-fill threads per worker; default: its CPUs, at least 1
-    compile_threads: int = 2
-    compile_timeout_s: float = 30.0
-    cache_entries: int = 1024
-    max_streams: int = 256
-    max_message_bytes: int = 64 << 20
-    max_grammar_bytes: int = 1 << 20
+    compile_threads: int = _S.compile_threads
+    compile_timeout_s: float = _S.compile_timeout_s
+    cache_entries: int = _S.cache_entries
+    max_streams: int = _S.max_streams
+    max_message_bytes: int = _S.max_message_bytes
+    max_grammar_bytes: int = _S.max_grammar_bytes
     port: int = 0                           # gRPC port per worker; 0 a free one
     metrics_port: int | None = None         # per worker: None off, 0 a free port
     tls_cert: str | None = None             # PEM paths on the worker nodes
     tls_key: str | None = None
-    row_dict_size: int | None = None        # None: the server's default
+    row_dict_size: int = _S.row_dict_size
     auth_token_env: str | None = "MASKD_AUTH_TOKEN"  # read on the worker's node, never shipped through Ray
     # placement
     worker_cpus: float = 1.0
@@ -58,14 +64,10 @@ class ClusterConfig:
     ready_timeout_s: float = 120.0
 
     def server_config(self) -> dict:
-        threads = self.threads or max(1, math.ceil(self.worker_cpus))
-        return {"tokenizer": self.tokenizer, "backend": self.backend, "logits_width": self.logits_width,
-                "threads": threads, "compile_threads": self.compile_threads,
-                "compile_timeout_s": self.compile_timeout_s, "cache_entries": self.cache_entries,
-                "max_streams": self.max_streams, "max_message_bytes": self.max_message_bytes,
-                "max_grammar_bytes": self.max_grammar_bytes, "port": self.port, "metrics_port": self.metrics_port,
-                "tls_cert": self.tls_cert, "tls_key": self.tls_key, "auth_token_env": self.auth_token_env,
-                **({} if self.row_dict_size is None else {"row_dict_size": self.row_dict_size})}
+        """What each worker passes to ServerConfig (auth_token_env: read on the worker's node)."""
+        return {**{name: getattr(self, name) for name in _SERVED},
+                "threads": self.threads or max(1, math.ceil(self.worker_cpus)),
+                "auth_token_env": self.auth_token_env}
 
 
 def _ray():

@@ -60,3 +60,17 @@ def test_up_status_conformance_down_from_separate_processes(tmp_path):
     # with nothing left, status says so instead of hanging
     st = _maskd("cluster", "status", "--namespace", ns, env=env, timeout=120)
     assert st.returncode != 0 and "no maskd cluster found" in st.stderr
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--workers", "0"], "--workers must be at least 1"),
+    (["--workers", "two"], "invalid int value"),
+    (["--row-dict-size", "-1"], "--row-dict-size must be >= 0"),
+    (["--tls-cert", "cert.pem"], "--tls-cert and --tls-key go together"),
+])
+def test_up_refuses_bad_flags_before_starting_anything(tmp_path, flags, message):
+    env = {**os.environ, "MASKD_STATE_DIR": str(tmp_path), "RAY_USAGE_STATS_ENABLED": "0"}
+    before = _ray_processes()
+    up = _maskd("cluster", "up", "--namespace", "maskd-test-bad", *flags, env=env, timeout=120)
+    assert up.returncode != 0 and message in up.stderr, up.stderr
+    assert _ray_processes() == before and not list(tmp_path.iterdir())

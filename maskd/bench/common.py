@@ -347,6 +347,13 @@ class Output:
             self.json_path.write_text(text + "\n")
 
 
+def args_dict(args, **over) -> dict:
+    """A mode's parsed arguments (plus the sizes it settled on) as JSON-ready values."""
+    d = {k: v for k, v in vars(args).items() if k != "func" and not callable(v)}
+    d.update(over)
+    return {k: str(v) if isinstance(v, pathlib.Path) else v for k, v in d.items()}
+
+
 def _json_default(o):
     if isinstance(o, np.integer):
         return int(o)

@@ -55,33 +55,40 @@ def _run_llguidance(tok, schemas) -> dict:
         compile_s = time.perf_counter() - t0
         fill_next_token_bitmask(m, bm, 0)
         ttfm = time.perf_counter() - t0
-        tbm, mask, consume = [], [], []
-        rejects = eos_fail = 0
-        for i, tokens in enumerate(s.instances):
-            if i:
-                m.reset()
-                fill_next_token_bitmask(m, bm, 0)
-            for t in tokens:
-                if not (int(bm[0, t >> 5]) >> (t & 31)) & 1:
-                    rejects += 1
-                    break
-                a = time.perf_counter()
-                ok = m.consume_token(t)
-                b = time.perf_counter()
-                fill_next_token_bitmask(m, bm, 0)
-                c = time.perf_counter()
-                if not ok:
-                    rejects += 1
-                    break
-                tbm.append(c - a)
-                consume.append(b - a)
-                mask.append(c - b)
-            else:
-                if not (int(bm[0, eos >> 5]) >> (eos & 31)) & 1:
-                    eos_fail += 1
-        per_schema[s.name] = {"compile": compile_s, "ttfm": ttfm, "tbm": tbm, "mask": mask,
-                              "consume": consume, "false_rejects": rejects, "eos_not_allowed": eos_fail}
+        per_schema[s.name] = {"compile": compile_s, "ttfm": ttfm,
+                              **_replay(s.instances, m.reset, m.consume_token,
+                                        lambda: fill_next_token_bitmask(m, bm, 0), bm, eos)}
     return per_schema
+
+
+def _replay(instances, reset, consume_token, fill, bits: np.ndarray, eos: int) -> dict:
+    """TBM over every token of every instance on one matcher (the mask of the first token is
+    filled already); each token is checked against the mask before it is consumed."""
+    tbm, mask, consume = [], [], []
+    rejects = eos_fail = 0
+    for i, tokens in enumerate(instances):
+        if i:
+            reset()
+            fill()
+        for t in tokens:
+            if not (int(bits[0, t >> 5]) >> (t & 31)) & 1:
+                rejects += 1
+                break
+            a = time.perf_counter()
+            ok = consume_token(t)
+            b = time.perf_counter()
+            fill()
+            c = time.perf_counter()
+            if not ok:
+                rejects += 1
+                break
+            tbm.append(c - a)
+            consume.append(b - a)
+            mask.append(c - b)
+        else:
+            if not (int(bits[0, eos >> 5]) >> (eos & 31)) & 1:
+                eos_fail += 1
+    return {"tbm": tbm, "mask": mask, "consume": consume, "false_rejects": rejects, "eos_not_allowed": eos_fail}
 
 
 # -- xgrammar (a child process) -------------------------------------------------------------
@@ -155,33 +162,9 @@ def _xgrammar_worker(conn, tokenizer_spec: str, threads: int) -> None:
         m.fill_next_token_bitmask(bm)
         ttfm = time.perf_counter() - t0
         conn.send(("compiled", compile_s))
-        bmn = bm.numpy()
-        tbm, mask, consume = [], [], []
-        rejects = eos_fail = 0
-        for i, tokens in enumerate(instances):
-            if i:
-                m.reset()
-                m.fill_next_token_bitmask(bm)
-            for t in tokens:
-                if not (int(bmn[0, t >> 5]) >> (t & 31)) & 1:
-                    rejects += 1
-                    break
-                a = time.perf_counter()
-                ok = m.accept_token(t)
-                b = time.perf_counter()
-                m.fill_next_token_bitmask(bm)
-                c = time.perf_counter()
-                if not ok:
-                    rejects += 1
-                    break
-                tbm.append(c - a)
-                consume.append(b - a)
-                mask.append(c - b)
-            else:
-                if not (int(bmn[0, eos >> 5]) >> (eos & 31)) & 1:
-                    eos_fail += 1
-        conn.send(("done", {"compile": compile_s, "ttfm": ttfm, "tbm": tbm, "mask": mask, "consume": consume,
-                            "false_rejects": rejects, "eos_not_allowed": eos_fail}))
+        conn.send(("done", {"compile": compile_s, "ttfm": ttfm,
+                            **_replay(instances, m.reset, m.accept_token, lambda: m.fill_next_token_bitmask(bm),
+                                      bm.numpy(), eos)}))
 
 
 class _XGrammarChild:
@@ -313,7 +296,7 @@ def run(args, log=print) -> dict:
                                for p in ("p50", "p99", "p100", "mean")}
     report = {
         "mode": "engines",
-        "args": _args_dict(args, limit=limit, xgrammar_timeout=xgr_timeout),
+        "args": common.args_dict(args, limit=limit, xgrammar_timeout=xgr_timeout),
         "machine": common.machine_info(),
         "data": str(args.data),
         "tokenizer": tok.spec,
@@ -343,12 +326,6 @@ def _compact(x: dict) -> dict:
         keep["tbm_p50_ms"] = round(float(np.median(x["tbm"])) * 1e3, 4) if x["tbm"] else None
         keep["tbm_max_ms"] = round(float(np.max(x["tbm"])) * 1e3, 4) if x["tbm"] else None
     return keep
-
-
-def _args_dict(args, **over) -> dict:
-    d = {k: v for k, v in vars(args).items() if k != "func" and not callable(v)}
-    d.update(over)
-    return {k: str(v) if isinstance(v, pathlib.Path) else v for k, v in d.items()}
 
 
 def _plots(out: common.Output, results: dict) -> None:

@@ -198,8 +198,7 @@ def run(args, log=print) -> dict:
     tops["samples_waiting_for_request"] = n_wait
     report = {
         "mode": "profile",
-        "args": {k: (str(v) if isinstance(v, common.pathlib.Path) else v) for k, v in vars(args).items()
-                 if not callable(v)} | {"limit": limit, "duration": duration},
+        "args": common.args_dict(args, limit=limit, duration=duration),
         "machine": common.machine_info(),
         "data": str(args.data),
         "tokenizer": tok.spec,

@@ -386,9 +386,7 @@ def run(args, log=print) -> dict:
     mismatches = sum(r["service"]["rows_differing_from_in_process"] for r in results)
     report = {
         "mode": "serve",
-        "args": {k: (str(v) if isinstance(v, common.pathlib.Path) else v) for k, v in vars(args).items()
-                 if not callable(v)} | {"limit": limit, "steps": steps, "warmup": warmup,
-                                        "memory_sequences": mem_n},
+        "args": common.args_dict(args, limit=limit, steps=steps, warmup=warmup, memory_sequences=mem_n),
         "machine": common.machine_info(),
         "data": str(args.data),
         "tokenizer": tok.spec,

@@ -331,8 +331,7 @@ def run(args, log=print) -> dict:
     primary = next((r for r in results if r["batch"] == 64), results[0] if results else {})
     report = {
         "mode": "wire",
-        "args": {k: (str(v) if isinstance(v, common.pathlib.Path) else v) for k, v in vars(args).items()
-                 if not callable(v)} | {"limit": limit, "max_rows": max_rows},
+        "args": common.args_dict(args, limit=limit, max_rows=max_rows),
         "machine": common.machine_info(),
         "data": str(args.data),
         "tokenizer": tok.spec,
