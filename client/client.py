@@ -273,17 +273,15 @@ class MaskClient:
             closes, self._closes = self._closes, []
             if not closes:
                 return
-            if self._closed:
-                for _, f in closes:
-                    f.set_result(None)
-                return
-        req = pb.StepRequest(seqs=[c for c, _ in closes])
-        try:
-            self._send(req, [], internal=True, closes=closes)
-        except MaskClientError:   # shut down meanwhile: the dropped stream frees them
-            for _, f in closes:
-                if not f.done():
-                    f.set_result(None)
+            if not self._closed:
+                try:   # taken and queued in one critical section: no later message overtakes them
+                    self._send_locked(pb.StepRequest(seqs=[c for c, _ in closes]), [], True, closes)
+                    return
+                except MaskClientError:   # no stream to be had: the server frees them when it drops
+                    pass
+        for _, f in closes:
+            if not f.done():
+                f.set_result(None)
 
     def _start_closer(self) -> None:
         """(under _lock) The thread that sends closes no step took within close_linger_s."""
@@ -380,16 +378,20 @@ class MaskClient:
     # -- stream machinery -----------------------------------------------------------------------
     def _send(self, req: pb.StepRequest, undo: list, internal: bool = False,
               closes: list = ()) -> concurrent.futures.Future:
+        with self._lock:
+            return self._send_locked(req, undo, internal, closes)
+
+    def _send_locked(self, req: pb.StepRequest, undo: list, internal: bool = False,
+                     closes: list = ()) -> concurrent.futures.Future:
+        if self._closed:
+            raise MaskClientError("client is shut down")
         fut: concurrent.futures.Future = concurrent.futures.Future()
         pending = _Pending(req, fut, undo, time.perf_counter(), internal, list(closes))
         if closes:
             fut.add_done_callback(lambda f, p=pending: _settle_closes(p, f))
-        with self._lock:
-            if self._closed:
-                raise MaskClientError("client is shut down")
-            self._ensure_stream()
-            self._pending.append(pending)
-            self._queue.put(req)
+        self._ensure_stream()
+        self._pending.append(pending)
+        self._queue.put(req)
         return fut
 
     def _ensure_stream(self) -> None:
