@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-stamp
 
-.PHONY: setup run test proto clean
+.PHONY: setup run test lint proto clean
 
 setup: $(STAMP)
 
@@ -19,11 +19,17 @@ $(STAMP): pyproject.toml
 run: setup
 	$(VENV)/bin/maskd demo
 
-test: setup
+test: setup lint
 	$(PY) -m pytest -q -ra
 
+# ruff and mypy over the runtime packages, and the import contracts (pyproject.toml)
+lint: setup
+	$(VENV)/bin/ruff check maskd client cluster
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports --config pyproject.toml --no-cache
+
 proto: setup
-	$(PY) -m maskd.protogen
+	$(PY) -m maskd.tools.protogen
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -23,15 +23,16 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 __all__ = [
+    "BitmaskBuffers",
     "apply_token_bitmask_inplace",
     "apply_token_bitmask_reference",
-    "BitmaskBuffers",
     "triton_available",
 ]
 
@@ -202,9 +203,9 @@ def _apply_torch(logits2d: torch.Tensor, bitmask2d: torch.Tensor, idx: np.ndarra
 
 # Bound by _load_triton(); the kernel below resolves ``tl`` from these module globals when Triton
 # compiles it, never at import time (annotations are strings under ``from __future__``).
-triton = None
-tl = None
-_triton_kernel = None
+triton: Any = None
+tl: Any = None
+_triton_kernel: Any = None
 _triton_state = "unknown"  # "unknown" | "ok" | "missing"
 _triton_lock = threading.Lock()
 
@@ -378,12 +379,12 @@ def apply_token_bitmask_reference(
 
 
 class _Slot:
-    __slots__ = ("host", "host_np", "device", "copied", "consumed")
+    __slots__ = ("consumed", "copied", "device", "host", "host_np")
 
     def __init__(self) -> None:
-        self.host: torch.Tensor | None = None
-        self.host_np: np.ndarray | None = None
-        self.device: torch.Tensor | None = None
+        self.host: Any = None       # torch.Tensor (pinned on CUDA machines)
+        self.host_np: Any = None    # numpy view of host
+        self.device: Any = None     # torch.Tensor on the device
         self.copied: Any = None  # torch.cuda.Event recorded after the H2D copy
         self.consumed: Any = None  # torch.cuda.Event recorded by mark_consumed()
 

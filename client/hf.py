@@ -31,14 +31,16 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from maskd_client.apply import BitmaskBuffers, apply_token_bitmask_inplace
-from maskd_client.client import MaskClient, MaskClientError, SeqStatus
+from maskd_client.client import MaskClient
+from maskd_client.types import MaskClientError, SeqStatus
 
 __all__ = ["MaskdLogitsProcessor", "MaskdPrefetch", "MaskdSequenceFailed"]
 
@@ -61,12 +63,13 @@ class MaskdPrefetch(StoppingCriteria):
     Never stops generation: it returns all False. Get it from ``processor.prefetcher``.
     """
 
-    def __init__(self, processor: "MaskdLogitsProcessor") -> None:
+    def __init__(self, processor: MaskdLogitsProcessor) -> None:
         self.processor = processor
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
         self.processor._advance(input_ids)
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        done: Any = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        return done
 
 
 class MaskdLogitsProcessor(LogitsProcessor):
@@ -144,11 +147,11 @@ class MaskdLogitsProcessor(LogitsProcessor):
         self.eos_seen: list[bool] = []      # EOS generated
         self.statuses: list[SeqStatus | None] = []
         self.tokens: list[list[int]] = []   # tokens sent per row (the grammar's view)
-        self._rows: np.ndarray | None = None  # (n, words) int32: the current mask of every row
+        self._rows: Any = None               # (n, words) int32 array: the current mask of every row
         self._buffers: BitmaskBuffers | None = None
-        self._last_ids: torch.Tensor | None = None
+        self._last_ids: Any = None           # the input_ids tensor of the last step sent
         self._sent_length: int | None = None  # input_ids length whose step was sent
-        self._pending = None                 # (future or None, [(row, seq_id)]) of the step in flight
+        self._pending: Any = None            # (future or None, [(row, seq_id)]) of the step in flight
         self._closed = False
         self._closed_rows: set[int] = set()
         self._warned_width = False
@@ -203,6 +206,7 @@ class MaskdLogitsProcessor(LogitsProcessor):
         if self._closed:
             raise ValueError("this MaskdLogitsProcessor is closed; make a new one for each generate call")
         n = self.batch_size
+        assert n is not None   # set by _check_shape
         specs = self._specs if self._specs is not None else [self._one_spec] * n
         self.seq_ids = [f"{self._prefix}-{i}" for i in range(n)]
         for sid, spec in zip(self.seq_ids, specs):
@@ -210,7 +214,7 @@ class MaskdLogitsProcessor(LogitsProcessor):
         self.prompt_length = input_ids.shape[1]
         self.done = [False] * n
         self.eos_seen = [False] * n
-        self.statuses = [None] * n
+        self.statuses = [None for _ in range(n)]
         self.tokens = [[] for _ in range(n)]
         self._rows = np.zeros((n, self.words), dtype=np.int32)
 
@@ -225,7 +229,7 @@ class MaskdLogitsProcessor(LogitsProcessor):
             return  # already sent (by the prefetcher)
         if self._sent_length is None:
             self._open(input_ids)
-            step = {sid: [] for sid in self.seq_ids}
+            step: dict[str, list[int]] = {sid: [] for sid in self.seq_ids}
             rows = list(enumerate(self.seq_ids))
         else:
             if length != self._sent_length + 1:
@@ -288,7 +292,7 @@ class MaskdLogitsProcessor(LogitsProcessor):
                 if res is None:
                     raise MaskClientError(f"maskd reply has no result for sequence {sid!r} (batch row {row})")
                 self.statuses[row] = res.status
-                if res.status.has_rows:
+                if res.has_rows:
                     dst.append(row)
                     src.append(res.row)
                 elif res.status is SeqStatus.WAITING:
@@ -324,7 +328,7 @@ class MaskdLogitsProcessor(LogitsProcessor):
         if pending is not None and pending[0] is not None:
             try:  # a last prefetched step: let it land so that the close follows it
                 pending[0].result(self._timeout_s)
-            except Exception as exc:  # noqa: BLE001 - closing must not raise
+            except Exception as exc:
                 log.debug("last step before close: %s", exc)
         futures = []
         for row, sid in enumerate(self.seq_ids):
@@ -340,12 +344,12 @@ class MaskdLogitsProcessor(LogitsProcessor):
         for f in futures:
             try:
                 f.result(self._timeout_s)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 log.debug("close: %s", exc)
         if self._owns_client:
             self.client.shutdown()
 
-    def __enter__(self) -> "MaskdLogitsProcessor":
+    def __enter__(self) -> MaskdLogitsProcessor:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -8,13 +8,15 @@ again through the state file ``up`` writes (``$MASKD_STATE_DIR`` or ``~/.maskd``
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
 import subprocess
 import sys
+from typing import Any
 
-from maskd.rowcodec import DEFAULT_DICT_SIZE
+from maskd.server.config import add_flags, from_flags
 from maskd_cluster import NAMESPACE
 
 _HELP_ADDRESS = "Ray cluster to join (e.g. auto, HOST:6379, ray://HOST:10001); default: a local one"
@@ -24,38 +26,16 @@ def add_parser(sub) -> None:
     p = sub.add_parser("cluster", help="maskd workers on Ray: up, status, down")
     csub = p.add_subparsers(dest="cluster_command", required=True)
 
-    up = csub.add_parser("up", help="start (or scale) a maskd cluster; prints the directory HOST:PORT last")
-    up.add_argument("--workers", type=int, default=2, help="number of maskd worker actors")
+    from maskd_cluster.launcher import ClusterConfig
+
+    up = csub.add_parser("up", help="start (or scale) a maskd cluster; prints the directory HOST:PORT last",
+                         description="Starts the directory, the shared grammar cache and the worker actors "
+                                     "(server flags as for `maskd serve`, applied to every worker).")
     up.add_argument("--address", default=None, help=_HELP_ADDRESS)
-    up.add_argument("--namespace", default=NAMESPACE, help="Ray namespace of the cluster's actors")
     up.add_argument("--num-cpus", type=int, default=None, help="CPUs of a local Ray head this command starts")
-    up.add_argument("--tokenizer", default="deepseek-v4")
-    up.add_argument("--backend", default="llguidance")
-    up.add_argument("--logits-width", type=int, default=None)
-    up.add_argument("--worker-cpus", type=float, default=1.0, help="CPUs each worker actor asks Ray for")
     up.add_argument("--worker-resource", action="append", default=[], metavar="NAME[=AMOUNT]",
                     help="custom Ray resource that pins workers to a CPU node pool (repeatable)")
-    up.add_argument("--threads", type=int, default=None, help="mask-fill threads per worker (default: its CPUs)")
-    up.add_argument("--compile-threads", type=int, default=2)
-    up.add_argument("--compile-timeout", type=float, default=30.0)
-    up.add_argument("--cache-entries", type=int, default=1024)
-    up.add_argument("--shared-cache-entries", type=int, default=4096)
-    up.add_argument("--shared-cache-bytes", type=int, default=1 << 30)
-    up.add_argument("--metrics-port", type=int, default=None, help="per-worker Prometheus port (0: a free one)")
-    up.add_argument("--port", type=int, default=0, help="gRPC port every worker binds (default 0: a free one)")
-    up.add_argument("--max-streams", type=int, default=256)
-    up.add_argument("--max-message-bytes", type=int, default=64 << 20)
-    up.add_argument("--max-grammar-bytes", type=int, default=1 << 20)
-    up.add_argument("--row-dict-size", type=int, default=DEFAULT_DICT_SIZE,
-                    help=f"rows per stream's row dictionary (default {DEFAULT_DICT_SIZE}; 0: off)")
-    up.add_argument("--tls-cert", default=None, help="PEM certificate chain on the worker nodes (with --tls-key)")
-    up.add_argument("--tls-key", default=None, help="PEM private key on the worker nodes")
-    up.add_argument("--auth-token-env", default="MASKD_AUTH_TOKEN",
-                    help="environment variable (on the worker nodes) holding the bearer token clients must send")
-    up.add_argument("--worker-host", default=None, help="address workers bind and advertise (default: node IP)")
-    up.add_argument("--directory-port", type=int, default=0, help="directory gRPC port (default: a free one)")
-    up.add_argument("--max-restarts", type=int, default=-1, help="worker restarts after failures (-1: no limit)")
-    up.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for the workers")
+    add_flags(up, ClusterConfig(), skip=("host",))   # workers bind --worker-host
     up.set_defaults(func=cmd_up)
 
     st = csub.add_parser("status", help="workers, sequences per worker, compiles and cache sizes")
@@ -127,7 +107,7 @@ def _connect(address: str | None, namespace: str, *, start_local: bool = False,
 
     if ray.is_initialized():
         return False
-    kwargs = dict(namespace=namespace, logging_level="WARNING", log_to_driver=False)
+    kwargs: dict[str, Any] = dict(namespace=namespace, logging_level="WARNING", log_to_driver=False)
     if address:
         ray.init(address=address, **kwargs)
         return False
@@ -173,36 +153,28 @@ def _parse_resources(items: list[str]) -> dict[str, float]:
 def cmd_up(args) -> int:
     _token_auth_env()
     import ray
+
+    from maskd.server.config import ConfigError
     from maskd_cluster import launcher
 
-    if args.workers < 1:
-        sys.exit("maskd cluster up: --workers must be at least 1")
-    if bool(args.tls_cert) != bool(args.tls_key):
-        sys.exit("maskd cluster up: --tls-cert and --tls-key go together")
-    if args.row_dict_size < 0:
-        sys.exit("maskd cluster up: --row-dict-size must be >= 0")
-    state = _live_state(args.namespace)
+    cfg = from_flags(launcher.ClusterConfig, args)
+    cfg = dataclasses.replace(cfg, worker_resources=_parse_resources(args.worker_resource), detached=True,
+                              log_level=getattr(args, "log_level", None))
+    try:
+        cfg.check()
+    except ConfigError as exc:
+        sys.exit(f"maskd cluster up: {exc}")
+    state = _live_state(cfg.namespace)
     address = args.address or (state.get("ray_address") if state.get("started_head") else None)
-    started = _connect(address, args.namespace, start_local=True, num_cpus=args.num_cpus)
-    cfg = launcher.ClusterConfig(
-        workers=args.workers, namespace=args.namespace, tokenizer=args.tokenizer, backend=args.backend,
-        logits_width=args.logits_width, threads=args.threads, compile_threads=args.compile_threads,
-        compile_timeout_s=args.compile_timeout, cache_entries=args.cache_entries, metrics_port=args.metrics_port,
-        port=args.port, max_streams=args.max_streams, max_message_bytes=args.max_message_bytes,
-        max_grammar_bytes=args.max_grammar_bytes, tls_cert=args.tls_cert, tls_key=args.tls_key,
-        auth_token_env=args.auth_token_env, row_dict_size=args.row_dict_size,
-        worker_cpus=args.worker_cpus, worker_resources=_parse_resources(args.worker_resource),
-        worker_host=args.worker_host, max_restarts=args.max_restarts, directory_port=args.directory_port,
-        shared_cache_entries=args.shared_cache_entries, shared_cache_bytes=args.shared_cache_bytes,
-        detached=True, ready_timeout_s=args.timeout)
+    started = _connect(address, cfg.namespace, start_local=True, num_cpus=args.num_cpus)
     try:
         directory = launcher.up(cfg)
-    except (TimeoutError, RuntimeError) as exc:
+    except (TimeoutError, RuntimeError, ConfigError) as exc:
         sys.exit(f"maskd cluster up: {exc}")
     ray_address = ray.get_runtime_context().gcs_address
-    _save_state(args.namespace, {"ray_address": ray_address, "directory": directory, "namespace": args.namespace,
-                                 "started_head": started or bool(state.get("started_head"))})
-    print(f"maskd cluster: {args.workers} workers in Ray namespace {args.namespace!r} on Ray at {ray_address}")
+    _save_state(cfg.namespace, {"ray_address": ray_address, "directory": directory, "namespace": cfg.namespace,
+                                "started_head": started or bool(state.get("started_head"))})
+    print(f"maskd cluster: {cfg.workers} workers in Ray namespace {cfg.namespace!r} on Ray at {ray_address}")
     print(directory, flush=True)
     return 0
 
@@ -229,7 +201,7 @@ def cmd_status(args) -> int:
 
 
 def _status_over_grpc(directory: str) -> dict | None:
-    from maskd_cluster.directory_client import DirectoryClient, DirectoryError
+    from maskd_client.routing import DirectoryClient, DirectoryError
     try:
         with DirectoryClient(directory, timeout_s=15.0) as dc:
             reply = dc.list_workers(stats=True)
@@ -273,6 +245,7 @@ def format_status(report: dict) -> str:
 def cmd_down(args) -> int:
     _token_auth_env()
     import ray
+
     from maskd_cluster import launcher
 
     state = _live_state(args.namespace)

@@ -19,15 +19,16 @@ import logging
 import re
 import threading
 import time
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from maskd_cluster import STORE_NAME, WORKER_PREFIX
-from maskd_cluster.hashring import DEFAULT_VNODES, RING_HASH, HashRing
 from maskd.v1 import directory_pb2 as dpb
 from maskd.v1 import directory_pb2_grpc as dpb_grpc
+from maskd_client.routing import DEFAULT_VNODES, RING_HASH, HashRing
+from maskd_cluster import STORE_NAME, WORKER_PREFIX
 
 log = logging.getLogger("maskd_cluster.directory")
 SERVICE_NAME = "maskd.v1.Directory"
@@ -272,7 +273,7 @@ class Directory:
         self.ping_timeout_s = ping_timeout_s
         self.state = DirectoryState(vnodes, misses_to_down=misses_to_down,
                                     on_incarnation_gone=self._release_claims)
-        self._store = None
+        self._store: Any = None
         self._stop = threading.Event()
         self._server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=16,
                                                                          thread_name_prefix="maskd-directory"))
@@ -363,8 +364,8 @@ class Directory:
                 self.state.miss(wid, dead=True, why=str(exc), incarnation=incarnation)
         if not refs:
             return
-        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=self.ping_timeout_s)
-        ready = set(ready)
+        ready_list, _ = ray.wait(list(refs), num_returns=len(refs), timeout=self.ping_timeout_s)
+        ready = set(ready_list)
         for ref, (wid, incarnation) in refs.items():
             if ref not in ready:
                 self.state.miss(wid, dead=False, why=f"no answer in {self.ping_timeout_s:g} s",

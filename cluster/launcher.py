@@ -11,9 +11,9 @@ import logging
 import math
 import time
 
-from maskd.server import ServerConfig as _S
+from maskd.server.config import ConfigError, ServerConfig, setting
+from maskd_client.routing import DEFAULT_VNODES
 from maskd_cluster import DIRECTORY_NAME, NAMESPACE, STORE_NAME, WORKER_PREFIX, worker_actor_name, worker_id
-from maskd_cluster.hashring import DEFAULT_VNODES
 
 log = logging.getLogger("maskd_cluster.launcher")
 # Handles of actors that are not detached: Ray ends such an actor once no handle to it is left,
@@ -21,53 +21,46 @@ log = logging.getLogger("maskd_cluster.launcher")
 _HELD: dict[str, dict[str, object]] = {}
 
 
-_SERVED = ("tokenizer", "backend", "logits_width", "compile_threads", "compile_timeout_s", "cache_entries",
-           "max_streams", "max_message_bytes", "max_grammar_bytes", "port", "metrics_port", "tls_cert", "tls_key",
-           "row_dict_size")
+def _worker_server_defaults() -> ServerConfig:
+    """What a worker serves unless told otherwise: a free port, fill threads = its CPUs."""
+    return ServerConfig(port=0, threads=None)
 
 
 @dataclasses.dataclass
 class ClusterConfig:
-    workers: int = 2
-    namespace: str = NAMESPACE
-    # what every worker serves: the maskd.server.ServerConfig fields named in _SERVED, same defaults
-    tokenizer: str = _S.tokenizer
-    backend: str = _S.backend
-    logits_width: int | None = _S.logits_width
-    threads: int | None = None              # mask-fill threads per worker; default: its CPUs, at least 1
-    compile_threads: int = _S.compile_threads
-    compile_timeout_s: float = _S.compile_timeout_s
-    cache_entries: int = _S.cache_entries
-    max_streams: int = _S.max_streams
-    max_message_bytes: int = _S.max_message_bytes
-    max_grammar_bytes: int = _S.max_grammar_bytes
-    port: int = 0                           # gRPC port per worker; 0 a free one
-    metrics_port: int | None = None         # per worker: None off, 0 a free port
-    tls_cert: str | None = None             # PEM paths on the worker nodes
-    tls_key: str | None = None
-    row_dict_size: int = _S.row_dict_size
-    auth_token_env: str | None = "MASKD_AUTH_TOKEN"  # read on the worker's node, never shipped through Ray
-    # placement
-    worker_cpus: float = 1.0
-    worker_resources: dict[str, float] = dataclasses.field(default_factory=dict)  # e.g. {"maskd_cpu": 0.01}
-    worker_host: str | None = None          # bind and advertise address; default the node's IP
-    max_restarts: int = -1                  # -1: restart forever
-    drain_grace_s: float = 10.0
-    # directory and shared cache
-    directory_port: int = 0
-    directory_host: str | None = None       # advertised host; default the node's IP
-    vnodes: int = DEFAULT_VNODES
-    poll_s: float = 0.5
-    shared_cache_entries: int = 4096
-    shared_cache_bytes: int = 1 << 30
-    detached: bool = True                   # outlive this process (the CLI); tests use False
-    ready_timeout_s: float = 120.0
+    """A maskd cluster: the directory, the shared grammar cache and N workers serving ``server``."""
 
-    def server_config(self) -> dict:
-        """What each worker passes to ServerConfig (auth_token_env: read on the worker's node)."""
-        return {**{name: getattr(self, name) for name in _SERVED},
-                "threads": self.threads or max(1, math.ceil(self.worker_cpus)),
-                "auth_token_env": self.auth_token_env}
+    workers: int = setting(2, help="number of maskd worker actors")
+    namespace: str = setting(NAMESPACE, help="Ray namespace of the cluster's actors")
+    server: ServerConfig = setting(help="", factory=_worker_server_defaults)
+    # placement
+    worker_cpus: float = setting(1.0, help="CPUs each worker actor asks Ray for (its fill threads by default)")
+    worker_resources: dict[str, float] = setting(help="custom Ray resources per worker", cli=False, factory=dict)
+    worker_host: str | None = setting(None, help="address workers bind and advertise (default: the node's IP)")
+    max_restarts: int = setting(-1, help="worker restarts after failures (-1: no limit)")
+    drain_grace_s: float = setting(10.0, flag="--drain-grace", help="seconds a draining worker's streams get")
+    # directory and shared cache
+    directory_port: int = setting(0, help="directory gRPC port (0: a free one)")
+    directory_host: str | None = setting(None, help="address the directory advertises (default: the node's IP)")
+    vnodes: int = setting(DEFAULT_VNODES, help="ring points per worker")
+    poll_s: float = setting(0.5, flag="--poll", help="seconds between the directory's checks of the workers")
+    shared_cache_entries: int = setting(4096, help="compiled grammars the cluster cache keeps")
+    shared_cache_bytes: int = setting(1 << 30, help="bytes the cluster cache keeps")
+    detached: bool = setting(True, cli=False, help="actors outlive this process (the CLI); tests use False")
+    ready_timeout_s: float = setting(120.0, flag="--timeout", help="seconds to wait for the workers")
+    log_level: str | None = setting(None, cli=False, help="the workers' log level")
+
+    def check(self) -> None:
+        if self.workers < 1:
+            raise ConfigError(f"--workers must be at least 1, not {self.workers}")
+        if self.worker_cpus <= 0:
+            raise ConfigError(f"--worker-cpus must be > 0, not {self.worker_cpus}")
+        self.server.check()
+
+    def worker_server_config(self) -> ServerConfig:
+        """What each worker serves (threads resolved to its CPUs when unset)."""
+        threads = self.server.threads or max(1, math.ceil(self.worker_cpus))
+        return dataclasses.replace(self.server, threads=threads)
 
 
 def _ray():
@@ -113,7 +106,8 @@ def up(cfg: ClusterConfig) -> str:
     ns = cfg.namespace
     common = dict(namespace=ns, get_if_exists=True, lifetime=_lifetime(cfg), max_restarts=-1)
     store = ray.remote(GrammarStore).options(name=STORE_NAME, num_cpus=0, max_concurrency=1000, **common).remote(
-        max_entries=cfg.shared_cache_entries, max_bytes=cfg.shared_cache_bytes, claim_s=cfg.compile_timeout_s)
+        max_entries=cfg.shared_cache_entries, max_bytes=cfg.shared_cache_bytes,
+        claim_s=cfg.server.limits.compile_timeout_s)
     ray.get(store.ready.remote(), timeout=cfg.ready_timeout_s)
     directory = ray.remote(Directory).options(name=DIRECTORY_NAME, num_cpus=0, max_concurrency=16, **common).remote(
         ns, host=cfg.directory_host, port=cfg.directory_port, vnodes=cfg.vnodes, poll_s=cfg.poll_s)
@@ -123,8 +117,9 @@ def up(cfg: ClusterConfig) -> str:
     held.setdefault(DIRECTORY_NAME, directory)
     address = ray.get(directory.address.remote(), timeout=cfg.ready_timeout_s)
 
+    cfg.check()
     existing = set(worker_names(ns))
-    server_config = cfg.server_config()
+    server_config = cfg.worker_server_config()
     started = {}
     for i in range(cfg.workers):
         wid = worker_id(i)
@@ -136,7 +131,8 @@ def up(cfg: ClusterConfig) -> str:
             handle = ray.remote(Worker).options(
                 name=name, namespace=ns, lifetime=_lifetime(cfg), num_cpus=cfg.worker_cpus,
                 resources=dict(cfg.worker_resources) or None, max_restarts=cfg.max_restarts, max_concurrency=4,
-            ).remote(wid, server_config, ns, host=cfg.worker_host, drain_grace_s=cfg.drain_grace_s)
+            ).remote(wid, server_config, ns, host=cfg.worker_host, drain_grace_s=cfg.drain_grace_s,
+                     log_level=cfg.log_level)
             held[name] = handle
         started[wid] = handle
         ray.get(directory.add_worker.remote(wid, handle))
@@ -156,7 +152,8 @@ def up(cfg: ClusterConfig) -> str:
     if not ray.get(directory.wait_live.remote(cfg.workers, cfg.ready_timeout_s),
                    timeout=cfg.ready_timeout_s + 10):
         raise TimeoutError(f"{cfg.workers} maskd workers not live after {cfg.ready_timeout_s:g} s "
-                           f"(each asks for {cfg.worker_cpus:g} CPU{' and ' + str(cfg.worker_resources) if cfg.worker_resources else ''}; "
+                           f"(each asks for {cfg.worker_cpus:g} CPU"
+                           f"{' and ' + str(cfg.worker_resources) if cfg.worker_resources else ''}; "
                            f"Ray has {ray.available_resources()} free): {status(ns)['workers']}")
     return address
 
@@ -207,6 +204,7 @@ def down(namespace: str = NAMESPACE, *, grace_s: float = 10.0) -> list[str]:
     _HELD.pop(namespace, None)
     try:
         from ray.experimental.internal_kv import _internal_kv_del
+
         from maskd_cluster.directory import _kv_key
         _internal_kv_del(_kv_key(namespace))
     except Exception:

@@ -10,7 +10,7 @@ waiters compiles.
 The payload is opaque bytes from ``Engine.serialize`` (for llguidance the validated grammar
 string; for xgrammar ``CompiledGrammar.serialize_json``), so the store carries any backend.
 
-``RayGrammarStore`` is the worker-side adapter implementing maskd.grammar_cache.SharedGrammarStore.
+``RayGrammarStore`` is the worker-side adapter implementing maskd.server.grammar_cache.SharedGrammarStore.
 """
 from __future__ import annotations
 

@@ -32,9 +32,14 @@ def _sample(registry, name: str, labels: dict | None = None) -> int:
 class Worker:
     """Ray actor: create through maskd_cluster.launcher (``ray.remote(Worker).options(...)``)."""
 
-    def __init__(self, worker_id: str, server_config: dict, namespace: str, *, host: str | None = None,
-                 drain_grace_s: float = 10.0) -> None:
-        from maskd.server import MaskServer, ServerConfig
+    def __init__(self, worker_id: str, server_config, namespace: str, *, host: str | None = None,
+                 drain_grace_s: float = 10.0, log_level: str | None = None) -> None:
+        import dataclasses
+
+        from maskd.server import MaskServer
+        from maskd.server.logs import configure
+
+        configure(log_level)
 
         self.worker_id = worker_id
         self.namespace = namespace
@@ -46,15 +51,13 @@ class Worker:
             warnings.simplefilter("ignore")
             self.restarted = bool(ctx.was_current_actor_reconstructed)
         self.started_at = time.time()
-        server_config = dict(server_config)
-        token_env = server_config.pop("auth_token_env", None)
-        config = ServerConfig(**{**server_config, "host": host or ray.util.get_node_ip_address(),
-                                 "port": server_config.get("port", 0),
-                                 "auth_token": (os.environ.get(token_env) if token_env else None) or None})
+        # The bearer token is read here, on the worker's node (auth_token_env), never shipped through Ray.
+        config = dataclasses.replace(server_config, host=host or ray.util.get_node_ip_address())
         shared = None
         try:
             store = ray.get_actor(STORE_NAME, namespace=namespace)
-            shared = RayGrammarStore(store, f"{worker_id}/{self.incarnation}", wait_s=config.compile_timeout_s)
+            shared = RayGrammarStore(store, f"{worker_id}/{self.incarnation}",
+                                     wait_s=config.limits.compile_timeout_s)
         except ValueError:
             log.warning("no shared grammar store %r in namespace %r: compiling locally only", STORE_NAME, namespace)
         self.server = MaskServer(config, shared_cache=shared).start()

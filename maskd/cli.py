@@ -1,162 +1,111 @@
-"""The maskd command line: serve, conformance, demo, bench, cluster."""
+"""The ``maskd`` command: serve, conformance, demo, bench, cluster.
+
+This module is the top of the import graph: it dispatches to the server (``maskd.server``), the
+development tools (``maskd.tools``) and the cluster (``maskd_cluster``), importing each only when
+its subcommand runs (or registers). Every subcommand takes ``--log-level`` (and ``-v``); every
+help shows the defaults.
+"""
 from __future__ import annotations
 
 import argparse
-import json
+import importlib
 import logging
-import os
-import pathlib
 import sys
 
-SAMPLE_DIR = pathlib.Path(__file__).parent / "samples" / "maskbench"
+import maskd
+
+log = logging.getLogger("maskd.cli")
+# Subcommands whose modules carry extra dependencies register themselves: (module, name).
+_OPTIONAL = (("maskd.tools.conformance", "conformance"), ("maskd.tools.demo", "demo"),
+             ("maskd.tools.bench.cli", "bench"), ("maskd_cluster.cli", "cluster"))
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """The default in every help line (unless the text already says it), and room for flag names."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=36)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, argparse.SUPPRESS, False) or not action.option_strings:
+            return text
+        return super()._get_help_string(action) or text
 
 
 def _add_serve(sub) -> None:
-    p = sub.add_parser("serve", help="run a maskd gRPC server")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50051)
-    p.add_argument("--tokenizer", default="deepseek-v4",
-                   help="deepseek-v4, qwen2.5, qwen3.6, cl100k, hf:PATH, tiktoken:PATH or a HF model id")
-    p.add_argument("--backend", default="llguidance", help="llguidance (default) or xgrammar")
-    p.add_argument("--logits-width", type=int, default=None, help="model logits width if padded past the vocabulary")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="mask-fill threads")
-    p.add_argument("--compile-threads", type=int, default=2)
-    p.add_argument("--compile-timeout", type=float, default=30.0, help="seconds per grammar compile")
-    p.add_argument("--cache-entries", type=int, default=1024)
-    p.add_argument("--max-streams", type=int, default=256)
-    p.add_argument("--max-message-bytes", type=int, default=64 << 20)
-    p.add_argument("--max-grammar-bytes", type=int, default=1 << 20)
-    p.add_argument("--row-dict-size", type=int, default=None,
-                   help="rows each stream's row dictionary keeps for DICT_REF (0: off; default 256)")
-    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (off if unset)")
-    p.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key: serve TLS)")
-    p.add_argument("--tls-key", default=None, help="PEM private key")
-    p.add_argument("--auth-token-env", default="MASKD_AUTH_TOKEN",
-                   help="environment variable holding the bearer token clients must send (unset: no auth)")
+    from maskd.server.config import ServerConfig, add_flags
+
+    p = sub.add_parser("serve", help="run a maskd gRPC server", formatter_class=HelpFormatter,
+                       description="A maskd gRPC server: MaskService with health checks, metrics and a "
+                                   "graceful drain on SIGTERM.")
+    add_flags(p, ServerConfig())
+    p.add_argument("--drain-grace", type=float, default=10.0, metavar="SECONDS",
+                   help="seconds open streams get to finish after SIGTERM")
     p.set_defaults(func=cmd_serve)
 
 
-def _server_config(args):
-    from maskd.server import ServerConfig
-    extra = {} if args.row_dict_size is None else {"row_dict_size": args.row_dict_size}
-    if args.row_dict_size is not None and args.row_dict_size < 0:
-        sys.exit("maskd: --row-dict-size must be >= 0")
-    return ServerConfig(**extra, host=args.host, port=args.port, tokenizer=args.tokenizer, backend=args.backend,
-                        logits_width=args.logits_width, threads=args.threads,
-                        compile_threads=args.compile_threads, compile_timeout_s=args.compile_timeout,
-                        cache_entries=args.cache_entries, max_streams=args.max_streams,
-                        max_message_bytes=args.max_message_bytes, max_grammar_bytes=args.max_grammar_bytes,
-                        metrics_port=args.metrics_port, tls_cert=args.tls_cert, tls_key=args.tls_key,
-                        auth_token=os.environ.get(args.auth_token_env) or None)
-
-
-def _start_server(config):
-    """Starts a server or exits with a message a person can act on."""
-    from maskd.engines import BACKENDS
-    from maskd.server import MaskServer
-    from maskd.tokenizers import TokenizerError
-
-    if config.backend not in BACKENDS:
-        sys.exit(f"maskd: unknown backend {config.backend!r}; available: {', '.join(BACKENDS)}")
-    try:
-        return MaskServer(config).start()
-    except TokenizerError as exc:
-        sys.exit(f"maskd: {exc}")
-    except (OSError, RuntimeError, ValueError) as exc:
-        sys.exit(f"maskd: cannot start the server: {exc}")
-
-
 def cmd_serve(args) -> int:
-    server = _start_server(_server_config(args))
+    from maskd.server.app import start_or_exit
+    from maskd.server.config import ServerConfig, from_flags
+
+    server = start_or_exit(from_flags(ServerConfig, args))
     print(f"maskd serving on {server.address}" +
-          (f", metrics on :{server.metrics_port}/metrics" if server.metrics_port else ""), flush=True)
-    server.serve_forever()
+          (f", metrics on {server.config.metrics_bind_host}:{server.metrics_port}/metrics"
+           if server.metrics_port else ""), flush=True)
+    server.serve_forever(grace_s=args.drain_grace)
     return 0
 
 
-def _add_conformance(sub) -> None:
-    p = sub.add_parser("conformance", help="MaskBench conformance through a maskd server")
-    where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--target", help="HOST:PORT of a maskd server (or of a cluster directory)")
-    where.add_argument("--embedded", action="store_true", help="start a server on a free loopback port")
-    where.add_argument("--in-process", action="store_true", help="llguidance in this process, no server")
-    p.add_argument("--data", default=str(SAMPLE_DIR), help="folder of MaskBench files (default: built-in sample)")
-    p.add_argument("--tokenizer", default="deepseek-v4")
-    p.add_argument("--limit", type=int, default=None, help="first N files only")
-    p.add_argument("--batch", type=int, default=64, help="sequences per step")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="embedded server's fill threads")
-    p.add_argument("--json", dest="json_out", default=None, help="write the report here")
-    p.set_defaults(func=cmd_conformance)
+# -- options every subcommand takes ---------------------------------------------------------------
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    """--log-level and -v on a parser and every subparser below it."""
+    from maskd.server.config import LOG_LEVELS
 
-
-def cmd_conformance(args) -> int:
-    from maskd import conformance
-
-    try:
-        suite = conformance.load_suite(args.data, args.limit)
-    except (FileNotFoundError, ValueError) as exc:
-        sys.exit(f"maskd conformance: {exc}")
-    server = None
-    if args.in_process:
-        report = conformance.run_in_process(args.tokenizer, suite)
-    else:
-        target = args.target
-        if args.embedded:
-            from maskd.server import ServerConfig
-            server = _start_server(ServerConfig(port=0, tokenizer=args.tokenizer, threads=args.threads))
-            target = server.address
-        elif _is_directory(target):
-            target = f"directory:{target}"
-        try:
-            report = conformance.run_through_server(target, args.tokenizer, suite, batch=args.batch)
-        finally:
-            if server is not None:
-                server.stop(grace=1.0)
-    print(conformance.summary_line(report))
-    for item in report["false_accepts"][:20]:
-        print(f"  false accept: {item['file']} test {item['test']}")
-    for item in report["false_rejects"][:20]:
-        print(f"  false reject: {item['file']} test {item['test']}: {item['why'][:200]}")
-    if args.json_out:
-        pathlib.Path(args.json_out).write_text(json.dumps(report, indent=2))
-    return 1 if report["false_accepts"] or report["false_rejects"] else 0
-
-
-def _is_directory(target: str) -> bool:
-    """True when the target answers the cluster directory service rather than MaskService."""
-    try:
-        from maskd_cluster.directory_client import is_directory
-    except ImportError:
-        return False
-    return is_directory(target)
-
-
-def _add_optional(sub, module: str, name: str) -> None:
-    """Subcommands whose modules carry extra dependencies register themselves lazily."""
-    import importlib
-    try:
-        mod = importlib.import_module(module)
-    except ImportError:
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if subs:
+        for action in subs:
+            for child in action.choices.values():
+                _add_common(child)
         return
-    mod.add_parser(sub)
+    parser.formatter_class = HelpFormatter
+    parser.add_argument("--log-level", choices=LOG_LEVELS, default=None,
+                        help="log level (default: $MASKD_LOG_LEVEL, else warning)")
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="-v: info, -vv: debug (--log-level wins; default: neither)")
+
+
+def _log_level(args) -> str | None:
+    if getattr(args, "log_level", None):
+        return args.log_level
+    verbose = getattr(args, "verbose", 0)
+    return {0: None, 1: "info"}.get(verbose, "debug")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="maskd", description="distributed token-mask server")
-    parser.add_argument("-v", "--verbose", action="store_true")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="maskd", description="maskd: a distributed token-mask server for "
+                                     "constrained LLM decoding", formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"maskd {maskd.__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_serve(sub)
-    _add_conformance(sub)
-    _add_optional(sub, "maskd.demo", "demo")
-    _add_optional(sub, "maskd.bench.cli", "bench")
-    _add_optional(sub, "maskd_cluster.cli", "cluster")
+    for module, _name in _OPTIONAL:
+        try:
+            mod = importlib.import_module(module)
+        except ImportError:   # an extra that is not installed: its subcommand is not listed
+            continue
+        mod.add_parser(sub)
+    _add_common(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    from maskd.server.logs import configure
+
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        configure(_log_level(args))
+    except ValueError as exc:
+        sys.exit(f"maskd: {exc}")
     return args.func(args) or 0
 
 

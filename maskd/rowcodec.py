@@ -1,49 +1,11 @@
 """Mask rows on the wire: encoder (server) and decoder (client), numpy only.
 
-Both ends of a stream hold one RowEncoder / RowDecoder; the decoder always yields the
-dense int32 rows (n_rows, words_per_row), whatever the encoding on the wire.
-
-A row is ``words_per_row`` int32 words; bit ``i % 32`` of word ``i // 32`` set means token
-``i`` is allowed. Bits at positions >= ``width`` are always 0 (the encoder refuses rows that
-set them, the decoder refuses replies that would produce them).
-
-Encodings (``MaskRow.encoding``), per row, whichever is smallest:
-
-``ROW_ENCODING_DENSE``
-    ``data`` is the words as little-endian int32 (``4 * words_per_row`` bytes).
-``ROW_ENCODING_ALLOWED_IDS``
-    ``data`` is the sorted ids of the set bits, delta-encoded (the first value is the id
-    itself, every later value is the difference to the previous id, so it is >= 1), each
-    value an unsigned LEB128 varint (7 bits per byte, low group first, high bit set on every
-    byte but the last of a value). Empty ``data`` is the all-rejected row.
-``ROW_ENCODING_REJECTED_IDS``
-    The same, over the ids in ``[0, width)`` whose bit is 0. Empty ``data`` is the row that
-    allows every id below ``width``.
-``ROW_ENCODING_DICT_REF``
-    ``data`` is empty and ``ref`` is a slot of the stream's row dictionary: the row is the
-    one stored there.
-
-Size ties go to the lower enum value (dense, then allowed ids, then rejected ids).
-
-The row dictionary (``dict_size`` = D rows per stream, 0 disables it) is kept in step by
-both ends with this rule, applied to the rows of a stream in order (replies in the order
-sent, rows of a reply in index order):
-
-* Each end counts insertions, starting at 0 when the stream opens (``counter``).
-* A row sent with a non-REF encoding is inserted at slot ``counter % D`` (overwriting
-  whatever was there) and ``counter`` increases by 1. Nothing else is inserted; a
-  DICT_REF row leaves the dictionary unchanged.
-* A DICT_REF row may name only a filled slot, i.e. ``ref < min(counter, D)``; its row is
-  the row in that slot at that point (so a repeat within one reply refers to the slot that
-  the first occurrence in the same reply filled).
-
-The encoder sends DICT_REF whenever the row is byte-equal to a row present in its
-dictionary (looked up by the row bytes, so a hash collision can never produce a wrong
-reference); a row present in the dictionary is never inserted twice. An encoder whose
-``encodings`` exclude DICT_REF keeps no dictionary at all; the decoder's inserts are then
-harmless. The decoder must be built with the encoder's ``dict_size`` (``InfoResponse.
-row_dictionary_size``). After a RowCodecError the decoder's dictionary may be out of step:
-the stream must be dropped.
+Both ends of a stream hold one RowEncoder / RowDecoder; the decoder always yields the dense int32
+rows (n_rows, words_per_row), whatever the encoding on the wire. The encodings and the row
+dictionary rule are the contract's: see ``RowEncoding`` in proto/maskd/v1/maskd.proto. Bits at
+positions >= ``width`` are always 0 (the encoder refuses rows that set them, the decoder refuses
+replies that would produce them). After a RowCodecError the decoder's dictionary may be out of
+step with the encoder's: the stream must be dropped.
 
 All work on a row is vectorized numpy; the per-row Python overhead is a few microseconds.
 """
@@ -55,20 +17,16 @@ from collections.abc import Iterable
 import numpy as np
 
 from maskd.v1 import maskd_pb2 as pb
+from maskd.v1.contract import RowEncoding
 
-DENSE = pb.ROW_ENCODING_DENSE
-ALLOWED_IDS = pb.ROW_ENCODING_ALLOWED_IDS
-REJECTED_IDS = pb.ROW_ENCODING_REJECTED_IDS
-DICT_REF = pb.ROW_ENCODING_DICT_REF
+DENSE = RowEncoding.DENSE
+ALLOWED_IDS = RowEncoding.ALLOWED_IDS
+REJECTED_IDS = RowEncoding.REJECTED_IDS
+DICT_REF = RowEncoding.DICT_REF
 
 #: Short names, e.g. for metrics labels and ``encoded_sizes``.
-ENCODING_NAMES: dict[int, str] = {
-    DENSE: "dense",
-    ALLOWED_IDS: "allowed_ids",
-    REJECTED_IDS: "rejected_ids",
-    DICT_REF: "dict_ref",
-}
-ALL_ENCODINGS: tuple[int, ...] = (DENSE, ALLOWED_IDS, REJECTED_IDS, DICT_REF)
+ENCODING_NAMES: dict[int, str] = {e.value: e.name.lower() for e in RowEncoding}
+ALL_ENCODINGS: tuple[int, ...] = tuple(RowEncoding)
 # 256 rows: 4 MB per stream and end for a 129k vocabulary; on MaskBench-dev (batch 64) it cuts the
 # mean row from ~350 B (64 rows) to under 200 B (`maskd bench wire` simulates other sizes).
 DEFAULT_DICT_SIZE = 256
@@ -478,6 +436,7 @@ class RowDecoder:
                     if ref >= filled:
                         raise RowCodecError(f"DICT_REF to slot {ref}, but only {filled} of "
                                             f"{self.dict_size} dictionary slots are filled")
+                    assert self._dict is not None   # filled > 0
                     dst[:] = self._dict[ref]
                     continue
                 if row.ref:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from maskd.v1 import maskd_pb2 as pb
 
@@ -40,12 +41,12 @@ class GrammarSpec:
     # -- construction -------------------------------------------------------------------------
     @classmethod
     def create(cls, kind: str, source: Any, *, whitespace: str = "flexible",
-               reasoning: tuple[str, str] | None = None) -> "GrammarSpec":
+               reasoning: tuple[str, str] | None = None) -> GrammarSpec:
         start, end = reasoning or ("", "")
         return cls(kind, canonical_text(kind, source), whitespace, start, end)
 
     @classmethod
-    def from_dict(cls, spec: Mapping[str, Any]) -> "GrammarSpec":
+    def from_dict(cls, spec: Mapping[str, Any]) -> GrammarSpec:
         """``{"json_schema": {...}}``, ``{"regex": "..."}``, ``{"choice": [...]}`` ... plus
         optional ``whitespace`` and ``reasoning`` (a ``[start, end]`` pair)."""
         if not isinstance(spec, Mapping):
@@ -63,7 +64,7 @@ class GrammarSpec:
                           reasoning=tuple(reasoning) if reasoning else None)
 
     @classmethod
-    def from_proto(cls, msg: pb.GrammarSpec) -> "GrammarSpec":
+    def from_proto(cls, msg: pb.GrammarSpec) -> GrammarSpec:
         kind = msg.WhichOneof("kind")
         if kind is None:
             raise SpecError("grammar spec names no kind; set one of " + ", ".join(KINDS))

@@ -10,13 +10,13 @@ needs_maskbench = pytest.mark.skipif(
 
 @pytest.fixture(scope="session")
 def cl100k():
-    from maskd.tokenizers import load_tokenizer
+    from maskd.server.tokenizers import load_tokenizer
     return load_tokenizer("cl100k")
 
 
 @pytest.fixture(scope="session")
 def deepseek():
-    from maskd.tokenizers import load_tokenizer
+    from maskd.server.tokenizers import load_tokenizer
     return load_tokenizer("deepseek-v4")
 
 

@@ -1,3 +1,4 @@
+from google.protobuf import descriptor_pb2 as _descriptor_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -54,13 +55,27 @@ ROW_ENCODING_DENSE: RowEncoding
 ROW_ENCODING_ALLOWED_IDS: RowEncoding
 ROW_ENCODING_REJECTED_IDS: RowEncoding
 ROW_ENCODING_DICT_REF: RowEncoding
+CONTRACT_FIELD_NUMBER: _ClassVar[int]
+contract: _descriptor.FieldDescriptor
+
+class Contract(_message.Message):
+    __slots__ = ("session_metadata_key", "auth_metadata_key", "auth_scheme", "revision")
+    SESSION_METADATA_KEY_FIELD_NUMBER: _ClassVar[int]
+    AUTH_METADATA_KEY_FIELD_NUMBER: _ClassVar[int]
+    AUTH_SCHEME_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    session_metadata_key: str
+    auth_metadata_key: str
+    auth_scheme: str
+    revision: int
+    def __init__(self, session_metadata_key: _Optional[str] = ..., auth_metadata_key: _Optional[str] = ..., auth_scheme: _Optional[str] = ..., revision: _Optional[int] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("server_version", "backend", "backend_version", "tokenizer", "vocab_size", "logits_width", "words_per_row", "tokenizer_fingerprint", "eos_token_ids", "max_message_bytes", "max_rows_per_step", "row_encodings", "row_dictionary_size")
+    __slots__ = ("server_version", "backend", "backend_version", "tokenizer", "vocab_size", "logits_width", "words_per_row", "tokenizer_fingerprint", "eos_token_ids", "max_message_bytes", "max_rows_per_step", "row_encodings", "row_dictionary_size", "contract_revision", "max_tokens_per_step", "max_draft_tokens", "max_sequences_per_session")
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     BACKEND_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +89,10 @@ class InfoResponse(_message.Message):
     MAX_ROWS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
     ROW_ENCODINGS_FIELD_NUMBER: _ClassVar[int]
     ROW_DICTIONARY_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CONTRACT_REVISION_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
+    MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQUENCES_PER_SESSION_FIELD_NUMBER: _ClassVar[int]
     server_version: str
     backend: str
     backend_version: str
@@ -87,7 +106,11 @@ class InfoResponse(_message.Message):
     max_rows_per_step: int
     row_encodings: _containers.RepeatedScalarFieldContainer[RowEncoding]
     row_dictionary_size: int
-    def __init__(self, server_version: _Optional[str] = ..., backend: _Optional[str] = ..., backend_version: _Optional[str] = ..., tokenizer: _Optional[str] = ..., vocab_size: _Optional[int] = ..., logits_width: _Optional[int] = ..., words_per_row: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_message_bytes: _Optional[int] = ..., max_rows_per_step: _Optional[int] = ..., row_encodings: _Optional[_Iterable[_Union[RowEncoding, str]]] = ..., row_dictionary_size: _Optional[int] = ...) -> None: ...
+    contract_revision: int
+    max_tokens_per_step: int
+    max_draft_tokens: int
+    max_sequences_per_session: int
+    def __init__(self, server_version: _Optional[str] = ..., backend: _Optional[str] = ..., backend_version: _Optional[str] = ..., tokenizer: _Optional[str] = ..., vocab_size: _Optional[int] = ..., logits_width: _Optional[int] = ..., words_per_row: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_message_bytes: _Optional[int] = ..., max_rows_per_step: _Optional[int] = ..., row_encodings: _Optional[_Iterable[_Union[RowEncoding, str]]] = ..., row_dictionary_size: _Optional[int] = ..., contract_revision: _Optional[int] = ..., max_tokens_per_step: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., max_sequences_per_session: _Optional[int] = ...) -> None: ...
 
 class GrammarOptions(_message.Message):
     __slots__ = ("whitespace", "reasoning_start", "reasoning_end")
@@ -148,7 +171,7 @@ class RegisterGrammarResponse(_message.Message):
     def __init__(self, grammar_id: _Optional[str] = ..., state: _Optional[_Union[GrammarState, str]] = ..., error: _Optional[str] = ..., compile_seconds: _Optional[float] = ...) -> None: ...
 
 class SeqStep(_message.Message):
-    __slots__ = ("seq_id", "step", "tokens", "draft_tokens", "grammar_id", "spec", "close", "rollback")
+    __slots__ = ("seq_id", "step", "tokens", "draft_tokens", "grammar_id", "spec", "close", "rollback", "history_offset")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +180,7 @@ class SeqStep(_message.Message):
     SPEC_FIELD_NUMBER: _ClassVar[int]
     CLOSE_FIELD_NUMBER: _ClassVar[int]
     ROLLBACK_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_OFFSET_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     step: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -165,7 +189,8 @@ class SeqStep(_message.Message):
     spec: GrammarSpec
     close: bool
     rollback: int
-    def __init__(self, seq_id: _Optional[str] = ..., step: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., grammar_id: _Optional[str] = ..., spec: _Optional[_Union[GrammarSpec, _Mapping]] = ..., close: _Optional[bool] = ..., rollback: _Optional[int] = ...) -> None: ...
+    history_offset: int
+    def __init__(self, seq_id: _Optional[str] = ..., step: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., grammar_id: _Optional[str] = ..., spec: _Optional[_Union[GrammarSpec, _Mapping]] = ..., close: _Optional[bool] = ..., rollback: _Optional[int] = ..., history_offset: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("seqs", "want_forced_tokens")

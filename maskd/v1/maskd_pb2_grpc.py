@@ -55,7 +55,7 @@ class MaskServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Info(self, request, context):
-        """Versions, backend, tokenizer and widths of this server.
+        """Versions, backend, tokenizer, widths and limits of this server.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -63,15 +63,15 @@ class MaskServiceServicer:
 
     def RegisterGrammar(self, request, context):
         """Registers (and starts compiling) a grammar; returns its content id.
-        With wait=true the call returns once compiled and fails with
-        INVALID_ARGUMENT carrying the engine's message when it does not compile.
+        With wait=true the call returns once compiled and fails with INVALID_ARGUMENT carrying the
+        engine's message when it does not compile.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Session(self, request_iterator, context):
-        """One message per decode step for a batch of sequences.
+        """One message per decode step for a batch of sequences; replies in request order.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -8,9 +8,9 @@ reader thread, the row decode and the result's hand-over to the caller.
 """
 import random, statistics, sys, time, types
 import numpy as np
-from maskd.bench import common, serve
-from maskd.tokenizers import load_tokenizer
-import maskd.rowcodec as rc, maskd_client.client as cc, maskd.sessions as ss
+from maskd.tools.bench import common, serve
+from maskd.server.tokenizers import load_tokenizer
+import maskd.rowcodec as rc, maskd_client.stream as cs, maskd.server.session as ss
 from maskd.specs import GrammarSpec
 
 import sys as _s; _s.setswitchinterval(float(__import__("os").environ.get("SWI", "0.005")))
@@ -20,17 +20,17 @@ schemas = [s for s in common.load_schemas(common.pathlib.Path("../shared/maskben
 srv = common.open_server("embedded", "deepseek-v4", 2, None, log_path=common.pathlib.Path("/tmp/probe.log"))
 LAST = [0.0]
 T = {k: [] for k in ("encode", "session", "decode", "arrive", "resolve_total", "step_build", "wake")}
-orig_enc, orig_dec, orig_step, orig_res = rc.RowEncoder.encode, rc.RowDecoder.decode, ss.Session.step, cc.MaskClient._resolve
+orig_enc, orig_dec, orig_step, orig_res = rc.RowEncoder.encode, rc.RowDecoder.decode, ss.Session.step, cs.StepStream._resolve
 def enc(self, *a, **k):
     t = time.perf_counter(); r = orig_enc(self, *a, **k); T["encode"].append(time.perf_counter() - t); return r
 def dec(self, *a, **k):
     t = time.perf_counter(); r = orig_dec(self, *a, **k); T["decode"].append(time.perf_counter() - t); return r
 def step(self, *a, **k):
     t = time.perf_counter(); r = orig_step(self, *a, **k); T["session"].append(time.perf_counter() - t); return r
-def res(self, pending, reply, decoder):
-    t = time.perf_counter(); T["arrive"].append(t - pending.sent_at); orig_res(self, pending, reply, decoder)
+def res(self, item, reply):
+    t = time.perf_counter(); T["arrive"].append(t - item.sent_at); orig_res(self, item, reply)
     T["resolve_total"].append(time.perf_counter() - t); LAST[0] = time.perf_counter()
-rc.RowEncoder.encode, rc.RowDecoder.decode, ss.Session.step, cc.MaskClient._resolve = enc, dec, step, res
+rc.RowEncoder.encode, rc.RowDecoder.decode, ss.Session.step, cs.StepStream._resolve = enc, dec, step, res
 try:
     mc0 = serve._client(srv.address)
     with mc0 as mc:

@@ -91,7 +91,7 @@ Call with (dict "root" $ "threads" N); threads defaults to server.threads.
 {{- if not (kindIs "invalid" $s.compileThreads) -}}
 {{- $flags = concat $flags (list "--compile-threads" (include "maskd.int" $s.compileThreads)) -}}
 {{- end -}}
-{{- range $key, $flag := dict "maxMessageBytes" "--max-message-bytes" "maxGrammarBytes" "--max-grammar-bytes" "maxStreams" "--max-streams" "cacheEntries" "--cache-entries" "rowDictSize" "--row-dict-size" -}}
+{{- range $key, $flag := dict "maxMessageBytes" "--max-message-bytes" "maxGrammarBytes" "--max-grammar-bytes" "maxStreams" "--max-streams" "cacheEntries" "--cache-entries" "rowDictSize" "--row-dict-size" "maxTokensPerStep" "--max-tokens-per-step" "maxDraftTokens" "--max-draft-tokens" "maxRowsPerStep" "--max-rows-per-step" "maxSequencesPerSession" "--max-sequences-per-session" -}}
 {{- $v := index $s $key -}}
 {{- if not (kindIs "invalid" $v) -}}
 {{- $flags = concat $flags (list $flag (include "maskd.int" $v)) -}}
@@ -99,6 +99,9 @@ Call with (dict "root" $ "threads" N); threads defaults to server.threads.
 {{- end -}}
 {{- if not (kindIs "invalid" $s.compileTimeoutSeconds) -}}
 {{- $flags = concat $flags (list "--compile-timeout" (toString $s.compileTimeoutSeconds)) -}}
+{{- end -}}
+{{- if not (kindIs "invalid" $s.logLevel) -}}
+{{- $flags = concat $flags (list "--log-level" ($s.logLevel | toString)) -}}
 {{- end -}}
 {{- if $root.Values.tls.enabled -}}
 {{- $flags = concat $flags (list "--tls-cert" (printf "%s/%s" $root.Values.tls.mountPath $root.Values.tls.certKey) "--tls-key" (printf "%s/%s" $root.Values.tls.mountPath $root.Values.tls.keyKey)) -}}

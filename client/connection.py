@@ -1,0 +1,106 @@
+"""A channel to one maskd server: TLS, credentials, the fingerprint guard, unary calls."""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+import grpc
+
+from maskd.specs import GrammarSpec
+from maskd.v1 import maskd_pb2 as pb
+from maskd.v1 import maskd_pb2_grpc as pb_grpc
+from maskd.v1.contract import AUTH_METADATA_KEY, AUTH_SCHEME, SESSION_METADATA_KEY, ServerInfo
+from maskd_client.types import MaskClientError
+
+
+@dataclasses.dataclass(frozen=True)
+class ConnectionSettings:
+    """How to reach maskd servers; the cluster client uses the same settings for every worker."""
+    tls: bool = False
+    tls_root_certs: bytes | None = None
+    auth_token: str | None = None
+    channel_options: tuple[tuple[str, Any], ...] = ()
+    timeout_s: float = 30.0
+    expected_fingerprint: str | None = None   # the model's tokenizer: refuse a server with another
+
+
+def fingerprint_of(tokenizer: Any) -> str | None:
+    """A fingerprint string from a string or an object with a ``.fingerprint`` (None: no check)."""
+    if tokenizer is None:
+        return None
+    if isinstance(tokenizer, str):
+        return tokenizer
+    fp = getattr(tokenizer, "fingerprint", None)
+    if isinstance(fp, str):
+        return fp
+    raise TypeError("tokenizer is a fingerprint string or an object with a .fingerprint attribute")
+
+
+def spec_proto(spec: Any) -> pb.GrammarSpec:
+    """A grammar spec (dict, GrammarSpec or proto) as the wire message; SpecError when malformed."""
+    if isinstance(spec, pb.GrammarSpec):
+        return spec
+    if isinstance(spec, GrammarSpec):
+        return spec.to_proto()
+    return GrammarSpec.from_dict(spec).to_proto()
+
+
+class Connection:
+    """One channel to one server. ``info`` is fetched once and checked against the expected
+    tokenizer fingerprint: masks from a server with another vocabulary would not line up."""
+
+    def __init__(self, target: str, settings: ConnectionSettings) -> None:
+        self.target = target
+        self.settings = settings
+        options = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1),
+                   *settings.channel_options]
+        if settings.tls or settings.tls_root_certs:
+            creds = grpc.ssl_channel_credentials(root_certificates=settings.tls_root_certs)
+            self.channel = grpc.secure_channel(target, creds, options=options)
+        else:
+            self.channel = grpc.insecure_channel(target, options=options)
+        self.stub = pb_grpc.MaskServiceStub(self.channel)
+        self._auth: tuple[tuple[str, str], ...] = (
+            ((AUTH_METADATA_KEY, f"{AUTH_SCHEME} {settings.auth_token}"),) if settings.auth_token else ())
+        self._info: ServerInfo | None = None
+
+    def metadata(self, session: str | None = None) -> tuple[tuple[str, str], ...]:
+        """Call metadata: credentials, and the session key for Session streams."""
+        return (((SESSION_METADATA_KEY, session),) if session else ()) + self._auth
+
+    def info(self, *, timeout_s: float | None = None, wait_for_ready: bool = True) -> ServerInfo:
+        """The server's Info (fetched once); MaskClientError when unreachable or mismatched."""
+        if self._info is None:
+            try:
+                reply = self.stub.Info(pb.InfoRequest(), timeout=timeout_s or self.settings.timeout_s,
+                                       wait_for_ready=wait_for_ready, metadata=self._auth)
+            except grpc.RpcError as exc:
+                raise MaskClientError(f"maskd at {self.target}: {exc.details() or exc.code().name}",
+                                      exc.code()) from exc
+            info = ServerInfo.from_proto(reply)
+            expected = self.settings.expected_fingerprint
+            if expected and info.tokenizer_fingerprint != expected:
+                raise MaskClientError(
+                    f"maskd at {self.target} serves tokenizer {info.tokenizer!r} with fingerprint "
+                    f"{info.tokenizer_fingerprint[:16]}..., not the expected {expected[:16]}...: "
+                    "masks would not line up with this model's vocabulary", grpc.StatusCode.FAILED_PRECONDITION)
+            self._info = info
+        return self._info
+
+    def register(self, spec: Any, *, wait: bool = True) -> str:
+        """Registers a grammar; returns its id. MaskClientError with the compile error."""
+        request = pb.RegisterGrammarRequest(spec=spec_proto(spec), wait=wait,
+                                            tokenizer_fingerprint=self.settings.expected_fingerprint or "")
+        try:
+            return self.stub.RegisterGrammar(request, timeout=self.settings.timeout_s,
+                                             metadata=self._auth).grammar_id
+        except grpc.RpcError as exc:
+            raise MaskClientError(exc.details() or exc.code().name, exc.code()) from exc
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def pairs(items: Iterable[tuple[str, Any]]) -> tuple[tuple[str, Any], ...]:
+    return tuple((str(k), v) for k, v in items)

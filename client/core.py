@@ -1,0 +1,338 @@
+"""What MaskClient and ClusterClient share: one ledger, a stream per server, recovery.
+
+``ClientCore`` keeps the sequence ledger, a ``StepStream`` per server address (a single one for
+``MaskClient``, one per worker for ``ClusterClient``), where each sequence lives (a ``Router``
+decides), and the closes waiting for a step. A step is checked, recorded in the ledger, split by
+server and sent at once; the parts' answers merge into one StepResult in batch order.
+
+Recovery: a stream that ends hands its steps in flight to ``_stream_lost``. Retryable ends
+(UNAVAILABLE, a stream that just ends, a server going away) start one recovery for that address,
+on its own thread: the router names the new owners (the same server again, or the directory's
+choice), grammars are registered there, every sequence of the lost address is reopened at its
+state before the steps in flight (``SequenceLedger.restore_requests``, on a stream of its own),
+then the steps in flight and those sent meanwhile go out again, in order. One budget bounds it
+all: ``retries`` attempts with jittered exponential backoff, at most ``retries + 1`` sends of a
+step, ``recovery_timeout_s`` in all; past it, the steps fail with the reason. Other ends (a
+server refusing the call) fail the steps in flight at once. Either way the ledger is taken back
+to what the server acknowledged, so a later step restores from a consistent state. The recovery
+half lives in ``maskd_client.recovery``.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import grpc
+
+from maskd.v1 import maskd_pb2 as pb
+from maskd.v1.contract import ServerInfo
+from maskd_client.connection import Connection, ConnectionSettings, spec_proto
+from maskd_client.ledger import Advance, SequenceLedger, UndoRecord
+from maskd_client.merge import gather
+from maskd_client.recovery import LostServer, Recovery, Unreachable
+from maskd_client.routing import NoOwner, Router
+from maskd_client.stream import InFlight, StepStream, fail_all
+from maskd_client.types import MaskClientError, StepInput, StepResult
+
+log = logging.getLogger("maskd_client")
+_C = grpc.StatusCode
+
+
+class ClientCore(Recovery):
+    def __init__(self, target: str, router: Router, settings: ConnectionSettings, *, session: str | None,
+                 retries: int, retry_backoff_s: float, want_forced_tokens: bool, close_linger_s: float,
+                 recovery_timeout_s: float, connect_timeout_s: float | None) -> None:
+        self.target = target
+        self.session = session or uuid.uuid4().hex
+        self.retries = max(0, int(retries))
+        self.retry_backoff_s = retry_backoff_s
+        self.want_forced_tokens = want_forced_tokens
+        self.close_linger_s = close_linger_s
+        self.recovery_timeout_s = recovery_timeout_s
+        self.connect_timeout_s = connect_timeout_s   # None: wait for the server up to timeout_s
+        self.timeout_s = settings.timeout_s
+        self._router = router
+        self._settings = settings
+        self._cond = threading.Condition(threading.RLock())   # guards everything below
+        self._ledger = SequenceLedger()
+        self._owner: dict[str, str] = {}
+        self._connections: dict[str, Connection] = {}
+        self._streams: dict[str, StepStream] = {}
+        self._recovering: dict[str, LostServer] = {}
+        self._lost: set[str] = set()        # ended idle: restore before the next step goes there
+        self._closes: dict[str, list[tuple[pb.SeqStep, concurrent.futures.Future]]] = {}
+        self._closes_due = 0.0
+        self._closer: threading.Thread | None = None
+        self._closed = False
+        self._info: ServerInfo | None = None
+        # what recovery did (reported by tests and tools)
+        self.recoveries = 0       # lost streams recovered (or tried)
+        self.replays = 0          # sequences reopened with their token history
+        self.resent_steps = 0     # steps sent again after a recovery
+        self.moved = 0            # sequences that changed server
+
+    # -- context manager --------------------------------------------------------------------------
+    def __enter__(self):
+        self.info()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    @property
+    def reconnects(self) -> int:
+        return self.recoveries
+
+    # -- connections ------------------------------------------------------------------------------
+    def _connection(self, address: str) -> Connection:
+        with self._cond:
+            conn = self._connections.get(address)
+            if conn is None:
+                if self._closed:
+                    raise MaskClientError("client is shut down")
+                conn = self._connections[address] = Connection(address, self._settings)
+            return conn
+
+    def _connect(self, address: str) -> Connection:
+        """A connection whose server answered Info (fail fast with connect_timeout_s if set)."""
+        conn = self._connection(address)
+        if conn._info is None and self.connect_timeout_s is not None:
+            try:
+                conn.info(timeout_s=self.connect_timeout_s, wait_for_ready=False)
+            except MaskClientError as exc:
+                if exc.code in (_C.UNAVAILABLE, _C.DEADLINE_EXCEEDED):
+                    self._drop_connection(address, conn)
+                    raise Unreachable(address, str(exc)) from exc
+                raise
+        conn.info()
+        return conn
+
+    def _drop_connection(self, address: str, conn: Connection) -> None:
+        with self._cond:
+            if self._connections.get(address) is conn:
+                del self._connections[address]
+        conn.close()
+
+    def _place(self, key: str) -> tuple[str, Connection]:
+        """The owner of a new key and a live connection to it (asking again past dead addresses)."""
+        suspects: set[str] = set()
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            address = self._router.place(key)
+        except NoOwner as exc:
+            raise MaskClientError(str(exc), _C.UNAVAILABLE) from exc
+        while True:
+            try:
+                return address, self._connect(address)
+            except Unreachable as exc:
+                suspects.add(exc.address)
+                if time.monotonic() > deadline or not self._retry_placement(suspects):
+                    raise
+                try:
+                    address = self._router.replace(suspects, [key])[key]
+                except NoOwner:
+                    time.sleep(self.retry_backoff_s)
+
+    def _retry_placement(self, suspects: set[str]) -> bool:
+        """Whether another server may take a key when these are unreachable (a fixed one: no)."""
+        return True
+
+    def info(self) -> ServerInfo:
+        if self._info is None:
+            self._info = self._place("")[1].info()
+        return self._info
+
+    # -- sequences --------------------------------------------------------------------------------
+    def open(self, seq_id: str, spec: Any) -> None:
+        """Opens a sequence; the open travels with the next step, whose reply has its first mask."""
+        spec_pb = spec_proto(spec)
+        with self._cond:
+            self._ledger.open(seq_id, spec_pb)   # raises if it is open already
+        try:
+            address, _ = self._place(seq_id)
+        except BaseException:
+            with self._cond:
+                self._ledger.close(seq_id)
+            raise
+        with self._cond:
+            if seq_id in self._ledger:
+                self._owner[seq_id] = address
+
+    def owner_of(self, seq_id: str) -> str | None:
+        """The address of the server a sequence lives on (None if not open here)."""
+        with self._cond:
+            return self._owner.get(seq_id)
+
+    def history(self, seq_id: str) -> list[int]:
+        with self._cond:
+            return self._ledger.history(seq_id)
+
+    @property
+    def open_sequences(self) -> list[str]:
+        with self._cond:
+            return self._ledger.ids()
+
+    def close(self, seq_id: str) -> concurrent.futures.Future:
+        """Closes a sequence. The close travels with the next step to its server (one message, one
+        server pass), alone after ``close_linger_s`` without a step, or at ``flush_closes()``. The
+        future resolves to the close's SeqResult (None where the server no longer had it)."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            address = self._owner.pop(seq_id, None)
+            entry = self._ledger.close(seq_id)
+            if entry is None or address is None or address not in self._streams:
+                fut.set_result(None)   # never reached a server, or its server state is gone
+                return fut
+            waiting = self._closes.setdefault(address, [])
+            waiting.append((entry, fut))
+            if self.close_linger_s > 0:
+                if sum(len(v) for v in self._closes.values()) == 1:
+                    self._closes_due = time.monotonic() + self.close_linger_s
+                self._start_closer()
+                return fut
+        self.flush_closes()
+        return fut
+
+    def flush_closes(self) -> None:
+        """Sends the closes that wait for a step now, in messages of their own."""
+        with self._cond:
+            for address in list(self._closes):
+                self._send_closes(address)
+
+    def _send_closes(self, address: str, only: set[str] | None = None) -> None:
+        """(under the lock) The waiting closes for ``address`` (those of ``only`` ids) alone."""
+        waiting = self._closes.get(address, [])
+        now = [c for c in waiting if only is None or c[0].seq_id in only]
+        if not now:
+            return
+        rest = [c for c in waiting if c not in now]
+        if rest:
+            self._closes[address] = rest
+        else:
+            self._closes.pop(address, None)
+        stream = self._streams.get(address)
+        item = InFlight(pb.StepRequest(seqs=[c for c, _ in now]), concurrent.futures.Future(), [],
+                        internal=True, closes=[(c.seq_id, f) for c, f in now])
+        if stream is None or address in self._recovering:
+            fail_all([item], MaskClientError("no stream"))   # the server state is gone or being rebuilt
+            return
+        stream.send(item)
+
+    def _start_closer(self) -> None:
+        if self._closer is None:
+            self._closer = threading.Thread(target=self._closer_loop, daemon=True, name="maskd-client-closer")
+            self._closer.start()
+        else:
+            self._cond.notify_all()
+
+    def _closer_loop(self) -> None:
+        with self._cond:
+            while not self._closed:
+                if not self._closes:
+                    self._cond.wait()
+                    continue
+                left = self._closes_due - time.monotonic()
+                if left > 0:
+                    self._cond.wait(left)
+                    continue
+                for address in list(self._closes):
+                    self._send_closes(address)
+
+    # -- steps ------------------------------------------------------------------------------------
+    def step(self, tokens_by_seq: Mapping[str, Any], timeout: float | None = None) -> StepResult:
+        return self.step_async(tokens_by_seq).result(timeout if timeout is not None else self.timeout_s)
+
+    def step_async(self, tokens_by_seq: Mapping[str, Any]) -> concurrent.futures.Future:
+        """Sends one step for the batch now; the future resolves to its StepResult.
+
+        Input is checked before anything changes: a bad entry raises MaskClientError and leaves
+        every sequence (and the closes waiting for this step) as it was."""
+        advances = _parse(tokens_by_seq)
+        self.info()
+        with self._cond:
+            if self._closed:
+                raise MaskClientError("client is shut down")
+            self._ledger.check(advances)
+            parts: dict[str, tuple[list[pb.SeqStep], list[UndoRecord]]] = {}
+            for a in advances:
+                entry, undo = self._ledger.advance(a)
+                part = parts.setdefault(self._owner[a.seq_id], ([], []))
+                part[0].append(entry)
+                part[1].append(undo)
+            futures = []
+            for address, (entries, undo) in parts.items():
+                reopened = {e.seq_id for e in entries} & {c.seq_id for c, _ in self._closes.get(address, [])}
+                if reopened:   # a closed id opened again: its close goes first, on its own
+                    self._send_closes(address, reopened)
+                closes = self._closes.pop(address, [])
+                request = pb.StepRequest(seqs=[c for c, _ in closes] + entries,
+                                         want_forced_tokens=self.want_forced_tokens)
+                item = InFlight(request, concurrent.futures.Future(), undo,
+                                closes=[(c.seq_id, f) for c, f in closes])
+                futures.append(self._dispatch(address, item))
+            return gather([a.seq_id for a in advances], futures)
+
+    def _dispatch(self, address: str, item: InFlight) -> concurrent.futures.Future:
+        """(under the lock) Sends on the address's stream, or hands the step to its recovery."""
+        recovery = self._recovering.get(address)
+        if recovery is not None:
+            recovery.held.append(item)
+            return item.future
+        if address in self._lost:
+            self._lost.discard(address)
+            self._start_recovery(LostServer(address, [], [item], "stream lost between steps"))
+            return item.future
+        stream = self._streams.get(address)
+        if stream is None:
+            stream = self._streams[address] = self._new_stream(address)
+        return stream.send(item, hand_over_when_ended=True)
+
+    def _new_stream(self, address: str) -> StepStream:
+        conn = self._connection(address)
+        return StepStream(conn, self.session, conn.info(), on_lost=self._stream_lost, on_refused=self._refused)
+
+    def _refused(self, undo: list[UndoRecord], seq_ids: set[str]) -> None:
+        with self._cond:
+            self._ledger.undo(undo, seq_ids)
+
+    # -- teardown ---------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Ends every stream; a server frees a session's sequences when its last stream goes, so
+        closes still waiting need no message of their own."""
+        with self._cond:
+            self._closed = True
+            streams = list(self._streams.values())
+            self._streams.clear()
+            closes = [f for waiting in self._closes.values() for _, f in waiting]
+            self._closes.clear()
+            connections = list(self._connections.values())
+            self._connections.clear()
+            self._cond.notify_all()
+        for fut in closes:
+            if not fut.done():
+                fut.set_result(None)
+        for stream in streams:
+            fail_all(stream.take_in_flight(), MaskClientError("client is shut down"))
+            stream.close()
+        for conn in connections:
+            conn.close()
+        self._router.close()
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+def _parse(tokens_by_seq: Mapping[str, Any]) -> list[Advance]:
+    advances = []
+    for seq_id, value in tokens_by_seq.items():
+        inp = value if isinstance(value, StepInput) else StepInput(tokens=value)
+        try:
+            advances.append(Advance(seq_id, [int(t) for t in inp.tokens], [int(t) for t in inp.drafts],
+                                    int(inp.rollback)))
+        except (TypeError, ValueError) as exc:
+            raise MaskClientError(f"sequence {seq_id!r}: tokens, drafts and rollback must be integers ({exc})",
+                                  _C.INVALID_ARGUMENT) from None
+    return advances

@@ -1,0 +1,159 @@
+"""The client's record of its sequences: grammar, step, accepted history, typed undo, restores.
+
+The server's state of a sequence is a function of (grammar, accepted tokens), so this ledger is
+all a client needs to rebuild it anywhere: ``restore_requests`` reopens sequences at the state
+before the steps still in flight, in parts of at most ``max_tokens_per_step`` tokens (the
+contract's "Restores").
+
+Every method is called with the owning client's lock held; the ledger itself does no locking.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Iterator, Sequence
+
+import grpc
+
+from maskd.v1 import maskd_pb2 as pb
+from maskd_client.types import MaskClientError
+
+
+@dataclasses.dataclass
+class SequenceState:
+    """One sequence as the client knows it (including the steps it sent but not yet heard back)."""
+    spec: pb.GrammarSpec
+    step: int = -1                                   # last step sent
+    history: list[int] = dataclasses.field(default_factory=list)   # accepted tokens, as sent
+    opened: bool = False                             # an open has been sent
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class UndoRecord:
+    """What one step did to one sequence's record, so that it can be taken back."""
+    seq_id: str
+    step: int                   # the step this advance sent
+    n_tokens: int               # tokens it appended to the history
+    popped: tuple[int, ...]     # tokens its rollback removed
+    opened_here: bool           # it carried the open
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Advance:
+    """One sequence's input for a step, already checked (ints, rollback in range)."""
+    seq_id: str
+    tokens: list[int]
+    drafts: list[int]
+    rollback: int
+
+
+class SequenceLedger:
+    def __init__(self) -> None:
+        self._seqs: dict[str, SequenceState] = {}
+
+    def __contains__(self, seq_id: str) -> bool:
+        return seq_id in self._seqs
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def ids(self) -> list[str]:
+        return list(self._seqs)
+
+    def history(self, seq_id: str) -> list[int]:
+        return list(self._seqs[seq_id].history)
+
+    def spec(self, seq_id: str) -> pb.GrammarSpec:
+        return self._seqs[seq_id].spec
+
+    # -- opening and closing ----------------------------------------------------------------------
+    def open(self, seq_id: str, spec: pb.GrammarSpec) -> None:
+        if seq_id in self._seqs:
+            raise MaskClientError(f"sequence {seq_id!r} is already open on this client",
+                                  grpc.StatusCode.ALREADY_EXISTS)
+        self._seqs[seq_id] = SequenceState(spec)
+
+    def close(self, seq_id: str) -> pb.SeqStep | None:
+        """Forgets a sequence; returns the close entry for the server (None if it never got there)."""
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None or not seq.opened:
+            return None
+        return pb.SeqStep(seq_id=seq_id, step=seq.step, close=True)
+
+    # -- steps ------------------------------------------------------------------------------------
+    def check(self, advances: Sequence[Advance]) -> None:
+        """Raises MaskClientError (nothing changed) for an unknown sequence or a bad rollback."""
+        for a in advances:
+            seq = self._seqs.get(a.seq_id)
+            if seq is None:
+                raise MaskClientError(f"sequence {a.seq_id!r} is not open on this client", grpc.StatusCode.NOT_FOUND)
+            if a.rollback < 0 or a.rollback > len(seq.history):
+                raise MaskClientError(f"cannot roll back {a.rollback} tokens of {a.seq_id!r}: it has "
+                                      f"{len(seq.history)}", grpc.StatusCode.OUT_OF_RANGE)
+
+    def advance(self, a: Advance) -> tuple[pb.SeqStep, UndoRecord]:
+        """Applies one checked input to its record; returns its wire entry and its undo record."""
+        seq = self._seqs[a.seq_id]
+        entry = pb.SeqStep(seq_id=a.seq_id, tokens=a.tokens, draft_tokens=a.drafts, rollback=a.rollback)
+        opened_here = not seq.opened
+        if opened_here:
+            entry.spec.CopyFrom(seq.spec)
+            seq.opened = True
+        popped: tuple[int, ...] = ()
+        if a.rollback:
+            popped = tuple(seq.history[-a.rollback:])
+            del seq.history[-a.rollback:]
+        seq.step += 1
+        entry.step = seq.step
+        seq.history.extend(a.tokens)
+        return entry, UndoRecord(a.seq_id, seq.step, len(a.tokens), popped, opened_here)
+
+    def undo(self, records: Iterable[UndoRecord], only: set[str] | None = None) -> None:
+        """Takes back what steps did (newest first), e.g. for entries the server refused."""
+        for rec in reversed(list(records)):
+            if only is not None and rec.seq_id not in only:
+                continue
+            seq = self._seqs.get(rec.seq_id)
+            if seq is None or seq.step != rec.step:
+                continue
+            _revert(seq, rec)
+
+    # -- restores ---------------------------------------------------------------------------------
+    def restore_requests(self, seq_ids: Iterable[str], in_flight: Sequence[Sequence[UndoRecord]],
+                         max_tokens_per_step: int) -> list[pb.StepRequest]:
+        """Messages that reopen ``seq_ids`` at their state before the steps in ``in_flight`` (oldest
+        first): each opened sequence at its last acknowledged step with its whole history, in
+        parts of at most ``max_tokens_per_step`` tokens (part k of every sequence in message k)."""
+        wanted = set(seq_ids)
+        state = {sid: dataclasses.replace(s, history=list(s.history))
+                 for sid, s in self._seqs.items() if sid in wanted}
+        for records in reversed(in_flight):
+            for rec in reversed(records):
+                seq = state.get(rec.seq_id)
+                if seq is not None and seq.step == rec.step:
+                    _revert(seq, rec)
+        limit = max(1, max_tokens_per_step)
+        requests: list[pb.StepRequest] = []
+        for sid, seq in state.items():
+            if not seq.opened or seq.step < 0:
+                continue
+            for k, offset in enumerate(_part_offsets(len(seq.history), limit)):
+                if k == len(requests):
+                    requests.append(pb.StepRequest())
+                entry = requests[k].seqs.add(seq_id=sid, step=seq.step, history_offset=offset,
+                                             tokens=seq.history[offset:offset + limit])
+                entry.spec.CopyFrom(seq.spec)
+        return requests
+
+
+def _revert(seq: SequenceState, rec: UndoRecord) -> None:
+    if rec.n_tokens:
+        del seq.history[-rec.n_tokens:]
+    seq.history.extend(rec.popped)
+    seq.step -= 1
+    if rec.opened_here:
+        seq.opened = False
+
+
+def _part_offsets(n: int, limit: int) -> Iterator[int]:
+    yield 0
+    yield from range(limit, n, limit)

@@ -1,0 +1,269 @@
+"""Recovery: rebuilding a lost server's sequences somewhere and sending their steps again.
+
+The part of ``ClientCore`` that runs when a stream ends (see maskd_client.core for the rules):
+``_stream_lost`` (on the stream's reader thread) decides; ``_recover`` (on a thread of its own)
+asks the router for the new owners, makes the grammars ready there, sends the restores (in parts)
+on streams of their own and waits for them, then resends the steps in flight and those held
+meanwhile, in order; past the budget, ``_give_up`` fails them and takes the ledger back.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import random
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import grpc
+
+from maskd.v1 import maskd_pb2 as pb
+from maskd.v1.contract import SeqStatus
+from maskd_client.connection import Connection
+from maskd_client.ledger import SequenceLedger, UndoRecord
+from maskd_client.merge import chain, gather
+from maskd_client.routing import NoOwner, Router
+from maskd_client.stream import InFlight, StepStream, fail_all
+from maskd_client.types import MaskClientError
+
+log = logging.getLogger("maskd_client")
+_C = grpc.StatusCode
+# Stream ends worth a reconnect: the server (or the path to it) went away. Anything else is the
+# server refusing the call, which a retry would only repeat.
+RETRYABLE = frozenset((_C.UNAVAILABLE, _C.CANCELLED, _C.INTERNAL, _C.DEADLINE_EXCEEDED))
+_RESTORE_OK = (_C.ALREADY_EXISTS, _C.ABORTED)   # another rank restored it first
+DEFAULT_MAX_TOKENS_PER_STEP = 4096
+
+
+class Unreachable(MaskClientError):
+    def __init__(self, address: str, details: str) -> None:
+        super().__init__(f"maskd at {address} is unreachable: {details}", _C.UNAVAILABLE)
+        self.address = address
+
+
+@dataclasses.dataclass
+class LostServer:
+    """A server whose stream ended, and the steps that wait for its sequences to be restored."""
+
+    address: str
+    in_flight: list[InFlight]          # sent on the lost stream, never answered
+    held: list[InFlight] = dataclasses.field(default_factory=list)   # sent by the caller meanwhile
+    reason: str = ""
+
+
+class Recovery:
+    """The recovery half of ClientCore (a mixin); what it uses of the core is declared here."""
+
+    _cond: threading.Condition
+    _ledger: SequenceLedger
+    _owner: dict[str, str]
+    _streams: dict[str, StepStream]
+    _recovering: dict[str, LostServer]
+    _lost: set[str]
+    _closes: dict[str, list[tuple[pb.SeqStep, concurrent.futures.Future]]]
+    _closed: bool
+    _router: Router
+    session: str
+    retries: int
+    retry_backoff_s: float
+    recovery_timeout_s: float
+    timeout_s: float
+    recoveries: int
+    replays: int
+    resent_steps: int
+    moved: int
+
+    if TYPE_CHECKING:
+        def _connect(self, address: str) -> Connection: ...
+        def _dispatch(self, address: str, item: InFlight) -> concurrent.futures.Future: ...
+        def _refused(self, undo: list[UndoRecord], seq_ids: set[str]) -> None: ...
+
+    def _stream_lost(self, stream: StepStream, error: grpc.RpcError | None) -> None:
+        """A stream ended (its reader thread): recover, fail, or note it for the next step."""
+        address = stream.address
+        code = error.code() if error is not None else _C.UNAVAILABLE
+        details = (error.details() if error is not None else "") or f"stream ended ({code.name})"
+        with self._cond:
+            items = stream.take_in_flight()
+            current = self._streams.get(address) is stream
+            if current:
+                del self._streams[address]
+            closes = self._closes.pop(address, []) if current else []
+            user = [i for i in items if not i.internal]
+            fail_all([i for i in items if i.internal], MaskClientError(details, code))
+            if self._closed or not current:
+                fail_all(user, MaskClientError(f"maskd stream to {address} ended: {details}", code))
+            elif code not in RETRYABLE:
+                self._undo_items(user)
+                fail_all(user, MaskClientError(f"maskd stream to {address} failed: {details}", code))
+                self._lost.add(address)
+            elif user:
+                self._start_recovery(LostServer(address, user, [], details))
+            else:
+                self._lost.add(address)
+        for _, fut in closes:   # the server dropped those sequences with the stream anyway
+            if not fut.done():
+                fut.set_result(None)
+        if current and not self._closed:
+            log.warning("maskd stream to %s ended (%s: %s)", address, code.name, details)
+
+    def _undo_items(self, items: list[InFlight]) -> None:
+        for item in reversed(items):
+            self._ledger.undo(item.undo)
+
+    def _start_recovery(self, recovery: LostServer) -> None:
+        """(under the lock)"""
+        self._recovering[recovery.address] = recovery
+        self.recoveries += 1
+        threading.Thread(target=self._recover, args=(recovery,), daemon=True,
+                         name=f"maskd-client-recovery-{recovery.address}").start()
+
+    def _recover(self, rec: LostServer) -> None:
+        suspects = {rec.address}
+        deadline = time.monotonic() + self.recovery_timeout_s
+        why = rec.reason
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(random.uniform(0, min(2.0, self.retry_backoff_s * 2 ** attempt)))  # full jitter
+            with self._cond:
+                if self._closed:
+                    break
+                if any(i.attempts > self.retries for i in rec.in_flight):
+                    why = f"a step was sent {self.retries + 1} times without an answer ({why})"
+                    break
+            try:
+                self._restore_and_resend(rec, suspects)
+                return
+            except Unreachable as exc:
+                suspects.add(exc.address)
+                why = str(exc)
+            except NoOwner as exc:
+                why = str(exc)
+            except (MaskClientError, concurrent.futures.TimeoutError) as exc:
+                code = getattr(exc, "code", None)
+                if code is not None and code not in RETRYABLE:
+                    why = str(exc)
+                    break
+                why = str(exc) or type(exc).__name__
+            if time.monotonic() > deadline:
+                break
+            log.info("recovery of %s: attempt %d failed (%s)", rec.address, attempt + 1, why)
+        self._give_up(rec, why)
+
+    def _restore_and_resend(self, rec: LostServer, suspects: set[str]) -> None:
+        with self._cond:
+            keys = [s for s, a in self._owner.items() if a == rec.address]
+        owners = self._router.replace(suspects, keys) if keys else {}
+        targets = {a: self._connect(a) for a in sorted(set(owners.values()))}
+        with self._cond:
+            records = [i.undo for i in rec.in_flight + rec.held]
+            limit = next(iter(targets.values())).info().max_tokens_per_step if targets else 0
+            restores = self._ledger.restore_requests(keys, records, limit or DEFAULT_MAX_TOKENS_PER_STEP)
+        self._prepare_grammars(restores, owners, targets)
+        fresh: dict[str, StepStream] = {}
+        try:
+            self._send_restores(restores, owners, targets, fresh)
+            with self._cond:
+                if self._closed:
+                    raise MaskClientError("client is shut down")
+                for address, stream in list(fresh.items()):
+                    if address not in self._streams and stream.adopt(self._stream_lost):
+                        self._streams[address] = fresh.pop(address)   # it becomes the stream there
+                for sid in keys:
+                    if sid in self._owner:
+                        self._owner[sid] = owners[sid]
+                self.moved += sum(1 for sid in keys if owners[sid] != rec.address)
+                self.replays += sum(1 for r in restores[:1] for _ in r.seqs)
+                del self._recovering[rec.address]
+                self._resend(rec, owners)
+        finally:
+            for stream in fresh.values():
+                stream.close()
+        log.warning("maskd: %d sequences of %s restored (%d steps resent)", len(keys), rec.address,
+                    len(rec.in_flight) + len(rec.held))
+
+    def _prepare_grammars(self, restores: list[pb.StepRequest], owners: dict[str, str],
+                          targets: dict[str, Connection]) -> None:
+        """A reopened sequence takes its tokens at once: its grammar must be ready where it goes
+        (usually a cache hit), so that no restored sequence answers WAITING."""
+        done: set[tuple[str, bytes]] = set()
+        for e in restores[0].seqs if restores else ():
+            key = (owners[e.seq_id], e.spec.SerializeToString(deterministic=True))
+            if key in done:
+                continue
+            done.add(key)
+            try:
+                targets[key[0]].register(e.spec, wait=True)
+            except MaskClientError as exc:
+                if exc.code in (_C.UNAVAILABLE, _C.DEADLINE_EXCEEDED):
+                    raise Unreachable(key[0], str(exc)) from exc
+                # A grammar that does not compile: the restore reports the sequence FAILED as before.
+
+    def _send_restores(self, restores: list[pb.StepRequest], owners: dict[str, str],
+                       targets: dict[str, Connection], fresh: dict[str, StepStream]) -> None:
+        """Sends the restore parts on streams of their own, in order, and waits for all answers."""
+        futures = []
+        for request in restores:
+            by_owner: dict[str, list[pb.SeqStep]] = {}
+            for e in request.seqs:
+                by_owner.setdefault(owners[e.seq_id], []).append(e)
+            for address, entries in by_owner.items():
+                stream = fresh.get(address)
+                if stream is None:
+                    conn = targets[address]
+                    stream = fresh[address] = StepStream(conn, self.session, conn.info(), on_lost=_fail_restores,
+                                                         on_refused=self._refused)
+                futures.append(stream.send(InFlight(pb.StepRequest(seqs=entries), concurrent.futures.Future(), [],
+                                                    internal=True)))
+        for fut in futures:
+            result = fut.result(self.timeout_s)
+            for s in result.seqs.values():
+                if s.status is SeqStatus.ERROR and s.code not in _RESTORE_OK:
+                    log.error("cannot restore sequence %r: %s", s.seq_id, s.reason)
+
+    def _resend(self, rec: LostServer, owners: dict[str, str]) -> None:
+        """(under the lock) The steps in flight, then those held, to the new owners in order. Closes
+        that rode on them are moot: the server dropped those sequences."""
+        for item in rec.in_flight + rec.held:
+            for _, fut in item.closes:
+                if not fut.done():
+                    fut.set_result(None)
+            entries = [e for e in item.request.seqs if not e.close]
+            if not entries:
+                if not item.future.done():
+                    item.future.set_result(None)
+                continue
+            undo = {u.seq_id: u for u in item.undo}
+            by_owner: dict[str, tuple[list[pb.SeqStep], list[UndoRecord]]] = {}
+            for e in entries:
+                part = by_owner.setdefault(owners.get(e.seq_id) or self._owner.get(e.seq_id, rec.address), ([], []))
+                part[0].append(e)
+                if e.seq_id in undo:
+                    part[1].append(undo[e.seq_id])
+            futures = []
+            for address, (es, us) in by_owner.items():
+                part_item = InFlight(pb.StepRequest(seqs=es, want_forced_tokens=item.request.want_forced_tokens),
+                                     concurrent.futures.Future(), us,
+                                     attempts=item.attempts + (item in rec.in_flight))
+                futures.append(self._dispatch(address, part_item))
+            chain(gather([e.seq_id for e in entries], futures), item.future)
+            if item in rec.in_flight:
+                self.resent_steps += 1
+
+    def _give_up(self, rec: LostServer, why: str) -> None:
+        with self._cond:
+            self._recovering.pop(rec.address, None)
+            items = rec.in_flight + rec.held
+            self._undo_items(items)
+            if not self._closed:
+                self._lost.add(rec.address)
+        fail_all(items, MaskClientError(f"maskd at {rec.address} was lost and not restored: {why}", _C.UNAVAILABLE))
+        log.error("maskd: recovery of %s failed: %s", rec.address, why)
+
+
+def _fail_restores(stream: StepStream, error: grpc.RpcError | None) -> None:
+    """Loss handler of a stream that carries restores: the recovery waiting on them retries."""
+    details = (error.details() if error is not None else "") or "stream ended"
+    fail_all(stream.take_in_flight(), MaskClientError(f"restore stream to {stream.address} lost: {details}",
+                                                      _C.UNAVAILABLE))

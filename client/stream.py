@@ -1,0 +1,181 @@
+"""One Session stream to one server: the request queue, the reader thread, row decoding, the
+steps in flight, and the closes that wait to ride on the next step.
+
+A ``StepStream`` never reconnects by itself: when its call ends it hands the steps still in flight
+to its owner (``on_lost``), which restores the sequences somewhere and resends them.
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import grpc
+
+from maskd.rowcodec import RowDecoder
+from maskd.v1 import maskd_pb2 as pb
+from maskd.v1.contract import SeqStatus, ServerInfo
+from maskd_client.connection import Connection
+from maskd_client.ledger import UndoRecord
+from maskd_client.types import MaskClientError, SeqResult, StepResult, grpc_code
+
+log = logging.getLogger("maskd_client.stream")
+_generation = itertools.count()
+
+
+@dataclasses.dataclass
+class InFlight:
+    """A request sent (or to be sent again) and the future of its answer."""
+    request: pb.StepRequest
+    future: concurrent.futures.Future
+    undo: list[UndoRecord]
+    internal: bool = False          # a restore: no undo, nobody else waits for it
+    closes: list[tuple[str, concurrent.futures.Future]] = dataclasses.field(default_factory=list)
+    attempts: int = 1               # times sent (bounded by the client's retry budget)
+    sent_at: float = 0.0
+
+
+class StreamLost(MaskClientError):
+    """The stream ended; what it carried is its owner's to resend."""
+
+
+class StepStream:
+    def __init__(self, connection: Connection, session: str, info: ServerInfo, *,
+                 on_lost: Callable[[StepStream, grpc.RpcError | None], None],
+                 on_refused: Callable[[list[UndoRecord], set[str]], None]) -> None:
+        self.connection = connection
+        self.address = connection.target
+        self.decoder = RowDecoder(info.words_per_row, info.logits_width, dict_size=info.row_dictionary_size)
+        self._on_lost = on_lost
+        self._on_refused = on_refused
+        self._handed_over = False
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._in_flight: collections.deque[InFlight] = collections.deque()
+        self._lock = threading.Lock()
+        self._ended = False
+        self._call = connection.stub.Session(self._requests(), metadata=connection.metadata(session))
+        self._reader = threading.Thread(target=self._read, daemon=True,
+                                        name=f"maskd-client-reader-{next(_generation)}")
+        self._reader.start()
+
+    # -- sending ----------------------------------------------------------------------------------
+    def send(self, item: InFlight, *, hand_over_when_ended: bool = False) -> concurrent.futures.Future:
+        """Queues a request. On a stream that has ended, raises StreamLost (nothing queued), or with
+        ``hand_over_when_ended`` keeps the request for ``take_in_flight`` (the loss handler resends
+        it) as long as the loss has not been handled yet."""
+        with self._lock:
+            if self._handed_over or (self._ended and not hand_over_when_ended):
+                raise StreamLost(f"maskd stream to {self.address} has ended", grpc.StatusCode.UNAVAILABLE)
+            item.sent_at = time.perf_counter()
+            self._in_flight.append(item)
+            if not self._ended:
+                self._queue.put(item.request)
+        return item.future
+
+    def adopt(self, on_lost: Callable[[StepStream, grpc.RpcError | None], None]) -> bool:
+        """Gives the stream a new loss handler; False when it has ended already."""
+        with self._lock:
+            if self._ended:
+                return False
+            self._on_lost = on_lost
+            return True
+
+    def _requests(self):
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            yield item
+
+    @property
+    def ended(self) -> bool:
+        return self._ended
+
+    def take_in_flight(self) -> list[InFlight]:
+        """Ends the stream for new requests; returns what was sent and not answered."""
+        with self._lock:
+            self._ended = self._handed_over = True
+            items = list(self._in_flight)
+            self._in_flight.clear()
+        return items
+
+    def close(self) -> None:
+        """Ends the request stream and the call; what is in flight is abandoned to the caller."""
+        with self._lock:
+            self._ended = True
+        self._queue.put(None)
+        self._call.cancel()
+
+    # -- reading ----------------------------------------------------------------------------------
+    def _read(self) -> None:
+        error: grpc.RpcError | None = None
+        try:
+            for reply in self._call:
+                with self._lock:
+                    item = self._in_flight.popleft() if self._in_flight else None
+                if item is None:
+                    log.error("maskd at %s sent a reply nobody asked for", self.address)
+                    continue
+                self._resolve(item, reply)
+        except grpc.RpcError as exc:
+            error = exc
+        except Exception as exc:  # a decoding bug: fail what is pending rather than hang
+            log.exception("maskd client reader failed")
+            for item in self.take_in_flight():
+                _fail(item, MaskClientError(f"maskd client reader failed: {exc}"))
+            self._queue.put(None)
+            return
+        with self._lock:
+            was_ended = self._ended
+            self._ended = True
+            on_lost = self._on_lost
+        self._queue.put(None)
+        if not (was_ended and error is not None and error.code() is grpc.StatusCode.CANCELLED):
+            on_lost(self, error)
+
+    def _resolve(self, item: InFlight, reply: pb.StepResponse) -> None:
+        try:
+            bitmask = self.decoder.decode(reply)
+        except Exception as exc:
+            _fail(item, MaskClientError(f"cannot decode mask rows from {self.address}: {exc}"))
+            return
+        seqs = results_of(reply)
+        for seq_id, fut in item.closes:   # closes that rode along are not part of the step's result
+            if not fut.done():
+                fut.set_result(seqs.pop(seq_id, None))
+        if not item.internal:
+            refused = {s.seq_id for s in seqs.values() if s.status is SeqStatus.ERROR}
+            if refused:   # an ERROR leaves the server's sequence unchanged: take the step back here
+                self._on_refused(item.undo, refused)
+        if not item.future.done():
+            item.future.set_result(StepResult(seqs, bitmask, reply.server_seconds,
+                                              time.perf_counter() - item.sent_at))
+
+
+def results_of(reply: pb.StepResponse) -> dict[str, SeqResult]:
+    seqs = {}
+    for r in reply.results:
+        status = SeqStatus(r.status)
+        has_rows = status is SeqStatus.READY or status is SeqStatus.FINISHED
+        seqs[r.seq_id] = SeqResult(r.seq_id, r.step, status, r.first_row if has_rows else -1, r.num_rows,
+                                   list(r.forced_tokens), r.reason, grpc_code(r.code), r.accepting, r.drafts_valid)
+    return seqs
+
+
+def _fail(item: InFlight, exc: BaseException) -> None:
+    if not item.future.done():
+        item.future.set_exception(exc)
+    for _, fut in item.closes:
+        if not fut.done():
+            fut.set_result(None)
+
+
+def fail_all(items: Sequence[InFlight], exc: BaseException) -> None:
+    for item in items:
+        _fail(item, exc)

@@ -1,0 +1,20 @@
+"""Grammar engines behind one interface (see base.py); one module per engine."""
+from __future__ import annotations
+
+from maskd.server.config import BACKENDS
+from maskd.server.engines.base import CompiledGrammar, Engine, GrammarCompileError, Matcher, UnsupportedSpec
+
+
+def create_engine(backend: str, tokenizer, *, threads: int) -> Engine:
+    """Builds the named backend for a loaded tokenizer."""
+    if backend == "llguidance":
+        from maskd.server.engines.llguidance_engine import LLGuidanceEngine
+        return LLGuidanceEngine(tokenizer, threads=threads)
+    if backend == "xgrammar":
+        from maskd.server.engines.xgrammar_engine import XGrammarEngine
+        return XGrammarEngine(tokenizer, threads=threads)
+    raise ValueError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
+
+
+__all__ = ["BACKENDS", "CompiledGrammar", "Engine", "GrammarCompileError", "Matcher",
+           "UnsupportedSpec", "create_engine"]

@@ -1,0 +1,100 @@
+"""The engine interface every backend implements (cf. vLLM's StructuredOutputBackend).
+
+An engine compiles grammar specs for one tokenizer and logits width; a matcher is the
+per-sequence state. Batched operations take lists of matchers so that a backend can run
+them in parallel with the GIL released; masks are written into one preallocated int32
+array of shape (rows, words_per_row).
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from maskd.specs import GrammarSpec
+
+
+class GrammarCompileError(ValueError):
+    """The engine refused the grammar; the message is the engine's."""
+
+
+class UnsupportedSpec(GrammarCompileError):
+    """The spec is well formed but this backend does not support it."""
+
+
+@dataclasses.dataclass
+class CompiledGrammar:
+    spec: GrammarSpec
+    handle: Any            # backend object (llguidance grammar string, xgrammar CompiledGrammar)
+    compile_seconds: float
+    prototype: Any = None  # backend's initial-state matcher that new matchers copy, if it has one
+
+
+class Matcher(abc.ABC):
+    """Per-sequence grammar state; a pure function of (grammar, accepted tokens)."""
+
+    @abc.abstractmethod
+    def consume(self, tokens: Sequence[int]) -> str | None:
+        """Advances over tokens; returns None, or the engine's reason for rejecting one."""
+
+    @abc.abstractmethod
+    def validate(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens the grammar accepts, without advancing."""
+
+    @abc.abstractmethod
+    def rollback(self, num_tokens: int) -> None: ...
+
+    @abc.abstractmethod
+    def forced_tokens(self) -> list[int]:
+        """Tokens the grammar forces next (jump-forward), possibly empty."""
+
+    @abc.abstractmethod
+    def is_accepting(self) -> bool: ...
+
+    @abc.abstractmethod
+    def is_stopped(self) -> bool:
+        """Nothing but EOS can follow."""
+
+    @abc.abstractmethod
+    def reset(self) -> None: ...
+
+
+class Engine(abc.ABC):
+    name: str
+    version: str
+
+    def __init__(self, tokenizer, *, threads: int) -> None:
+        self.tokenizer = tokenizer
+        self.threads = threads
+        self.width = tokenizer.logits_width
+        self.words_per_row = (self.width + 31) // 32
+
+    @abc.abstractmethod
+    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        """Compiles a spec; raises GrammarCompileError with the engine's message."""
+
+    @abc.abstractmethod
+    def new_matcher(self, grammar: CompiledGrammar) -> Matcher: ...
+
+    def consume_batch(self, matchers: Sequence[Matcher], tokens: Sequence[Sequence[int]]) -> list[str | None]:
+        """Advances every matcher over its tokens; a reason per rejected matcher."""
+        return [m.consume(t) for m, t in zip(matchers, tokens)]
+
+    @abc.abstractmethod
+    def fill_batch(self, matchers: Sequence[Matcher], rows: Sequence[int],
+                   drafts: Sequence[Sequence[int]] | None, out: np.ndarray) -> None:
+        """Writes each matcher's mask into out[rows[i]]; with drafts, also the masks after each
+        accepted draft token into out[rows[i] + 1 + j]. Rows past an invalid draft are zero."""
+
+    # Serialized compiled grammars travel through the cluster cache.
+    def serialize(self, grammar: CompiledGrammar) -> bytes:
+        raise NotImplementedError
+
+    def deserialize(self, spec: GrammarSpec, data: bytes) -> CompiledGrammar:
+        raise NotImplementedError
+
+    def allocate(self, rows: int) -> np.ndarray:
+        return np.zeros((rows, self.words_per_row), dtype=np.int32)

@@ -1,0 +1,73 @@
+"""Prometheus metrics of a maskd server, on their own registry so that several servers
+(tests, Ray workers) can live in one process."""
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from maskd.v1.contract import RowEncoding
+
+_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
+_COMPILE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0)
+_BYTES_BUCKETS = (16, 64, 256, 1024, 4096, 16384, 65536)
+_ENCODING_LABELS = {e.value: e.name.lower() for e in RowEncoding}
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.step_seconds = Histogram("maskd_step_seconds",
+                                      "Server time per decode step (request received to reply encoded)",
+                                      buckets=_LATENCY_BUCKETS, registry=r)
+        self.fill_seconds = Histogram("maskd_mask_fill_seconds", "Batched mask fill time per step",
+                                      buckets=_LATENCY_BUCKETS, registry=r)
+        self.step_batch = Histogram("maskd_step_batch_size", "Sequences per step message",
+                                    buckets=(1, 4, 16, 64, 128, 256, 512, 1024), registry=r)
+        self.compile_seconds = Histogram("maskd_compile_seconds", "Grammar compile time",
+                                         ["backend"], buckets=_COMPILE_BUCKETS, registry=r)
+        self.cache_hits = Counter("maskd_grammar_cache_hits", "Grammar cache hits", ["cache"], registry=r)
+        self.cache_misses = Counter("maskd_grammar_cache_misses", "Grammar cache misses", ["cache"], registry=r)
+        self.cache_size = Gauge("maskd_grammar_cache_entries", "Grammars held in the local cache", registry=r)
+        self.live_sequences = Gauge("maskd_live_sequences", "Open sequences", registry=r)
+        self.waiting_sequences = Gauge("maskd_waiting_sequences", "Sequences waiting for their grammar", registry=r)
+        self.sessions = Gauge("maskd_open_streams", "Open session streams", registry=r)
+        self.row_bytes = Histogram("maskd_row_bytes", "Bytes sent per mask row", ["encoding"],
+                                   buckets=_BYTES_BUCKETS, registry=r)
+        self.rows_sent = Counter("maskd_rows_sent", "Mask rows sent", ["encoding"], registry=r)
+        self.row_dict = Counter("maskd_row_dictionary_lookups", "Row dictionary lookups", ["result"], registry=r)
+        self.errors = Counter("maskd_errors", "Errors by kind (refused entries, failed sequences, "
+                                              "compile failures, aborted calls)", ["kind"], registry=r)
+
+    def observe_step(self, *, seconds: float, batch: int, fill_seconds: float, row_sizes: Iterable[int],
+                     row_encodings: Iterable[int], refusals: Mapping[str, int]) -> None:
+        """Everything one step records: the one place the reply path calls."""
+        self.step_seconds.observe(seconds)
+        self.step_batch.observe(batch)
+        if fill_seconds:
+            self.fill_seconds.observe(fill_seconds)
+        for kind, n in refusals.items():
+            self.errors.labels(kind).inc(n)
+        per_encoding: dict[int, list[int]] = collections.defaultdict(list)
+        for size, enc in zip(row_sizes, row_encodings):
+            per_encoding[enc].append(size)
+        rows = refs = 0
+        for enc, sizes in per_encoding.items():
+            name = _ENCODING_LABELS[enc]
+            hist = self.row_bytes.labels(name)
+            for size in sizes:
+                hist.observe(size)
+            self.rows_sent.labels(name).inc(len(sizes))
+            rows += len(sizes)
+            if enc == RowEncoding.DICT_REF:
+                refs = len(sizes)
+        if refs:
+            self.row_dict.labels("hit").inc(refs)
+        if rows > refs:
+            self.row_dict.labels("miss").inc(rows - refs)
+
+    def serve_http(self, port: int, addr: str):
+        """Starts the /metrics endpoint on addr:port; returns (server, thread)."""
+        return start_http_server(port, addr=addr, registry=self.registry)

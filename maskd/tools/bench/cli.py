@@ -1,0 +1,101 @@
+"""``maskd bench {engines,serve,wire,profile}``: registered by maskd.cli through add_parser(sub).
+
+Heavy imports (matplotlib, torch, xgrammar) happen inside the modes, so this module imports
+with the server extra alone and the subcommand is always listed.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from maskd.tools.bench import common
+
+MODES = ("engines", "serve", "wire", "profile")
+
+
+def _common_args(p: argparse.ArgumentParser, mode: str) -> None:
+    p.add_argument("--data", default=str(common.default_data_dir()),
+                   help="folder of MaskBench files (default: ../shared/maskbench-dev next to the repository "
+                        "when present, else the built-in sample)")
+    p.add_argument("--tokenizer", default="deepseek-v4", help="tokenizer spec (as for maskd serve)")
+    p.add_argument("--limit", type=int, default=None,
+                   help="use N MaskBench files, evenly spaced over the sorted file names (default: all; "
+                        "--quick picks a small N)")
+    p.add_argument("--json", dest="json_out", default=None, help="also write the JSON report here")
+    p.add_argument("--out", default=os.path.join("out", f"bench-{mode}"),
+                   help=f"output folder for {mode}.json, {mode}.md and the PNG plots (default: out/bench-{mode})")
+    p.add_argument("--quick", action="store_true", help="a size that finishes in about a minute on 2 cores")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 2,
+                   help="server mask-fill threads (= the in-process baseline's threads)")
+
+
+def _server_args(p: argparse.ArgumentParser, default_server: str) -> None:
+    p.add_argument("--target", default=None, help="HOST:PORT of a running maskd server (default: start one)")
+    p.add_argument("--server", choices=("embedded", "subprocess"), default=default_server,
+                   help="how to start the server when --target is not given: in this process on a free "
+                        "loopback port, or `maskd serve --port 0` in a child process")
+
+
+def add_parser(sub) -> None:
+    bench = sub.add_parser("bench", help="benchmarks: engines, serve, wire, profile",
+                           description="maskd benchmarks; each mode writes JSON, a markdown table and PNG plots")
+    modes = bench.add_subparsers(dest="bench_mode", required=True)
+
+    p = modes.add_parser("engines", help="MaskBench TTFM / TBM: in-process llguidance vs xgrammar")
+    _common_args(p, "engines")
+    p.add_argument("--engines", default="llguidance,xgrammar", help="comma-separated: llguidance, xgrammar")
+    p.add_argument("--xgrammar-timeout", type=float, default=None,
+                   help="seconds per xgrammar compile before the schema is skipped (default 60; --quick 10)")
+    p.add_argument("--xgrammar-threads", type=int, default=None,
+                   help="xgrammar compile threads (default: --threads)")
+    p.set_defaults(func=_run_mode("engines"))
+
+    p = modes.add_parser("serve", help="a simulated GPU worker's decode loop through maskd")
+    _common_args(p, "serve")
+    _server_args(p, "embedded")
+    p.add_argument("--batch-sizes", default="1,16,64,256", help="comma-separated batch sizes")
+    p.add_argument("--forward-ms", type=float, default=20.0, help="simulated forward pass per decode step")
+    p.add_argument("--steps", type=int, default=None,
+                   help="measured decode steps per batch size and phase (default 200; --quick 20)")
+    p.add_argument("--warmup", type=int, default=None, help="unmeasured steps first (default 3; --quick 2)")
+    p.add_argument("--memory-sequences", type=int, default=None,
+                   help="live sequences opened for the memory figure (default 1000; 0 skips it)")
+    p.add_argument("--seed", type=int, default=0, help="shuffles the instance order")
+    p.set_defaults(func=_run_mode("serve"))
+
+    p = modes.add_parser("wire", help="bytes per mask row: per encoding and as sent")
+    _common_args(p, "wire")
+    _server_args(p, "embedded")
+    p.add_argument("--batch-sizes", default="64", help="comma-separated batch sizes (sequences per stream)")
+    p.add_argument("--max-rows", type=int, default=None,
+                   help="stop a batch size after this many rows (default: all instances; --quick 3000)")
+    p.add_argument("--seed", type=int, default=0, help="shuffles the instance order")
+    p.set_defaults(func=_run_mode("wire"))
+
+    p = modes.add_parser("profile", help="py-spy over the server's step path at batch 256")
+    _common_args(p, "profile")
+    p.add_argument("--batch", type=int, default=256, help="sequences per step")
+    p.add_argument("--duration", type=float, default=None, help="seconds of sampling (default 20; --quick 8)")
+    p.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
+    p.add_argument("--top", type=int, default=25, help="entries to list")
+    p.add_argument("--gil", action="store_true", help="only samples holding the GIL (py-spy --gil)")
+    p.add_argument("--pipelined", action="store_true",
+                   help="drive the server with step_async and a --forward-ms sleep instead of back-to-back steps")
+    p.add_argument("--forward-ms", type=float, default=20.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_run_mode("profile"))
+
+
+def _run_mode(mode: str):
+    def run(args) -> int:
+        import importlib
+
+        if not os.path.isdir(args.data):
+            sys.exit(f"maskd bench {mode}: no MaskBench folder at {args.data}")
+        module = importlib.import_module(f"maskd.tools.bench.{mode}")
+        report = module.run(args, log=lambda msg: print(msg, flush=True))
+        print(f"maskd bench {mode}: wrote {os.path.join(args.out, mode + '.json')}, {mode}.md and plots"
+              + (f"; JSON also at {args.json_out}" if args.json_out else ""))
+        return 1 if report.get("failed") else 0
+    return run

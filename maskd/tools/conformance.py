@@ -1,0 +1,271 @@
+"""MaskBench conformance through the wire (and the same check in-process, as baseline).
+
+For every MaskBench file (``schema`` + ``tests`` with ``valid`` and ``data``) the schema is
+registered through the server; every test instance is tokenized from
+``json.dumps(data, ensure_ascii=False)`` and driven through session steps. A valid
+instance passes when every token is allowed by the row the server returned and the
+end state allows EOS; an invalid one passes when some token is disallowed or the end
+does not allow EOS. Instances run as a continuously refilled batch of sequences.
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import json
+import pathlib
+import sys
+import time
+from collections.abc import Iterator
+
+import numpy as np
+
+SAMPLE_DIR = pathlib.Path(__file__).parent / "samples" / "maskbench"
+
+
+@dataclasses.dataclass
+class Instance:
+    file: str
+    index: int
+    valid: bool
+    tokens: list[int]
+
+
+def load_suite(data_dir: str | pathlib.Path, limit: int | None = None) -> list[tuple[str, dict, list]]:
+    """(file name, schema, tests) per MaskBench file, sorted by name."""
+    folder = pathlib.Path(data_dir)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"no MaskBench folder at {folder}")
+    files = sorted(folder.glob("*.json"))
+    if limit is not None:
+        files = files[:limit]
+    suite = []
+    for path in files:
+        try:
+            doc = json.loads(path.read_text(encoding="utf-8"))
+            suite.append((path.name, doc["schema"], list(doc.get("tests", []))))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{path} is not a MaskBench file (schema + tests): {exc}") from exc
+    return suite
+
+
+def _instances(suite, compiled: set[str], encode) -> Iterator[Instance]:
+    for name, _schema, tests in suite:
+        if name not in compiled:
+            continue
+        for i, test in enumerate(tests):
+            yield Instance(name, i, bool(test["valid"]),
+                           encode(json.dumps(test["data"], ensure_ascii=False)))
+
+
+def _allowed(bitmask: np.ndarray, rows: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    words = bitmask[rows, tokens >> 5]
+    return ((words >> (tokens & 31)) & 1).astype(bool)
+
+
+class _Tally:
+    def __init__(self) -> None:
+        self.valid_total = self.valid_accepted = self.invalid_total = self.invalid_rejected = 0
+        self.masks = 0
+        self.false_accepts: list[dict] = []
+        self.false_rejects: list[dict] = []
+
+    def verdict(self, inst: Instance, accepted: bool, why: str = "") -> None:
+        if inst.valid:
+            self.valid_total += 1
+            if accepted:
+                self.valid_accepted += 1
+            else:
+                self.false_rejects.append({"file": inst.file, "test": inst.index, "why": why})
+        else:
+            self.invalid_total += 1
+            if not accepted:
+                self.invalid_rejected += 1
+            else:
+                self.false_accepts.append({"file": inst.file, "test": inst.index})
+
+
+def run_through_server(target: str, tokenizer_spec: str, suite, *, batch: int = 64,
+                       register_threads: int = 8) -> dict:
+    from maskd.server.tokenizers import load_tokenizer
+    from maskd_client import MaskClient, MaskClientError, SeqStatus
+
+    t0 = time.perf_counter()
+    tok = load_tokenizer(tokenizer_spec)
+    tally = _Tally()
+    compile_errors: dict[str, str] = {}
+    with MaskClient(target, tokenizer=tok.fingerprint, want_forced_tokens=False, timeout_s=600) as mc:
+        info = mc.info()
+        eos = np.array(info.eos_token_ids[:1], dtype=np.int64)
+
+        def register(item):
+            name, schema, _ = item
+            try:
+                mc.register({"json_schema": schema}, wait=True)
+                return name, None
+            except MaskClientError as exc:
+                return name, str(exc)
+
+        with concurrent.futures.ThreadPoolExecutor(register_threads) as pool:
+            for name, err in pool.map(register, suite):
+                if err is not None:
+                    compile_errors[name] = err
+        compiled = {name for name, _, _ in suite if name not in compile_errors}
+        schemas = {name: schema for name, schema, _ in suite}
+        source = _instances(suite, compiled, tok.encode)
+        active: dict[str, tuple[Instance, int]] = {}   # seq -> (instance, tokens sent)
+        counter = 0
+        exhausted = False
+        while active or not exhausted:
+            while not exhausted and len(active) < batch:
+                inst = next(source, None)
+                if inst is None:
+                    exhausted = True
+                    break
+                seq_id = f"{inst.file}#{inst.index}#{counter}"
+                counter += 1
+                mc.open(seq_id, {"json_schema": schemas[inst.file]})
+                active[seq_id] = (inst, -1)
+            if not active:
+                break
+            request = {}
+            for seq_id, (inst, sent) in active.items():
+                request[seq_id] = [] if sent < 0 else [inst.tokens[sent]]
+            result = mc.step(request)
+            check_ids, check_rows, check_tokens = [], [], []
+            for seq_id, (inst, sent) in list(active.items()):
+                r = result.seqs[seq_id]
+                pos = sent + 1 if sent >= 0 else 0   # tokens applied so far
+                if r.status is SeqStatus.WAITING:
+                    continue  # grammar not ready: ask again with no tokens
+                active[seq_id] = (inst, pos)
+                if r.status in (SeqStatus.FAILED, SeqStatus.ERROR):
+                    tally.verdict(inst, False, r.reason)
+                    del active[seq_id]
+                    mc.close(seq_id)
+                    continue
+                check_ids.append(seq_id)
+                check_rows.append(r.row)
+                check_tokens.append(inst.tokens[pos] if pos < len(inst.tokens) else int(eos[0]))
+            if not check_ids:
+                continue
+            ok = _allowed(result.bitmask, np.array(check_rows), np.array(check_tokens, dtype=np.int64))
+            tally.masks += len(check_ids)
+            for seq_id, good in zip(check_ids, ok):
+                inst, pos = active[seq_id]
+                at_end = pos >= len(inst.tokens)
+                if not good or at_end:
+                    why = "" if good else ("EOS not allowed at the end" if at_end
+                                           else f"token {pos} ({inst.tokens[pos]}) not allowed")
+                    tally.verdict(inst, bool(good), why)
+                    del active[seq_id]
+                    mc.close(seq_id)
+    return _report(suite, compile_errors, tally, time.perf_counter() - t0, target)
+
+
+def run_in_process(tokenizer_spec: str, suite) -> dict:
+    """The same check straight on llguidance (no server): the baseline."""
+    import llguidance
+
+    from maskd.server.tokenizers import load_tokenizer
+
+    t0 = time.perf_counter()
+    tok = load_tokenizer(tokenizer_spec)
+    tally = _Tally()
+    compile_errors: dict[str, str] = {}
+    for name, schema, tests in suite:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema))
+        is_error, msgs = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tok.ll)
+        matcher = None if is_error else llguidance.LLMatcher(tok.ll, grammar, log_level=0)
+        if matcher is None or matcher.is_error():
+            compile_errors[name] = (msgs[0] if msgs else matcher.get_error()) if is_error or matcher else "error"
+            continue
+        for i, test in enumerate(tests):
+            inst = Instance(name, i, bool(test["valid"]), tok.encode(json.dumps(test["data"], ensure_ascii=False)))
+            m = llguidance.LLMatcher(tok.ll, grammar, log_level=0)
+            n = m.validate_tokens(inst.tokens)
+            tally.masks += min(n + 1, len(inst.tokens) + 1)
+            accepted = n == len(inst.tokens) and m.consume_tokens(inst.tokens) and m.is_accepting()
+            tally.verdict(inst, bool(accepted), "" if accepted else
+                          (f"stops at token {n}" if n < len(inst.tokens) else "EOS not allowed at the end"))
+    return _report(suite, compile_errors, tally, time.perf_counter() - t0, "in-process llguidance")
+
+
+def _report(suite, compile_errors: dict, tally: _Tally, seconds: float, target: str) -> dict:
+    return {
+        "target": target,
+        "schemas": len(suite),
+        "compiled": len(suite) - len(compile_errors),
+        "compile_errors": len(compile_errors),
+        "valid_total": tally.valid_total,
+        "valid_accepted": tally.valid_accepted,
+        "invalid_total": tally.invalid_total,
+        "invalid_rejected": tally.invalid_rejected,
+        "false_accepts": tally.false_accepts,
+        "false_rejects": tally.false_rejects,
+        "masks": tally.masks,
+        "seconds": round(seconds, 3),
+        "compile_error_files": sorted(compile_errors),
+        "compile_error_messages": dict(collections.OrderedDict(sorted(compile_errors.items()))),
+    }
+
+
+def summary_line(report: dict) -> str:
+    return (f"{report['target']}: schemas {report['schemas']}, compiled {report['compiled']}, "
+            f"compile errors {report['compile_errors']}, valid accepted {report['valid_accepted']}/"
+            f"{report['valid_total']}, invalid rejected {report['invalid_rejected']}/{report['invalid_total']}, "
+            f"false accepts {len(report['false_accepts'])}, false rejects {len(report['false_rejects'])}, "
+            f"masks {report['masks']}, {report['seconds']} s")
+
+
+# -- the command line ----------------------------------------------------------------------------
+def add_parser(sub) -> None:
+    p = sub.add_parser("conformance", help="MaskBench conformance through a maskd server",
+                       description="Every valid MaskBench instance must be accepted token by token and every "
+                                   "invalid one rejected, through a real server (or in process, as baseline).")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--target", help="HOST:PORT of a maskd server (or of a cluster directory)")
+    where.add_argument("--embedded", action="store_true", help="start a server on a free loopback port")
+    where.add_argument("--in-process", action="store_true", help="llguidance in this process, no server")
+    p.add_argument("--data", default=str(SAMPLE_DIR), help="folder of MaskBench files (default: built-in sample)")
+    p.add_argument("--tokenizer", default="deepseek-v4", help="tokenizer spec (as for maskd serve)")
+    p.add_argument("--limit", type=int, default=None, help="first N files only")
+    p.add_argument("--batch", type=int, default=64, help="sequences per step")
+    p.add_argument("--threads", type=int, default=None, help="embedded server's fill threads (default: CPUs)")
+    p.add_argument("--json", dest="json_out", default=None, help="write the report here")
+    p.set_defaults(func=cmd_conformance)
+
+
+def cmd_conformance(args) -> int:
+    try:
+        suite = load_suite(args.data, args.limit)
+    except (FileNotFoundError, ValueError) as exc:
+        sys.exit(f"maskd conformance: {exc}")
+    server = None
+    if args.in_process:
+        report = run_in_process(args.tokenizer, suite)
+    else:
+        target = args.target
+        if args.embedded:
+            from maskd.server.app import start_or_exit
+            from maskd.server.config import ServerConfig
+            server = start_or_exit(ServerConfig(port=0, tokenizer=args.tokenizer, threads=args.threads),
+                                   "maskd conformance")
+            target = server.address
+        else:
+            from maskd_client.routing import is_directory
+            if is_directory(target):
+                target = f"directory:{target}"
+        try:
+            report = run_through_server(target, args.tokenizer, suite, batch=args.batch)
+        finally:
+            if server is not None:
+                server.stop(grace=1.0)
+    print(summary_line(report))
+    for item in report["false_accepts"][:20]:
+        print(f"  false accept: {item['file']} test {item['test']}")
+    for item in report["false_rejects"][:20]:
+        print(f"  false reject: {item['file']} test {item['test']}: {item['why'][:200]}")
+    if args.json_out:
+        pathlib.Path(args.json_out).write_text(json.dumps(report, indent=2))
+    return 1 if report["false_accepts"] or report["false_rejects"] else 0

@@ -1,0 +1,247 @@
+"""MaskClient against real servers: pipelined steps, fingerprint guard, recovery after a lost
+server, TLS and auth."""
+import json
+import shutil
+import subprocess
+
+import grpc
+import numpy as np
+import pytest
+
+from conftest import allowed_ids
+from maskd.server import MaskServer, ServerConfig
+from maskd_client import MaskClient, MaskClientError, SeqStatus, StepInput
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999},
+                                           "tag": {"enum": ["a", "bb", "ccc"]}},
+          "required": ["n", "tag"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = MaskServer(ServerConfig(port=0, tokenizer="cl100k", threads=2)).start()
+    yield srv
+    srv.stop(grace=0.5)
+
+
+def pick(row_ids, rng):
+    return int(rng.choice(sorted(row_ids)))
+
+
+def generate(client, seq_ids, seed, budget=60, on_step=None):
+    """Deterministic generations: each sequence samples uniformly among allowed ids."""
+    rng = np.random.default_rng(seed)
+    eos = client.info().eos_token_ids[0]
+    out = {s: [] for s in seq_ids}
+    pending = {s: [] for s in seq_ids}
+    live = set(seq_ids)
+    n = 0
+    while live and n < budget:
+        if on_step:
+            on_step(n)
+        res = client.step_async({s: pending[s] for s in sorted(live)}).result(30)
+        n += 1
+        for s in sorted(live):
+            r = res.seqs[s]
+            assert r.status in (SeqStatus.READY, SeqStatus.FINISHED, SeqStatus.WAITING), r
+            if r.status is SeqStatus.WAITING:
+                pending[s] = []
+                continue
+            tok = pick(allowed_ids(res.bitmask[r.row]), rng)
+            if tok == eos:
+                live.discard(s)
+                continue
+            out[s].append(tok)
+            pending[s] = [tok]
+    return out
+
+
+def test_generation_and_tensor(server, cl100k):
+    with MaskClient(server.address, tokenizer=cl100k) as mc:
+        for i in range(3):
+            mc.open(f"g{i}", {"json_schema": SCHEMA, "whitespace": "compact"})
+        out = generate(mc, [f"g{i}" for i in range(3)], seed=1)
+        for toks in out.values():
+            doc = json.loads(cl100k.decode(toks))
+            assert set(doc) == {"n", "tag"}
+        mc.open("t", {"regex": "[0-9]"})
+        res = mc.step({"t": []})
+        while res.seqs["t"].status is SeqStatus.WAITING:
+            res = mc.step({"t": []})
+        t = res.tensor()
+        assert t.dtype.is_floating_point is False and tuple(t.shape) == res.bitmask.shape
+
+
+def test_fingerprint_mismatch_is_refused(server):
+    with pytest.raises(MaskClientError, match="fingerprint"):
+        MaskClient(server.address, tokenizer="0" * 64).info()
+
+
+def test_step_errors_are_reported_and_undone(server, cl100k):
+    with MaskClient(server.address, tokenizer=cl100k) as mc:
+        mc.open("e", {"regex": "[0-9]+"})
+        r = mc.step({"e": []})
+        while r.seqs["e"].status is SeqStatus.WAITING:
+            r = mc.step({"e": []})
+        bad = mc.step({"e": [10 ** 6]})
+        assert bad.seqs["e"].status is SeqStatus.ERROR and bad.seqs["e"].code == grpc.StatusCode.INVALID_ARGUMENT
+        ok = mc.step({"e": cl100k.encode("5")})  # the client undid the refused step: numbers line up
+        assert ok.seqs["e"].status is SeqStatus.READY
+        assert mc.history("e") == cl100k.encode("5")
+        with pytest.raises(MaskClientError, match="not open"):
+            mc.step({"nope": []})
+        with pytest.raises(MaskClientError, match="roll back"):
+            mc.step({"e": StepInput(rollback=5)})
+        with pytest.raises(Exception):
+            mc.open("x", {"regex": 5})
+
+
+def _messages(server) -> float:
+    """Step messages the server has handled so far."""
+    return server.metrics.registry.get_sample_value("maskd_step_batch_size_count") or 0.0
+
+
+def _ready(mc, *seq_ids):
+    r = mc.step({s: [] for s in seq_ids})
+    while any(r.seqs[s].status is SeqStatus.WAITING for s in seq_ids):
+        r = mc.step({s: [] for s in seq_ids})
+    return r
+
+
+def test_a_close_rides_on_the_next_step(server, cl100k):
+    with MaskClient(server.address, tokenizer=cl100k, close_linger_s=30) as mc:
+        mc.open("c-a", {"regex": "[0-9]+"})
+        mc.open("c-b", {"regex": "[a-z]+"})
+        _ready(mc, "c-a", "c-b")
+        before_live, before_msgs = server.service.live_sequences(), _messages(server)
+        closed = mc.close("c-a")
+        assert not closed.done()                      # waits for the step, not sent alone
+        res = mc.step({"c-b": cl100k.encode("x")})
+        assert closed.result(5).status is SeqStatus.CLOSED
+        assert set(res.seqs) == {"c-b"} and res.seqs["c-b"].status is SeqStatus.READY
+        assert _messages(server) == before_msgs + 1     # close and step in one message
+        assert server.service.live_sequences() == before_live - 1
+        with pytest.raises(MaskClientError, match="not open"):
+            mc.step({"c-a": []})
+
+
+def test_a_close_with_no_step_after_it_goes_alone(server, cl100k):
+    with MaskClient(server.address, tokenizer=cl100k, close_linger_s=0.05) as mc:
+        mc.open("l-a", {"regex": "[0-9]+"})
+        _ready(mc, "l-a")
+        before = server.service.live_sequences()
+        assert mc.close("l-a").result(10).status is SeqStatus.CLOSED
+        assert server.service.live_sequences() == before - 1
+        mc.open("l-b", {"regex": "[0-9]+"})
+        _ready(mc, "l-b")
+        f = mc.close("l-b")
+        mc.flush_closes()
+        assert f.result(10).status is SeqStatus.CLOSED
+    with MaskClient(server.address, tokenizer=cl100k, close_linger_s=0) as mc:   # 0: at once
+        mc.open("l-c", {"regex": "[0-9]+"})
+        _ready(mc, "l-c")
+        assert mc.close("l-c").result(10).status is SeqStatus.CLOSED
+        assert mc.close("never-opened").result(1) is None
+
+
+def test_a_closed_id_opened_again_before_the_next_step(server, cl100k):
+    with MaskClient(server.address, tokenizer=cl100k, close_linger_s=30) as mc:
+        mc.open("r", {"regex": "[0-9]+"})
+        _ready(mc, "r")
+        mc.step({"r": cl100k.encode("7")})
+        closed = mc.close("r")
+        mc.open("r", {"regex": "[a-z]+"})             # the same id, another grammar
+        res = _ready(mc, "r")
+        assert closed.result(5).status is SeqStatus.CLOSED
+        assert res.seqs["r"].step == 0
+        ids = allowed_ids(res.bitmask[res.seqs["r"].row])
+        assert cl100k.encode("x")[0] in ids and cl100k.encode("7")[0] not in ids
+
+
+def test_garbage_tokens_change_nothing(server, cl100k):
+    with MaskClient(server.address, tokenizer=cl100k, close_linger_s=30) as mc:
+        mc.open("g-a", {"regex": "[0-9]+"})
+        mc.open("g-b", {"regex": "[0-9]+"})
+        _ready(mc, "g-a", "g-b")
+        closed = mc.close("g-b")
+        for garbage in (["x"], [None], [1.5j], StepInput(tokens=[1], rollback="two")):
+            with pytest.raises(MaskClientError, match="integers") as err:
+                mc.step({"g-a": garbage})
+            assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert mc.history("g-a") == [] and not closed.done()
+        res = mc.step({"g-a": cl100k.encode("42")})    # step numbers still line up
+        assert res.seqs["g-a"].status is SeqStatus.READY
+        assert closed.result(5).status is SeqStatus.CLOSED
+
+
+def test_lost_server_is_replaced_and_outputs_do_not_change(cl100k):
+    """Steps are idempotent and state is a function of the tokens: after the server is lost the
+    client restores every sequence on the replacement and the outputs are the undisturbed ones."""
+    ids = [f"r{i}" for i in range(4)]
+    ref_srv = MaskServer(ServerConfig(port=0, tokenizer="cl100k", threads=2)).start()
+    with MaskClient(ref_srv.address, tokenizer=cl100k) as mc:
+        for s in ids:
+            mc.open(s, {"json_schema": SCHEMA, "whitespace": "compact"})
+        reference = generate(mc, ids, seed=7)
+    ref_srv.stop(grace=0)
+
+    first = MaskServer(ServerConfig(port=0, tokenizer="cl100k", threads=2)).start()
+    port = first.port
+    state = {"server": first}
+
+    def swap(n):
+        if n == 6:  # lose the server mid-generation, bring a fresh one up on the same port
+            state["server"].stop(grace=0)
+            state["server"] = MaskServer(ServerConfig(port=port, tokenizer="cl100k", threads=2)).start()
+
+    with MaskClient(f"127.0.0.1:{port}", tokenizer=cl100k, retries=5) as mc:
+        for s in ids:
+            mc.open(s, {"json_schema": SCHEMA, "whitespace": "compact"})
+        out = generate(mc, ids, seed=7, on_step=swap)
+        assert mc.reconnects >= 1
+    state["server"].stop(grace=0)
+    assert out == reference
+
+
+def test_unreachable_server_is_a_clear_error():
+    mc = MaskClient("127.0.0.1:1", timeout_s=1.0)
+    with pytest.raises(MaskClientError, match="127.0.0.1:1"):
+        mc.info()
+    mc.shutdown()
+
+
+def test_auth_token(cl100k):
+    srv = MaskServer(ServerConfig(port=0, tokenizer="cl100k", threads=1, auth_token="s3cret")).start()
+    try:
+        with pytest.raises(MaskClientError) as err:
+            MaskClient(srv.address, timeout_s=5).info()
+        assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(MaskClientError):
+            MaskClient(srv.address, timeout_s=5, auth_token="wrong").info()
+        with MaskClient(srv.address, auth_token="s3cret") as mc:
+            mc.open("a", {"regex": "[0-9]"})
+            r = mc.step({"a": []})
+            assert r.seqs["a"].status in (SeqStatus.WAITING, SeqStatus.READY)
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+        with grpc.insecure_channel(srv.address) as ch:  # probes need no token
+            assert health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest()).status == 1
+    finally:
+        srv.stop(grace=0)
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a test certificate")
+def test_tls(tmp_path, cl100k):
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
+                    "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    srv = MaskServer(ServerConfig(host="127.0.0.1", port=0, tokenizer="cl100k", threads=1,
+                                  tls_cert=str(cert), tls_key=str(key))).start()
+    try:
+        with MaskClient(f"localhost:{srv.port}", tls_root_certs=cert.read_bytes()) as mc:
+            assert mc.info().tokenizer == "cl100k"
+        with pytest.raises(MaskClientError):
+            MaskClient(f"localhost:{srv.port}", timeout_s=3).info()  # plaintext to a TLS port
+    finally:
+        srv.stop(grace=0)

@@ -1,0 +1,71 @@
+"""The house: packages depend one way, and a GPU worker's install is the client alone.
+
+* The import contracts in pyproject.toml (import-linter) hold: cli > tools | cluster > server |
+  client > shared layer > generated contract; the client imports no engine, no Ray, no server; the
+  step protocol imports no gRPC.
+* ``pip install .[client]`` into a clean virtual environment pulls no grammar engine and no Ray, and
+  that environment alone steps a real server.
+"""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+import venv
+
+import pytest
+
+from conftest import REPO
+from maskd.server import MaskServer, ServerConfig
+
+
+def test_import_contracts_hold():
+    lint = pathlib.Path(sys.executable).parent / "lint-imports"
+    if not lint.exists():
+        pytest.skip("import-linter is not installed (the dev extra)")
+    done = subprocess.run([str(lint), "--config", str(REPO / "pyproject.toml"), "--no-cache"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "0 broken" in done.stdout
+
+
+CLIENT_SCRIPT = textwrap.dedent("""
+    import json, sys
+    from maskd_client import MaskClient, SeqStatus
+    with MaskClient(sys.argv[1]) as mc:
+        mc.open("clean", {"regex": "[0-9]"})
+        res = mc.step({"clean": []})
+        while res.seqs["clean"].status is SeqStatus.WAITING:
+            res = mc.step({"clean": []})
+        row = res.bitmask[res.seqs["clean"].row]
+        heavy = [m for m in ("llguidance", "xgrammar", "ray", "torch", "transformers", "maskd.server", "maskd_cluster")
+                 if m in sys.modules]
+        print(json.dumps({"status": res.seqs["clean"].status.name, "set_bits": int(sum(bin(w & 0xFFFFFFFF).count("1")
+                          for w in row.tolist())), "heavy": heavy}))
+""")
+
+
+def test_client_extra_in_a_clean_venv_steps_a_real_server(tmp_path):
+    env_dir = tmp_path / "client-venv"
+    venv.EnvBuilder(with_pip=True, clear=True).create(env_dir)
+    py = env_dir / "bin" / "python"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    install = subprocess.run([str(py), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+                              f"{REPO}[client]"], capture_output=True, text=True, env=env, timeout=900)
+    if install.returncode != 0 and "Could not find a version" in install.stderr + install.stdout:
+        pytest.skip(f"the package index cannot be reached: {install.stderr[-300:]}")
+    assert install.returncode == 0, install.stderr[-3000:]
+    listed = subprocess.run([str(py), "-m", "pip", "list", "--format", "json"], capture_output=True, text=True,
+                            env=env, check=True)
+    names = {p["name"].lower() for p in json.loads(listed.stdout)}
+    assert {"grpcio", "protobuf", "numpy", "maskd"} <= names
+    forbidden = {"ray", "llguidance", "xgrammar", "torch", "transformers", "tokenizers", "tiktoken"}
+    assert not names & forbidden, names & forbidden
+
+    with MaskServer(ServerConfig(port=0, tokenizer="cl100k", threads=1)) as server:
+        run = subprocess.run([str(py), "-c", CLIENT_SCRIPT, server.address], capture_output=True, text=True,
+                             env=env, timeout=120, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout)
+    assert out == {"status": "READY", "set_bits": 10, "heavy": []}   # the digits 0-9, nothing else loaded

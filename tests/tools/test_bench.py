@@ -1,0 +1,149 @@
+"""maskd bench: every mode runs at tiny sizes on the built-in sample and writes its figures.
+
+Behaviour only (files, keys, counts, correctness checks): no assertion on a timing value.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+from maskd.tools.bench import common
+from maskd.cli import main
+
+SAMPLE = str(common.SAMPLE_DIR)
+
+
+def _run(mode: str, tmp_path: pathlib.Path, *extra: str) -> tuple[dict, pathlib.Path]:
+    out = tmp_path / mode
+    side = tmp_path / f"{mode}-copy.json"
+    rc = main(["bench", mode, "--data", SAMPLE, "--tokenizer", "deepseek-v4", "--out", str(out),
+               "--json", str(side), "--threads", "2", *extra])
+    assert rc == 0
+    report = json.loads((out / f"{mode}.json").read_text())
+    assert json.loads(side.read_text()) == report
+    assert (out / f"{mode}.md").read_text().startswith(f"# maskd bench {mode}")
+    assert report["mode"] == mode
+    assert report["machine"]["logical_cpus"] >= 1
+    return report, out
+
+
+def _positive(stats: dict) -> None:
+    assert stats["n"] > 0
+    for key in ("mean", "p25", "p50", "p99", "p100"):
+        assert stats[key] >= 0
+    assert stats["p100"] > 0
+    assert stats["p25"] <= stats["p50"] <= stats["p99"] <= stats["p100"]
+
+
+def test_parser_lists_every_mode():
+    from maskd.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "serve", "--quick"])
+    assert args.bench_mode == "serve" and args.forward_ms == 20.0 and args.batch_sizes == "1,16,64,256"
+    for mode in ("engines", "wire", "profile"):
+        args = build_parser().parse_args(["bench", mode, "--limit", "3", "--json", "x.json"])
+        assert args.limit == 3 and args.json_out == "x.json"
+        assert args.out.endswith(f"bench-{mode}")
+
+
+def test_spread_and_summarize():
+    assert common.spread(range(10), 3) == [0, 4, 9]
+    assert common.spread(range(10), 0) == []
+    assert common.spread(range(4), None) == [0, 1, 2, 3]
+    assert common.spread(range(4), 10) == [0, 1, 2, 3]
+    s = common.summarize([0.001, 0.002, 0.003, 0.004])
+    assert s["n"] == 4 and s["p100"] == pytest.approx(4.0) and s["mean"] == pytest.approx(2.5)
+    assert common.summarize([]) == {"n": 0}
+
+
+def test_engines(tmp_path):
+    report, out = _run("engines", tmp_path, "--xgrammar-timeout", "30")
+    assert report["schemas"] == 4 and report["tokens"] > 0
+    for engine in ("llguidance", "xgrammar"):
+        e = report["engines"][engine]
+        assert e["completed"] == 4, e
+        assert e["masks"] > 0
+        assert e["false_rejects"] == 0 and e["eos_not_allowed"] == 0
+        _positive(e["ttfm_ms"])
+        _positive(e["tbm_ms"])
+        assert e["ttfm_ms"]["p50"] >= e["compile_ms"]["p50"]
+    assert report["common_schemas"] == 4
+    assert set(report["xgrammar_over_llguidance"]) == {"ttfm_ms", "tbm_ms"}
+    for png in ("engines_tbm_cdf.png", "engines_ttfm_cdf.png"):
+        assert (out / png).stat().st_size > 1000
+
+
+def test_serve(tmp_path):
+    report, out = _run("serve", tmp_path, "--batch-sizes", "1,4", "--steps", "4", "--warmup", "1",
+                       "--forward-ms", "2", "--memory-sequences", "12")
+    assert [b["batch"] for b in report["batches"]] == [1, 4]
+    assert report["violations"] == 0 and report["rows_differing_from_in_process"] == 0
+    assert report["failed"] is False
+    for b in report["batches"]:
+        svc, pipe = b["service"], b["pipelined"]
+        assert svc["steps"] == 4 and pipe["steps"] == 4
+        for key in ("service_ms", "inprocess_fill_ms", "server_seconds_ms", "round_trip_ms"):
+            _positive(svc[key])
+        assert svc["service_ms"]["p50"] > 0 and svc["p50_service_over_fill"] > 0
+        assert isinstance(svc["p50_service_minus_fill_ms"], float)
+        assert svc["masks_checked"] > 0 and svc["token_violations"] == 0
+        for key in ("p50", "p99", "p100"):
+            assert pipe["mask_wait_ms"][key] >= 0
+        assert 0.0 <= pipe["waited_share"] <= 1.0
+        assert pipe["masks_checked"] > 0 and pipe["token_violations"] == 0
+    mem = report["memory"]
+    assert mem["live_sequences"] == 12 and mem["rss_after_mib"] > 0
+    assert "rss_per_1000_sequences_mib" in mem
+    assert (out / "serve.png").stat().st_size > 1000
+
+
+def test_wire(tmp_path):
+    report, out = _run("wire", tmp_path, "--batch-sizes", "1,4")
+    assert report["dense_row_bytes"] == 16160
+    assert report["bytes_per_row_sent_mean"] > 0
+    for enc in ("dense", "allowed_ids", "rejected_ids", "smallest_of_three"):
+        assert report[f"bytes_per_row_{enc}_mean"] > 0
+    assert report["bytes_per_row_dense_mean"] == 16160
+    assert report["token_violations"] == 0
+    for b in report["batches"]:
+        assert b["rows"] > 0 and b["steps"] > 0
+        assert b["bytes_per_row_sent_mean"] <= b["bytes_per_row_message_mean"]
+        assert sum(b["sent_share"].values()) == pytest.approx(1.0)
+    assert (out / "wire.png").stat().st_size > 1000
+
+
+def test_profile_parse():
+    from maskd.tools.bench.profile import parse_raw, step_path, top_entries
+
+    raw = ("_stream_response_in_pool (grpc/_server.py:843);MaskService.Session (/x/maskd/server/service.py:84);"
+           "Session.step (/x/maskd/server/session.py:85);LLGuidanceEngine.fill_batch (/x/maskd/server/engines/llguidance_engine.py:158) 6\n"
+           "_stream_response_in_pool (grpc/_server.py:843);MaskService.Session (/x/maskd/server/service.py:82);"
+           "_RequestIterator.__next__ (grpc/_server.py:500);Condition.wait (threading.py:327) 5\n"
+           "_serve (grpc/_server.py:1000) 9\n"
+           "_stream_response_in_pool (grpc/_server.py:843);_send_response (grpc/_server.py:732) 2\n")
+    stacks, total = parse_raw(raw)
+    assert total == 22
+    busy, n_busy, n_wait = step_path(stacks)
+    assert (n_busy, n_wait) == (8, 5)
+    tops = top_entries(busy, n_busy, 5)
+    assert tops["own_by_function"][0]["entry"] == "LLGuidanceEngine.fill_batch (maskd/server/engines/llguidance_engine.py)"
+    assert tops["own_by_function"][0]["share"] == pytest.approx(0.75)
+    assert tops["key_functions"]["MaskService.Session (maskd/server/service.py)"] == pytest.approx(0.75)
+
+
+def test_profile(tmp_path):
+    from maskd.tools.bench.profile import py_spy_path
+
+    if py_spy_path() is None:
+        pytest.skip("py-spy is not installed")
+    try:
+        report, out = _run("profile", tmp_path, "--batch", "4", "--duration", "1", "--quick")
+    except SystemExit as exc:  # e.g. a container that forbids ptrace
+        if "py-spy failed" in str(exc):
+            pytest.skip(str(exc))
+        raise
+    assert report["samples_all_threads"] > 0
+    assert report["steps_recorded"] > 0
+    assert (out / "profile.raw.txt").exists()

@@ -1,0 +1,118 @@
+"""MaskBench conformance through the real server equals in-process llguidance."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import MASKBENCH, needs_maskbench
+from maskd.tools import conformance
+from maskd.tools.conformance import SAMPLE_DIR
+from maskd.server import MaskServer, ServerConfig
+
+KEYS = ("schemas", "compiled", "compile_errors", "valid_total", "valid_accepted", "invalid_total",
+        "invalid_rejected", "masks")
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = MaskServer(ServerConfig(port=0, tokenizer="deepseek-v4", threads=2)).start()
+    yield srv
+    srv.stop(grace=0.5)
+
+
+def same_verdicts(a, b):
+    for key in ("schemas", "compiled", "compile_errors", "valid_total", "valid_accepted", "invalid_total",
+                "invalid_rejected"):
+        assert a[key] == b[key], (key, a[key], b[key])
+    assert a["compile_error_files"] == b["compile_error_files"]
+    assert a["false_accepts"] == b["false_accepts"]
+    assert sorted((x["file"], x["test"]) for x in a["false_rejects"]) == \
+        sorted((x["file"], x["test"]) for x in b["false_rejects"])
+
+
+def test_builtin_sample_through_server(server):
+    suite = conformance.load_suite(SAMPLE_DIR)
+    wire = conformance.run_through_server(server.address, "deepseek-v4", suite, batch=8)
+    local = conformance.run_in_process("deepseek-v4", suite)
+    assert wire["valid_accepted"] == wire["valid_total"] > 0
+    assert wire["invalid_rejected"] == wire["invalid_total"] > 0
+    assert not wire["false_accepts"] and not wire["false_rejects"]
+    same_verdicts(wire, local)
+
+
+@needs_maskbench
+def test_maskbench_slice_through_server_equals_in_process(server):
+    suite = conformance.load_suite(MASKBENCH)[::28]  # 40 files spread over the whole set
+    wire = conformance.run_through_server(server.address, "deepseek-v4", suite, batch=64)
+    local = conformance.run_in_process("deepseek-v4", suite)
+    same_verdicts(wire, local)
+    assert wire["masks"] > 1000
+    assert not wire["false_accepts"]
+
+
+def test_cli_embedded_writes_report(tmp_path):
+    out = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, "-m", "maskd.cli", "conformance", "--embedded", "--tokenizer", "cl100k",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    for key in KEYS:
+        assert key in report
+    assert report["valid_accepted"] == report["valid_total"] and report["compiled"] == report["schemas"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--embedded", "--data", "/no/such/folder"], "no MaskBench folder"),
+    (["--embedded", "--tokenizer", "no-such:tokenizer"], "unknown tokenizer"),
+])
+def test_cli_garbage(args, message, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "maskd.cli", "conformance", *args],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert message in proc.stderr
+
+
+def test_cli_garbage_file(tmp_path):
+    (tmp_path / "bad.json").write_text('{"not": "maskbench"}')
+    proc = subprocess.run([sys.executable, "-m", "maskd.cli", "conformance", "--embedded", "--data", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "not a MaskBench file" in proc.stderr
+
+
+def test_serve_unknown_backend_and_tokenizer():
+    for args, message in ((["--backend", "outlines"], "unknown backend"),
+                          (["--tokenizer", "nope:x"], "unknown tokenizer")):
+        proc = subprocess.run([sys.executable, "-m", "maskd.cli", "serve", "--port", "0", *args],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+
+
+def test_serve_drains_on_sigterm(tmp_path):
+    import signal
+    proc = subprocess.Popen([sys.executable, "-m", "maskd.cli", "serve", "--port", "0", "--tokenizer", "cl100k",
+                             "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert "maskd serving on 127.0.0.1:" in line
+        address = line.split("serving on ")[1].split(",")[0].strip()
+        from maskd_client import MaskClient
+        with MaskClient(address) as mc:
+            assert mc.info().tokenizer == "cl100k"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--row-dict-size", "-1"], "--row-dict-size must be >= 0"),
+    (["--backend", "no-such-engine"], "unknown backend"),
+    (["--threads", "many"], "invalid int value"),
+])
+def test_serve_cli_garbage(args, message):
+    proc = subprocess.run([sys.executable, "-m", "maskd.cli", "serve", "--port", "0", *args],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert message in proc.stderr
