@@ -19,6 +19,8 @@ from typing import Any
 from maskd.server.config import add_flags, from_flags
 from maskd_cluster import NAMESPACE
 
+LOOPBACK = "127.0.0.1"
+RAY_SINGLE_NODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 _HELP_ADDRESS = "Ray cluster to join (e.g. auto, HOST:6379, ray://HOST:10001); default: a local one"
 
 
@@ -102,7 +104,9 @@ def _save_state(namespace: str, state: dict) -> None:
 
 def _connect(address: str | None, namespace: str, *, start_local: bool = False,
              num_cpus: float | None = None) -> bool:
-    """Connects this process to Ray; returns True when it started a local head."""
+    """Connects this process to Ray; returns True when it started a local head. A cluster on this
+    machine alone (no --address) lives on loopback: Ray, the directory and the workers bind and
+    advertise 127.0.0.1."""
     import ray
 
     if ray.is_initialized():
@@ -117,7 +121,8 @@ def _connect(address: str | None, namespace: str, *, start_local: bool = False,
     except ConnectionError:
         if not start_local:
             raise
-    cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--disable-usage-stats"]
+    cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--disable-usage-stats",
+           "--dashboard-host", LOOPBACK]
     if num_cpus is not None:
         cmd += ["--num-cpus", str(max(1, round(num_cpus)))]   # `ray start` takes a whole number
     done = subprocess.run(cmd, capture_output=True, text=True)
@@ -125,6 +130,14 @@ def _connect(address: str | None, namespace: str, *, start_local: bool = False,
         sys.exit(f"maskd cluster: cannot start a local Ray head:\n{done.stdout}{done.stderr}")
     ray.init(address="auto", **kwargs)
     return True
+
+
+def _local_ray_env(address: str | None) -> None:
+    """A Ray cluster on this machine alone binds and advertises loopback only. Ray's switch for that
+    is RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (single-node mode: the node IP is 127.0.0.1); it is read
+    once, when Ray is imported, so this runs first. An explicit --address keeps Ray's own choice."""
+    if not address:
+        os.environ.setdefault(RAY_SINGLE_NODE_ENV, "0")
 
 
 def _token_auth_env() -> None:
@@ -151,6 +164,7 @@ def _parse_resources(items: list[str]) -> dict[str, float]:
 
 # -- commands -------------------------------------------------------------------------------------
 def cmd_up(args) -> int:
+    _local_ray_env(args.address)
     _token_auth_env()
     import ray
 
@@ -186,6 +200,7 @@ def cmd_status(args) -> int:
     if directory:
         report = _status_over_grpc(directory)
     if report is None:
+        _local_ray_env(args.address)
         _token_auth_env()
         from maskd_cluster import launcher
         try:
@@ -243,6 +258,7 @@ def format_status(report: dict) -> str:
 
 
 def cmd_down(args) -> int:
+    _local_ray_env(args.address)
     _token_auth_env()
     import ray
 

@@ -263,7 +263,7 @@ class DirectoryServicer(dpb_grpc.DirectoryServicer):
 class Directory:
     """Ray actor (threaded): hosts DirectoryState and the Directory gRPC service."""
 
-    def __init__(self, namespace: str, *, host: str | None = None, bind_host: str = "0.0.0.0", port: int = 0,
+    def __init__(self, namespace: str, *, host: str | None = None, bind_host: str | None = None, port: int = 0,
                  vnodes: int = DEFAULT_VNODES, poll_s: float = 0.5, ping_timeout_s: float = 2.0,
                  misses_to_down: int = 2) -> None:
         import ray
@@ -281,6 +281,8 @@ class Directory:
             DirectoryServicer(self.state, refresh_stats=self.refresh, cache_stats=self.cache_stats), self._server)
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        self.host = host or ray.util.get_node_ip_address()
+        bind_host = bind_host or self.host    # bind where it is reached (loopback on one machine)
         port = port or _remembered_port(namespace)
         bound = 0
         try:
@@ -293,7 +295,6 @@ class Directory:
             raise OSError(f"maskd directory cannot bind {bind_host}:{port}")
         _remember_port(namespace, bound)
         self.port = bound
-        self.host = host or ray.util.get_node_ip_address()
         self._server.start()
         for name in ("", SERVICE_NAME):
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -38,7 +38,6 @@ class ClusterConfig:
     worker_resources: dict[str, float] = setting(help="custom Ray resources per worker", cli=False, factory=dict)
     worker_host: str | None = setting(None, help="address workers bind and advertise (default: the node's IP)")
     max_restarts: int = setting(-1, help="worker restarts after failures (-1: no limit)")
-    drain_grace_s: float = setting(10.0, flag="--drain-grace", help="seconds a draining worker's streams get")
     # directory and shared cache
     directory_port: int = setting(0, help="directory gRPC port (0: a free one)")
     directory_host: str | None = setting(None, help="address the directory advertises (default: the node's IP)")
@@ -131,15 +130,14 @@ def up(cfg: ClusterConfig) -> str:
             handle = ray.remote(Worker).options(
                 name=name, namespace=ns, lifetime=_lifetime(cfg), num_cpus=cfg.worker_cpus,
                 resources=dict(cfg.worker_resources) or None, max_restarts=cfg.max_restarts, max_concurrency=4,
-            ).remote(wid, server_config, ns, host=cfg.worker_host, drain_grace_s=cfg.drain_grace_s,
-                     log_level=cfg.log_level)
+            ).remote(wid, server_config, ns, host=cfg.worker_host, log_level=cfg.log_level)
             held[name] = handle
         started[wid] = handle
         ray.get(directory.add_worker.remote(wid, handle))
     for name in existing:  # scale down: workers past the requested count drain and go
         index = name[len(WORKER_PREFIX):]
         if index.isdigit() and int(index) >= cfg.workers:
-            stop_worker(worker_id(int(index)), ns, grace_s=cfg.drain_grace_s)
+            stop_worker(worker_id(int(index)), ns, grace_s=cfg.server.drain_grace_s)
     # A worker whose constructor fails (bad tokenizer, import error) is reported now, not at the timeout.
     from ray.exceptions import GetTimeoutError, RayActorError
     for wid, handle in started.items():

@@ -33,7 +33,7 @@ class Worker:
     """Ray actor: create through maskd_cluster.launcher (``ray.remote(Worker).options(...)``)."""
 
     def __init__(self, worker_id: str, server_config, namespace: str, *, host: str | None = None,
-                 drain_grace_s: float = 10.0, log_level: str | None = None) -> None:
+                 log_level: str | None = None) -> None:
         import dataclasses
 
         from maskd.server import MaskServer
@@ -43,7 +43,6 @@ class Worker:
 
         self.worker_id = worker_id
         self.namespace = namespace
-        self.drain_grace_s = drain_grace_s
         self.incarnation = secrets.randbits(62) or 1
         ctx = ray.get_runtime_context()
         self.node_id = ctx.get_node_id()
@@ -116,7 +115,7 @@ class Worker:
                 ray.get(directory.deregister.remote(self.worker_id, self.incarnation), timeout=5.0)
             except Exception as exc:  # the directory also notices the drain by polling
                 log.warning("%s: cannot tell the directory about the drain: %s", self.worker_id, exc)
-        grace = self.drain_grace_s if grace_s is None else grace_s
+        grace = self.server.config.drain_grace_s if grace_s is None else grace_s
         self.server.stop(grace=grace)
         return self.stats()
 

@@ -17,7 +17,8 @@ import maskd
 log = logging.getLogger("maskd.cli")
 # Subcommands whose modules carry extra dependencies register themselves: (module, name).
 _OPTIONAL = (("maskd.tools.conformance", "conformance"), ("maskd.tools.demo", "demo"),
-             ("maskd.tools.bench.cli", "bench"), ("maskd_cluster.cli", "cluster"))
+             ("maskd.tools.bench.cli", "bench"), ("maskd.tools.soak", "soak and chaos"),
+             ("maskd_cluster.cli", "cluster"))
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -40,8 +41,6 @@ def _add_serve(sub) -> None:
                        description="A maskd gRPC server: MaskService with health checks, metrics and a "
                                    "graceful drain on SIGTERM.")
     add_flags(p, ServerConfig())
-    p.add_argument("--drain-grace", type=float, default=10.0, metavar="SECONDS",
-                   help="seconds open streams get to finish after SIGTERM")
     p.set_defaults(func=cmd_serve)
 
 
@@ -53,7 +52,7 @@ def cmd_serve(args) -> int:
     print(f"maskd serving on {server.address}" +
           (f", metrics on {server.config.metrics_bind_host}:{server.metrics_port}/metrics"
            if server.metrics_port else ""), flush=True)
-    server.serve_forever(grace_s=args.drain_grace)
+    server.serve_forever()
     return 0
 
 

@@ -5,6 +5,7 @@ Import-light (no engine): the client builds the same specs from dicts.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from collections.abc import Mapping
@@ -101,8 +102,37 @@ class GrammarSpec:
     def size(self) -> int:
         return len(self.text) + len(self.reasoning_start) + len(self.reasoning_end)
 
+    @functools.cached_property
+    def depth(self) -> int:
+        """Nesting depth of a JSON source (objects and arrays); 0 for other kinds."""
+        if self.kind not in ("json_schema", "structural_tag"):
+            return 0
+        return json_depth(json.loads(self.text))
+
+
+def json_depth(value: Any) -> int:
+    """Deepest nesting of dicts and lists (iterative: any depth, no recursion)."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        node, d = stack.pop()
+        if isinstance(node, dict):
+            deepest = max(deepest, d)
+            stack.extend((v, d + 1) for v in node.values())
+        elif isinstance(node, list):
+            deepest = max(deepest, d)
+            stack.extend((v, d + 1) for v in node)
+    return deepest
+
 
 def canonical_text(kind: str, source: Any) -> str:
+    try:
+        return _canonical_text(kind, source)
+    except RecursionError:
+        raise SpecError(f"{kind} is nested too deeply to parse") from None
+
+
+def _canonical_text(kind: str, source: Any) -> str:
     if kind in ("json_schema", "structural_tag"):
         if isinstance(source, (str, bytes)):
             try:

@@ -25,3 +25,15 @@ def allowed_ids(row):
     import numpy as np
     bits = np.unpackbits(np.ascontiguousarray(row).view(np.uint8), bitorder="little")
     return set(np.flatnonzero(bits).tolist())
+
+
+def pytest_addoption(parser):
+    parser.addoption("--fuzz-seconds", type=float, default=None,
+                     help="seconds each wire fuzzer runs (default $MASKD_FUZZ_SECONDS, else 20)")
+
+
+@pytest.fixture
+def fuzz_seconds(request):
+    import os
+    value = request.config.getoption("--fuzz-seconds")
+    return float(value if value is not None else os.environ.get("MASKD_FUZZ_SECONDS", 20))

@@ -1,8 +1,15 @@
-"""MaskServer: the gRPC MaskService with health checking and metrics, and a graceful drain."""
+"""MaskServer: the gRPC MaskService with health checking, metrics, tenants, and a graceful drain.
+
+Drain (SIGTERM, or ``stop``): health turns NOT_SERVING and new Session streams are refused at
+once, while the port keeps answering for ``drain_delay_s`` (so load balancers and probes see the
+drain); then gRPC stops taking calls and open streams get ``drain_grace_s`` to finish; then the
+server exits. Every wait is bounded, whatever the input was.
+"""
 from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import signal
 import sys
 import threading
@@ -11,7 +18,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from maskd.server.auth import AuthInterceptor
+from maskd.server import compile_pool
+from maskd.server.auth import AuthConfigError, AuthInterceptor, Credentials
 from maskd.server.config import ConfigError, ServerConfig
 from maskd.server.engines import create_engine
 from maskd.server.grammar_cache import GrammarCache, SharedGrammarStore
@@ -22,6 +30,9 @@ from maskd.v1 import maskd_pb2_grpc as pb_grpc
 
 log = logging.getLogger("maskd.server")
 SERVICE_NAME = "maskd.v1.MaskService"
+# gRPC threads beyond the stream cap: each Session stream holds a thread, so these stay free for
+# health checks, Info and RegisterGrammar whatever the streams do.
+UNARY_THREADS = 16
 
 
 class MaskServer:
@@ -29,40 +40,60 @@ class MaskServer:
         config.check()
         self.config = config
         limits = config.limits
+        try:
+            self.credentials = Credentials(token=config.resolved_auth_token(), tokens_file=config.auth_tokens_file,
+                                           client_certificates=bool(config.tls_client_ca))
+        except AuthConfigError as exc:
+            raise ConfigError(str(exc)) from exc
         self.metrics = Metrics()
         tokenizer = load_tokenizer(config.tokenizer, config.logits_width)
         self.engine = create_engine(config.backend, tokenizer, threads=config.fill_threads)
-        self.cache = GrammarCache(self.engine, max_entries=config.cache_entries,
-                                  compile_threads=config.compile_threads,
-                                  compile_timeout_s=limits.compile_timeout_s, metrics=self.metrics,
-                                  shared=shared_cache)
+        self._pool = (compile_pool.acquire(config.backend, config.tokenizer, config.logits_width,
+                                           config.compile_threads)
+                      if config.compile_isolation == "process" else None)
+        self.cache = GrammarCache(self.engine, max_entries=config.cache_entries, max_bytes=config.cache_bytes,
+                                  compile_threads=config.compile_threads, compile_timeout_s=limits.compile_timeout_s,
+                                  metrics=self.metrics, shared=shared_cache, pool=self._pool,
+                                  max_queued_per_tenant=limits.max_compiles_queued_per_tenant,
+                                  max_queued=limits.max_compiles_queued,
+                                  max_running_per_tenant=limits.max_compiles_running_per_tenant)
         self.service = MaskService(self.engine, self.cache, limits=limits, metrics=self.metrics,
-                                   row_dict_size=config.row_dict_size)
+                                   credentials=self.credentials, row_dict_size=config.row_dict_size)
         self.health = health.HealthServicer()
-        token = config.resolved_auth_token()
         self._grpc = grpc.server(
-            concurrent.futures.ThreadPoolExecutor(max_workers=limits.max_streams + 8,
+            concurrent.futures.ThreadPoolExecutor(max_workers=limits.max_streams + UNARY_THREADS,
                                                   thread_name_prefix="maskd-grpc"),
             options=[("grpc.max_receive_message_length", limits.max_message_bytes),
                      ("grpc.max_send_message_length", -1),
                      ("grpc.so_reuseport", 0)],
-            maximum_concurrent_rpcs=limits.max_streams,
-            interceptors=[AuthInterceptor(token)] if token else [])
+            interceptors=[AuthInterceptor(self.credentials)] if self.credentials.required else [])
         pb_grpc.add_MaskServiceServicer_to_server(self.service, self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         bind = f"{config.host}:{config.port}"
-        if config.tls_cert and config.tls_key:
-            with open(config.tls_key, "rb") as k, open(config.tls_cert, "rb") as c:
-                creds = grpc.ssl_server_credentials([(k.read(), c.read())])
-            self.port = self._grpc.add_secure_port(bind, creds)
-        else:
-            self.port = self._grpc.add_insecure_port(bind)
+        try:
+            if config.tls_cert and config.tls_key:
+                self.port = self._grpc.add_secure_port(bind, self._tls_credentials())
+            else:
+                self.port = self._grpc.add_insecure_port(bind)
+        except RuntimeError as exc:
+            raise OSError(f"cannot bind the gRPC port {bind}: {exc}") from exc
         if self.port == 0:
-            raise OSError(f"cannot bind {config.host}:{config.port}")
+            raise OSError(f"cannot bind the gRPC port {bind} (in use, or not an address of this machine)")
         self.metrics_port: int | None = None
         self._metrics_http: Any = None
         self._stopped = threading.Event()
-        self._gauge_thread = threading.Thread(target=self._refresh_gauges, daemon=True, name="maskd-gauges")
+        self._stop_lock = threading.Lock()
+        self._housekeeper = threading.Thread(target=self._housekeeping, daemon=True, name="maskd-housekeeping")
+
+    def _tls_credentials(self) -> grpc.ServerCredentials:
+        cfg = self.config
+        assert cfg.tls_cert and cfg.tls_key
+        with open(cfg.tls_key, "rb") as k, open(cfg.tls_cert, "rb") as c:
+            pair = (k.read(), c.read())
+        if cfg.tls_client_ca:
+            with open(cfg.tls_client_ca, "rb") as ca:
+                return grpc.ssl_server_credentials([pair], root_certificates=ca.read(), require_client_auth=True)
+        return grpc.ssl_server_credentials([pair])
 
     @property
     def address(self) -> str:
@@ -77,57 +108,89 @@ class MaskServer:
                 raise OSError(f"cannot bind the metrics port {self.config.metrics_bind_host}:"
                               f"{self.config.metrics_port}: {exc.strerror or exc}") from exc
             self.metrics_port = self._metrics_http.server_port
+        if self._pool is not None and not self._pool.wait_warm(120.0):
+            log.warning("maskd: compile workers still loading the engine after 120 s; serving anyway")
         self._grpc.start()
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        self._gauge_thread.start()
-        log.info("maskd serving on %s (backend %s, tokenizer %s, width %d)", self.address,
-                 self.engine.name, self.engine.tokenizer.spec, self.engine.width)
+        self._housekeeper.start()
+        log.info("maskd serving on %s (backend %s, tokenizer %s, width %d, compiles in %ss)", self.address,
+                 self.engine.name, self.engine.tokenizer.spec, self.engine.width, self.config.compile_isolation)
         return self
 
-    def stop(self, grace: float | None = 5.0) -> None:
-        """Drains: health goes NOT_SERVING, new streams are refused, open ones get `grace` seconds."""
-        if self._stopped.is_set():
-            return
-        self.service.draining.set()
-        for name in ("", SERVICE_NAME):
-            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        # Bounded: after some garbage input (e.g. a message over the size limit) grpc's shutdown event
-        # can stay unset although every call has ended; the drain must not hang on it.
-        if not self._grpc.stop(grace).wait((grace or 0.0) + 5.0):
-            log.warning("maskd on %s: gRPC shutdown did not complete %g s after the grace period",
-                        self.address, 5.0)
-        self._stopped.set()
-        self.cache.close()
-        if self._metrics_http is not None:
-            self._metrics_http.shutdown()
-        log.info("maskd on %s stopped", self.address)
+    def stop(self, grace: float | None = None, delay: float = 0.0) -> None:
+        """Drains: health NOT_SERVING and new streams refused, ``delay`` seconds of that, then open
+        streams get ``grace`` seconds (default: the config's drain grace), then everything stops."""
+        with self._stop_lock:
+            if self._stopped.is_set():
+                return
+            grace = self.config.drain_grace_s if grace is None else grace
+            self.service.draining.set()
+            for name in ("", SERVICE_NAME):
+                self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+            if delay > 0:
+                log.info("maskd on %s: NOT_SERVING; stopping in %g s", self.address, delay)
+                self._stopped.wait(delay)
+            # Bounded: after some garbage input (e.g. a message over the size limit) grpc's shutdown
+            # event can stay unset although every call has ended; the drain must not hang on it.
+            if not self._grpc.stop(grace).wait(grace + 5.0):
+                log.warning("maskd on %s: gRPC shutdown did not complete 5 s after the grace period", self.address)
+            self._stopped.set()
+            self.cache.close()
+            if self._pool is not None:
+                compile_pool.release(self._pool)
+            if self._metrics_http is not None:
+                self._metrics_http.shutdown()
+            log.info("maskd on %s stopped", self.address)
 
     def wait(self) -> None:
         self._grpc.wait_for_termination()
 
-    def serve_forever(self, grace_s: float = 10.0) -> None:
-        """Runs until SIGTERM/SIGINT, then drains."""
+    def serve_forever(self) -> None:
+        """Runs until SIGTERM/SIGINT, then drains (SIGHUP reloads the tokens file). If the drain
+        does not finish in its bounded time, the process exits anyway."""
         done = threading.Event()
 
-        def on_signal(signum, frame):
-            log.info("signal %s: draining", signum)
+        def on_stop(signum, frame):
+            log.warning("signal %s: draining (delay %g s, grace %g s)", signal.Signals(signum).name,
+                        self.config.drain_delay_s, self.config.drain_grace_s)
             done.set()
 
-        signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
-        done.wait()
-        self.stop(grace=grace_s)
+        def on_hup(signum, frame):
+            try:
+                n = self.credentials.reload()
+                log.warning("SIGHUP: %d tokens loaded from %s", n, self.config.auth_tokens_file)
+            except AuthConfigError as exc:
+                log.error("SIGHUP: tokens file not reloaded, the old tokens stay: %s", exc)
 
-    def _refresh_gauges(self) -> None:
+        signal.signal(signal.SIGTERM, on_stop)
+        signal.signal(signal.SIGINT, on_stop)
+        signal.signal(signal.SIGHUP, on_hup)
+        done.wait()
+        limit = self.config.drain_delay_s + self.config.drain_grace_s + 15.0
+        watchdog = threading.Timer(limit, _exit_now, args=(limit,))
+        watchdog.daemon = True
+        watchdog.start()
+        self.stop(delay=self.config.drain_delay_s)
+        watchdog.cancel()
+
+    def _housekeeping(self) -> None:
+        """Once a second, off the step path: gauges, and the end of streams idle too long."""
         while not self._stopped.wait(1.0):
             self.service.update_gauges()
+            self.service.end_idle_streams()
 
     def __enter__(self) -> MaskServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop(grace=1.0)
+
+
+def _exit_now(limit: float) -> None:
+    log.error("maskd: the drain did not finish within %g s; exiting", limit)
+    logging.shutdown()
+    os._exit(1)
 
 
 def start_or_exit(config: ServerConfig, prog: str = "maskd") -> MaskServer:

@@ -37,21 +37,33 @@ def setting(default: Any = dataclasses.MISSING, *, help: str, flag: str | None =
 
 @dataclasses.dataclass
 class Limits:
-    """What one server, stream, request and grammar may use."""
+    """What the server, a tenant, a stream, a request and a grammar may use. A request over a limit
+    gets RESOURCE_EXHAUSTED naming the flag."""
 
-    max_streams: int = setting(256, help="concurrent Session streams")
+    max_streams: int = setting(256, help="concurrent Session streams of the server")
+    max_streams_per_tenant: int = setting(128, help="concurrent Session streams of one tenant")
+    max_sequences: int = setting(131072, help="live sequences of the server")
+    max_sequences_per_tenant: int = setting(65536, help="live sequences of one tenant")
+    max_sequences_per_session: int = setting(65536, help="live sequences one session may hold")
     max_message_bytes: int = setting(64 << 20, help="largest request message, bytes")
-    max_grammar_bytes: int = setting(1 << 20, help="largest grammar source, bytes")
-    compile_timeout_s: float = setting(30.0, flag="--compile-timeout", help="seconds one grammar may compile")
+    max_tokens_per_request: int = setting(262144, help="tokens and draft tokens one step message may carry")
     max_tokens_per_step: int = setting(4096, help="tokens one sequence may carry in one step (restores go in parts)")
     max_draft_tokens: int = setting(16, help="draft tokens one sequence may carry in one step")
     max_rows_per_step: int = setting(8192, help="mask rows one step message may ask for")
-    max_sequences_per_session: int = setting(65536, help="live sequences one session may hold")
+    max_grammar_bytes: int = setting(1 << 20, help="largest grammar source, bytes")
+    max_grammar_depth: int = setting(128, help="deepest nesting of a JSON grammar source (objects, arrays)")
+    compile_timeout_s: float = setting(30.0, flag="--compile-timeout", help="seconds one grammar may compile")
+    max_compiles_queued: int = setting(4096, help="grammars waiting to compile on the server")
+    max_compiles_queued_per_tenant: int = setting(256, help="grammars of one tenant waiting to compile")
+    max_compiles_running_per_tenant: int | None = setting(
+        None, help="compiles of one tenant running at once (default: compile threads - 1, at least 1)")
+    idle_timeout_s: float = setting(600.0, flag="--idle-timeout",
+                                    help="seconds a Session stream may stay silent before the server ends it")
 
     def check(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if value <= 0:
+            if value is not None and value <= 0:
                 raise ConfigError(f"{flag_name(f)} must be > 0, not {value}")
 
 
@@ -69,6 +81,10 @@ class ServerConfig:
                                              "worker actor)")
     compile_threads: int = setting(2, help="grammar compile threads")
     cache_entries: int = setting(1024, help="compiled grammars kept in the local cache")
+    cache_bytes: int = setting(1 << 30, help="bytes of compiled grammars kept in the local cache")
+    compile_isolation: str = setting("process", choices=("process", "thread"),
+                                     help="compile in worker processes (a crash or a runaway compile costs only "
+                                          "that grammar) or in threads of the server (no isolation)")
     row_dict_size: int = setting(DEFAULT_DICT_SIZE,
                                  help="rows each stream's row dictionary keeps for DICT_REF (0: off)")
     metrics_port: int | None = setting(None, help="Prometheus /metrics port (0: a free one; unset: no endpoint)")
@@ -78,6 +94,15 @@ class ServerConfig:
     auth_token_env: str = setting("MASKD_AUTH_TOKEN", help="environment variable holding the bearer token "
                                                           "clients must send (unset or empty: no auth)")
     auth_token: str | None = setting(None, cli=False, help="the bearer token itself (programmatic use)")
+    auth_tokens_file: str | None = setting(None, help="tenants' bearer tokens: 'TENANT TOKEN' per line, '#' "
+                                                      "comments; reloaded on SIGHUP")
+    tls_client_ca: str | None = setting(None, help="PEM CA bundle: clients must present a certificate it signed "
+                                                   "(mTLS); its common name is the tenant")
+    allow_plaintext_auth: bool = setting(False, help="accept bearer tokens on a plaintext port that is not loopback")
+    drain_delay_s: float = setting(2.0, flag="--drain-delay", help="seconds after SIGTERM during which health "
+                                   "says NOT_SERVING but the port still answers (load balancers see the drain)")
+    drain_grace_s: float = setting(10.0, flag="--drain-grace", help="seconds open streams get to finish after the "
+                                                                     "drain delay")
     limits: Limits = setting(help="", factory=Limits)
 
     def check(self) -> None:
@@ -98,6 +123,17 @@ class ServerConfig:
             raise ConfigError(f"--logits-width must be at least 1, not {self.logits_width}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("--tls-cert and --tls-key go together")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key (mTLS is TLS)")
+        if self.drain_delay_s < 0 or self.drain_grace_s < 0:
+            raise ConfigError("--drain-delay and --drain-grace must be >= 0")
+        if self.cache_bytes < 1:
+            raise ConfigError(f"--cache-bytes must be at least 1, not {self.cache_bytes}")
+        if (self.resolved_auth_token() or self.auth_tokens_file) and not self.tls_cert \
+                and not self.allow_plaintext_auth and not is_loopback(self.host):
+            raise ConfigError(f"bearer tokens on the plaintext port {self.host}:{self.port} would travel in the "
+                              "clear: serve TLS (--tls-cert/--tls-key), bind loopback, or pass "
+                              "--allow-plaintext-auth")
         self.limits.check()
 
     @property
@@ -113,6 +149,16 @@ class ServerConfig:
         if self.auth_token:
             return self.auth_token
         return (os.environ.get(self.auth_token_env) or None) if self.auth_token_env else None
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 # -- flags derived from fields -------------------------------------------------------------------

@@ -1,37 +1,49 @@
-"""Content-addressed grammar cache with asynchronous, bounded, time-limited compilation.
+"""Content-addressed grammar cache with asynchronous, isolated, fair, time-limited compilation.
 
-Compiles never run on a stream's thread: ``lookup`` returns at once with the entry's
-state, and a sequence whose grammar is still compiling is reported as waiting. Compile
-errors are cached like results. An optional shared store (the cluster cache) is asked
-before compiling and told what was compiled.
+Compiles never run on a stream's thread: ``lookup`` returns at once with the entry's state, and a
+sequence whose grammar is still compiling is reported as waiting. Compiles are queued per tenant
+and taken round-robin, with at most ``max_running_per_tenant`` of one tenant's compiles running at
+once, so one tenant's slow grammars never hold every compile thread. Each compile runs in a worker
+process first (``compile_pool``): a crash or a runaway compile costs only that grammar. Compile
+errors and crashes are cached like results; a timeout is not (the next lookup compiles again).
+The cache is bounded by entries and by bytes. An optional shared store (the cluster cache) is
+asked before compiling and told what was compiled.
 """
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import dataclasses
 import logging
 import threading
 import time
 from typing import Protocol
 
+from maskd.server.compile_pool import SERVER_STACK_BYTES, CompileCrashed, CompilePool, CompileTimeout
 from maskd.server.engines import CompiledGrammar, Engine, GrammarCompileError
 from maskd.server.metrics import Metrics
 from maskd.specs import GrammarSpec
-from maskd.v1.contract import GrammarState
+from maskd.v1.contract import Code, GrammarState
 
 log = logging.getLogger("maskd.server.grammar_cache")
+_ENTRY_OVERHEAD = 1024   # bytes counted per entry beyond its serialized grammar
+
+
+class QueueFull(RuntimeError):
+    """No room in the compile queue; the message names the cap (RESOURCE_EXHAUSTED)."""
 
 
 @dataclasses.dataclass
 class CacheEntry:
     grammar_id: str
     spec: GrammarSpec
+    tenant: str = ""
     state: GrammarState = GrammarState.COMPILING
     compiled: CompiledGrammar | None = None
     error: str = ""
+    error_code: Code = Code.INVALID_ARGUMENT   # RESOURCE_EXHAUSTED: it needed more than the time limit
     compile_seconds: float = 0.0
-    deadline: float = 0.0
+    started: float = 0.0            # monotonic time the compile began (0: still queued)
+    size: int = 0                   # bytes counted against the cache's limit
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
 
 
@@ -45,25 +57,48 @@ class SharedGrammarStore(Protocol):
 
 
 class GrammarCache:
-    def __init__(self, engine: Engine, *, max_entries: int = 1024, compile_threads: int = 2,
-                 compile_timeout_s: float = 30.0, metrics: Metrics | None = None,
-                 shared: SharedGrammarStore | None = None) -> None:
+    def __init__(self, engine: Engine, *, max_entries: int = 1024, max_bytes: int = 1 << 30,
+                 compile_threads: int = 2, compile_timeout_s: float = 30.0, metrics: Metrics | None = None,
+                 shared: SharedGrammarStore | None = None, pool: CompilePool | None = None,
+                 max_queued_per_tenant: int = 256, max_queued: int = 4096,
+                 max_running_per_tenant: int | None = None) -> None:
         self.engine = engine
         self.max_entries = max_entries
+        self.max_bytes = max_bytes
         self.compile_timeout_s = compile_timeout_s
         self.metrics = metrics
         self.shared = shared
+        self.pool = pool
+        self.max_queued_per_tenant = max_queued_per_tenant
+        self.max_queued = max_queued
+        self.max_running_per_tenant = max_running_per_tenant or max(1, compile_threads - 1)
         self._entries: collections.OrderedDict[str, CacheEntry] = collections.OrderedDict()
+        self._bytes = 0
         self._lock = threading.Lock()
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=compile_threads,
-                                                           thread_name_prefix="maskd-compile")
+        self._work = threading.Condition(self._lock)
+        self._queues: dict[str, collections.deque[CacheEntry]] = {}
+        self._running: collections.Counter[str] = collections.Counter()
+        self._served: dict[str, int] = {}     # tenant -> when it was last served (a counter)
+        self._serves = 0
+        self._closed = False
         self.compiles = 0  # compiles this cache ran itself
+        self._threads = []
+        old = threading.stack_size(SERVER_STACK_BYTES)   # what a compile worker survived, these survive
+        try:
+            for i in range(max(1, compile_threads)):
+                t = threading.Thread(target=self._worker, daemon=True, name=f"maskd-compile-{i}")
+                t.start()
+                self._threads.append(t)
+        finally:
+            threading.stack_size(old)
 
     def grammar_id(self, spec: GrammarSpec) -> str:
         return spec.grammar_id(self.engine.tokenizer.fingerprint, self.engine.name, self.engine.version)
 
-    def lookup(self, spec: GrammarSpec) -> CacheEntry:
-        """The entry for a spec, starting its compile if it is new. Never blocks on a compile."""
+    # -- lookups ----------------------------------------------------------------------------------
+    def lookup(self, spec: GrammarSpec, tenant: str = "") -> CacheEntry:
+        """The entry for a spec, queueing its compile if it is new. Never blocks on a compile;
+        raises QueueFull when the tenant's (or the server's) compile queue is full."""
         gid = self.grammar_id(spec)
         with self._lock:
             entry = self._entries.get(gid)
@@ -72,11 +107,21 @@ class GrammarCache:
                 self._count("hit")
                 self._check_deadline(entry)
                 return entry
+            queued = len(self._queues.get(tenant, ()))
+            if queued >= self.max_queued_per_tenant:
+                self._count_error("compile_queue_full")
+                raise QueueFull(f"{queued} grammars of this tenant wait to compile; the limit is "
+                                f"{self.max_queued_per_tenant} (max-compiles-queued-per-tenant)")
+            total = sum(len(q) for q in self._queues.values())
+            if total >= self.max_queued:
+                self._count_error("compile_queue_full")
+                raise QueueFull(f"{total} grammars wait to compile on this server; the limit is "
+                                f"{self.max_queued} (max-compiles-queued)")
             self._count("miss")
-            entry = CacheEntry(gid, spec, deadline=time.monotonic() + self.compile_timeout_s)
+            entry = CacheEntry(gid, spec, tenant)
             self._entries[gid] = entry
+            self._enqueue(entry)
             self._evict()
-        self._pool.submit(self._compile, entry)
         return entry
 
     def get(self, grammar_id: str) -> CacheEntry | None:
@@ -87,9 +132,10 @@ class GrammarCache:
                 self._check_deadline(entry)
             return entry
 
-    def wait(self, entry: CacheEntry) -> CacheEntry:
-        """Blocks until the entry is ready, failed, or past its compile time limit."""
-        entry.done.wait(max(0.0, entry.deadline - time.monotonic()))
+    def wait(self, entry: CacheEntry, timeout_s: float | None = None) -> CacheEntry:
+        """Blocks until the entry is ready or failed, at most ``timeout_s`` (default: three compile time
+        limits and at least a minute, as it may wait in the queue, or for a compile worker, first)."""
+        entry.done.wait(timeout_s if timeout_s is not None else max(60.0, 3 * self.compile_timeout_s))
         with self._lock:
             self._check_deadline(entry)
         return entry
@@ -97,61 +143,89 @@ class GrammarCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    @property
+    def bytes(self) -> int:
+        return self._bytes
+
+    def queued(self) -> int:
+        with self._lock:
+            return sum(len(q) for q in self._queues.values())
+
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            self._closed = True
+            for q in self._queues.values():
+                for entry in q:
+                    self._finish(entry, None, "the server is shutting down", 0.0)
+            self._queues.clear()
+            self._work.notify_all()
 
-    # -- internals ----------------------------------------------------------------------------
-    def _count(self, what: str) -> None:
-        if self.metrics is not None:
-            (self.metrics.cache_hits if what == "hit" else self.metrics.cache_misses).labels("local").inc()
+    # -- scheduling (under the lock) --------------------------------------------------------------
+    def _enqueue(self, entry: CacheEntry) -> None:
+        self._queues.setdefault(entry.tenant, collections.deque()).append(entry)
+        self._work.notify()
 
-    def _count_error(self, kind: str) -> None:
-        if self.metrics is not None:
-            self.metrics.errors.labels(kind).inc()
+    def _next(self) -> CacheEntry | None:
+        """The oldest queued grammar of the tenant with the fewest compiles running, the least
+        recently served first (a tenant new to the queue goes before one that was just served)."""
+        ready = [t for t, q in self._queues.items() if self._running[t] < self.max_running_per_tenant]
+        if not ready:
+            return None
+        tenant = min(ready, key=lambda t: (self._running[t], self._served.get(t, -1)))
+        q = self._queues[tenant]
+        entry = q.popleft()
+        if not q:
+            del self._queues[tenant]
+        self._serves += 1
+        self._served[tenant] = self._serves
+        return entry
 
-    def _check_deadline(self, entry: CacheEntry) -> None:
-        if entry.state is GrammarState.COMPILING and time.monotonic() > entry.deadline:
-            log.warning("grammar %s (%s) exceeded the %g s compile limit", entry.grammar_id, entry.spec.kind,
-                        self.compile_timeout_s)
-            self._count_error("compile_timeout")
-            self._finish(entry, None, f"grammar compile exceeded the {self.compile_timeout_s:g} s limit",
-                         self.compile_timeout_s)
+    def _worker(self) -> None:
+        while True:
+            with self._lock:
+                entry = self._next()
+                while entry is None:
+                    if self._closed:
+                        return
+                    self._work.wait()
+                    entry = self._next()
+                self._running[entry.tenant] += 1
+                entry.started = time.monotonic()
+            try:
+                self._compile(entry)
+            finally:
+                with self._lock:
+                    self._running[entry.tenant] -= 1
+                    if not self._running[entry.tenant]:
+                        del self._running[entry.tenant]
+                    self._work.notify_all()
 
-    def _evict(self) -> None:
-        while len(self._entries) > self.max_entries:
-            gid, entry = next(iter(self._entries.items()))
-            if entry.state is GrammarState.COMPILING:
-                self._entries.move_to_end(gid)  # never evict an entry a compile will fill
-                if all(e.state is GrammarState.COMPILING for e in self._entries.values()):
-                    break
-                continue
-            del self._entries[gid]
-        if self.metrics is not None:
-            self.metrics.cache_size.set(len(self._entries))
-
-    def _finish(self, entry: CacheEntry, compiled: CompiledGrammar | None, error: str, seconds: float) -> None:
-        if entry.done.is_set():
-            return
-        entry.compiled = compiled
-        entry.error = error
-        entry.compile_seconds = seconds
-        entry.state = GrammarState.READY if compiled is not None else GrammarState.FAILED
-        entry.done.set()
-
+    # -- compiling (on a compile thread) ----------------------------------------------------------
     def _compile(self, entry: CacheEntry) -> None:
         t0 = time.perf_counter()
-        if self.shared is not None:
-            found = self._from_shared(entry)
-            if found:
-                return
+        if self.shared is not None and self._from_shared(entry):
+            return
+        data: bytes | None = None
+        cache_failure = True
         try:
-            compiled = self.engine.compile(entry.spec)
+            if self.pool is not None:
+                data = self.pool.compile(entry.spec, self.compile_timeout_s)
+                compiled: CompiledGrammar | None = self.engine.deserialize(entry.spec, data)
+            else:
+                compiled = self.engine.compile(entry.spec)
             error = ""
+        except CompileTimeout as exc:
+            compiled, error, cache_failure = None, str(exc), False
+            log.warning("grammar %s (%s, tenant %r): %s", entry.grammar_id, entry.spec.kind, entry.tenant, error)
+            self._count_error("compile_timeout")
+        except CompileCrashed as exc:
+            compiled, error = None, str(exc)
+            self._count_error("compile_crash")
         except GrammarCompileError as exc:
             compiled, error = None, str(exc)
             log.info("grammar %s (%s) does not compile: %s", entry.grammar_id, entry.spec.kind, error[:300])
             self._count_error("compile_error")
-        except Exception as exc:  # an engine bug must not kill the pool thread silently
+        except Exception as exc:  # an engine bug must not kill the compile thread silently
             compiled, error = None, f"internal compile error: {type(exc).__name__}: {exc}"
             log.exception("grammar %s (%s): internal compile error", entry.grammar_id, entry.spec.kind)
             self._count_error("compile_internal")
@@ -159,12 +233,20 @@ class GrammarCache:
         self.compiles += 1
         if self.metrics is not None:
             self.metrics.compile_seconds.labels(self.engine.name).observe(seconds)
-        with self._lock:
-            self._finish(entry, compiled, error, seconds)
-        if self.shared is not None and entry.compiled is compiled:
+        if compiled is not None and data is None:
             try:
-                self.shared.put(entry.grammar_id, self.engine.serialize(compiled) if compiled else None,
-                                error or None)
+                data = self.engine.serialize(compiled)
+            except NotImplementedError:
+                data = b""
+        with self._lock:
+            if not cache_failure:
+                entry.error_code = Code.RESOURCE_EXHAUSTED
+            self._finish(entry, compiled, error, seconds, size=len(data or b""))
+            if not cache_failure and self._entries.get(entry.grammar_id) is entry:
+                self._remove(entry)   # a timeout may pass: the next lookup compiles again
+        if self.shared is not None and cache_failure:
+            try:
+                self.shared.put(entry.grammar_id, data if compiled is not None else None, error or None)
             except Exception:  # the shared store is an optimization; compiling locally still works
                 log.warning("cannot publish grammar %s to the shared cache", entry.grammar_id, exc_info=True)
                 self._count_error("shared_cache_put")
@@ -182,7 +264,64 @@ class GrammarCache:
         if not found:
             return False
         data, error = found
-        compiled = self.engine.deserialize(entry.spec, data) if data is not None else None
+        try:
+            compiled = self.engine.deserialize(entry.spec, data) if data is not None else None
+        except GrammarCompileError as exc:
+            compiled, error = None, f"cannot load the shared cache's grammar: {exc}"
         with self._lock:
-            self._finish(entry, compiled, error or "", 0.0)
+            self._finish(entry, compiled, error or "", 0.0, size=len(data or b""))
         return True
+
+    # -- bookkeeping (under the lock) -------------------------------------------------------------
+    def _count(self, what: str) -> None:
+        if self.metrics is not None:
+            (self.metrics.cache_hits if what == "hit" else self.metrics.cache_misses).labels("local").inc()
+
+    def _count_error(self, kind: str) -> None:
+        if self.metrics is not None:
+            self.metrics.errors.labels(kind).inc()
+
+    def _check_deadline(self, entry: CacheEntry) -> None:
+        """A backstop: a compile past its limit by far (the worker pool stops the compile itself)."""
+        if entry.state is GrammarState.COMPILING and entry.started and \
+                time.monotonic() > entry.started + self.compile_timeout_s + 10.0:
+            log.warning("grammar %s (%s) exceeded the %g s compile limit", entry.grammar_id, entry.spec.kind,
+                        self.compile_timeout_s)
+            self._count_error("compile_timeout")
+            entry.error_code = Code.RESOURCE_EXHAUSTED
+            self._finish(entry, None, f"grammar compile exceeded the {self.compile_timeout_s:g} s limit",
+                         self.compile_timeout_s)
+            if self._entries.get(entry.grammar_id) is entry:
+                self._remove(entry)
+
+    def _finish(self, entry: CacheEntry, compiled: CompiledGrammar | None, error: str, seconds: float,
+                size: int = 0) -> None:
+        if entry.done.is_set():
+            return
+        entry.compiled = compiled
+        entry.error = error
+        entry.compile_seconds = seconds
+        entry.state = GrammarState.READY if compiled is not None else GrammarState.FAILED
+        if self._entries.get(entry.grammar_id) is entry:
+            new_size = size + len(entry.spec.text) + _ENTRY_OVERHEAD
+            self._bytes += new_size - entry.size
+            entry.size = new_size
+            self._evict()
+        entry.done.set()
+
+    def _remove(self, entry: CacheEntry) -> None:
+        del self._entries[entry.grammar_id]
+        self._bytes -= entry.size
+
+    def _evict(self) -> None:
+        """Least recently used first, never an entry a compile will still fill."""
+        if len(self._entries) > self.max_entries or self._bytes > self.max_bytes:
+            for gid in list(self._entries):
+                if len(self._entries) <= self.max_entries and self._bytes <= self.max_bytes:
+                    break
+                entry = self._entries[gid]
+                if entry.state is not GrammarState.COMPILING:
+                    self._remove(entry)
+        if self.metrics is not None:
+            self.metrics.cache_size.set(len(self._entries))
+            self.metrics.cache_bytes.set(self._bytes)

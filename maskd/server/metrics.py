@@ -31,6 +31,9 @@ class Metrics:
         self.cache_hits = Counter("maskd_grammar_cache_hits", "Grammar cache hits", ["cache"], registry=r)
         self.cache_misses = Counter("maskd_grammar_cache_misses", "Grammar cache misses", ["cache"], registry=r)
         self.cache_size = Gauge("maskd_grammar_cache_entries", "Grammars held in the local cache", registry=r)
+        self.cache_bytes = Gauge("maskd_grammar_cache_bytes", "Bytes of the grammars held in the local cache",
+                                 registry=r)
+        self.compile_queue = Gauge("maskd_compile_queue", "Grammars waiting for a compile thread", registry=r)
         self.live_sequences = Gauge("maskd_live_sequences", "Open sequences", registry=r)
         self.waiting_sequences = Gauge("maskd_waiting_sequences", "Sequences waiting for their grammar", registry=r)
         self.sessions = Gauge("maskd_open_streams", "Open session streams", registry=r)

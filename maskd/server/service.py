@@ -6,42 +6,50 @@ encoded into a StepResponse, timed from the request's arrival to the encoded rep
 """
 from __future__ import annotations
 
-import itertools
 import logging
+import secrets
 import threading
 import time
+from typing import NoReturn
 
 import grpc
 
 import maskd
 from maskd.rowcodec import ALL_ENCODINGS, DEFAULT_DICT_SIZE, RowEncoder
+from maskd.server.auth import Credentials
 from maskd.server.config import Limits
 from maskd.server.engines import Engine
-from maskd.server.grammar_cache import GrammarCache
+from maskd.server.grammar_cache import GrammarCache, QueueFull
 from maskd.server.metrics import Metrics
+from maskd.server.quotas import Quotas
 from maskd.server.registry import SessionRegistry
-from maskd.server.session import StepOutcome
+from maskd.server.session import StepOutcome, spec_problem
 from maskd.specs import GrammarSpec, SpecError
 from maskd.v1 import maskd_pb2 as pb
 from maskd.v1 import maskd_pb2_grpc as pb_grpc
-from maskd.v1.contract import CONTRACT_REVISION, SESSION_METADATA_KEY, GrammarState, RowEncoding
+from maskd.v1.contract import CONTRACT_REVISION, SESSION_METADATA_KEY, Code, GrammarState, RowEncoding
 
 log = logging.getLogger("maskd.server.service")
+# RegisterGrammar calls that may block on a compile at once; more answer at once with the state.
+# This keeps threads of the gRPC pool free for health checks and Info.
+MAX_BLOCKING_REGISTERS = 8
 
 
 class MaskService(pb_grpc.MaskServiceServicer):
     def __init__(self, engine: Engine, cache: GrammarCache, *, limits: Limits, metrics: Metrics,
-                 row_dict_size: int = DEFAULT_DICT_SIZE,
+                 credentials: Credentials | None = None, row_dict_size: int = DEFAULT_DICT_SIZE,
                  row_encodings: tuple[int, ...] = tuple(ALL_ENCODINGS)) -> None:
         self.engine = engine
         self.cache = cache
         self.limits = limits
         self.metrics = metrics
+        self.credentials = credentials or Credentials()
         self.row_dict_size = row_dict_size
         self.row_encodings = tuple(row_encodings)
-        self.sessions = SessionRegistry(engine, cache, limits)
-        self._anonymous = itertools.count()
+        self.quotas = Quotas(limits)
+        self.sessions = SessionRegistry(engine, cache, limits, self.quotas)
         self.draining = threading.Event()
+        self._blocking_registers = threading.BoundedSemaphore(MAX_BLOCKING_REGISTERS)
 
     # -- unary calls ------------------------------------------------------------------------------
     def Info(self, request, context):
@@ -58,6 +66,7 @@ class MaskService(pb_grpc.MaskServiceServicer):
             max_draft_tokens=lim.max_draft_tokens, max_sequences_per_session=lim.max_sequences_per_session)
 
     def RegisterGrammar(self, request, context):
+        tenant = self._tenant(context)
         if request.backend and request.backend != self.engine.name:
             self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "unknown_backend",
                         f"this server runs backend {self.engine.name!r}, not {request.backend!r}")
@@ -72,14 +81,23 @@ class MaskService(pb_grpc.MaskServiceServicer):
             spec = GrammarSpec.from_proto(request.spec)
         except SpecError as exc:
             self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "bad_spec", str(exc))
-        if spec.size > self.limits.max_grammar_bytes:
-            self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "grammar_too_large",
-                        f"grammar is {spec.size} bytes; the limit is {self.limits.max_grammar_bytes}")
-        entry = self.cache.lookup(spec)
-        if request.wait:
-            entry = self.cache.wait(entry)
+        problem = spec_problem(spec, self.limits)
+        if problem:
+            self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "grammar_too_large", problem)
+        try:
+            entry = self.cache.lookup(spec, tenant)
+        except QueueFull as exc:
+            self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "compile_queue_full", str(exc))
+        if request.wait and self._blocking_registers.acquire(blocking=False):
+            try:
+                remaining = context.time_remaining()
+                entry = self.cache.wait(entry, remaining if remaining < 1e6 else None)
+            finally:
+                self._blocking_registers.release()
             if entry.state is GrammarState.FAILED:
-                self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "grammar_failed",
+                code = (grpc.StatusCode.RESOURCE_EXHAUSTED if entry.error_code == Code.RESOURCE_EXHAUSTED
+                        else grpc.StatusCode.INVALID_ARGUMENT)
+                self._abort(context, code, "grammar_failed",
                             f"grammar {entry.grammar_id} does not compile: {entry.error}")
         return pb.RegisterGrammarResponse(grammar_id=entry.grammar_id, state=entry.state,
                                           error=entry.error, compile_seconds=entry.compile_seconds)
@@ -88,18 +106,36 @@ class MaskService(pb_grpc.MaskServiceServicer):
     def Session(self, request_iterator, context):
         if self.draining.is_set():
             self._abort(context, grpc.StatusCode.UNAVAILABLE, "draining", "server is draining; connect elsewhere")
-        key = dict(context.invocation_metadata()).get(SESSION_METADATA_KEY) or f"anon-{next(self._anonymous)}"
-        session = self.sessions.attach(key)
+        tenant = self._tenant(context)
+        problem = self.quotas.open_stream(tenant)
+        if problem:
+            self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "too_many_streams", problem)
+        try:
+            # Without a key a stream gets a session of its own, under a name nobody can guess.
+            key = dict(context.invocation_metadata()).get(SESSION_METADATA_KEY) or "anon-" + secrets.token_hex(16)
+            attachment = self.sessions.attach(tenant, key, context)
+        except BaseException:
+            self.quotas.close_stream(tenant)
+            raise
+        session = attachment.session
         self.metrics.sessions.inc()
         encoder = RowEncoder(self.engine.words_per_row, self.engine.width, dict_size=self.row_dict_size,
                              encodings=self.row_encodings)
         try:
             for request in request_iterator:
                 t0 = time.perf_counter()
-                yield self._reply(session.step(request), encoder, t0)
+                attachment.last_active = time.monotonic()
+                try:
+                    outcome = session.step(request)
+                except Exception as exc:   # a bug no phase caught: the entries fail, the stream lives
+                    log.exception("step of %d entries failed", len(request.seqs))
+                    outcome = session.refuse_all(request, f"internal error: {type(exc).__name__}: {str(exc)[:200]}")
+                yield self._reply(outcome, encoder, t0)
+                attachment.last_active = time.monotonic()
         finally:
             self.metrics.sessions.dec()
-            self.sessions.detach(session)
+            self.sessions.detach(attachment)
+            self.quotas.close_stream(tenant)
 
     def _reply(self, outcome: StepOutcome, encoder: RowEncoder, t0: float) -> pb.StepResponse:
         """The one reply path: results and encoded rows into a StepResponse, timed and recorded."""
@@ -119,11 +155,32 @@ class MaskService(pb_grpc.MaskServiceServicer):
         """Live/waiting gauges; called periodically, off the step path."""
         self.metrics.live_sequences.set(self.sessions.live_sequences())
         self.metrics.waiting_sequences.set(self.sessions.waiting_sequences())
+        self.metrics.compile_queue.set(self.cache.queued())
+
+    def end_idle_streams(self) -> int:
+        """Ends the Session streams that carried nothing for the idle timeout; returns how many."""
+        idle = self.sessions.idle(self.limits.idle_timeout_s)
+        for attachment in idle:
+            log.info("ending a Session stream of tenant %r idle for over %g s", attachment.session.tenant,
+                     self.limits.idle_timeout_s)
+            self.metrics.errors.labels("idle_stream").inc()
+            if attachment.context is not None:
+                attachment.context.cancel()
+        return len(idle)
+
+    def _tenant(self, context) -> str:
+        tenant = self.credentials.tenant_of(context.invocation_metadata(), context.auth_context())
+        if tenant is None:
+            self._abort(context, grpc.StatusCode.UNAUTHENTICATED, "unauthenticated",
+                        "missing or wrong credentials (a bearer token, or a client certificate whose common "
+                        "name is a tenant)")
+        return tenant or ""
 
     def live_sequences(self) -> int:
         return self.sessions.live_sequences()
 
-    def _abort(self, context, code: grpc.StatusCode, kind: str, message: str):
+    def _abort(self, context, code: grpc.StatusCode, kind: str, message: str) -> NoReturn:
         self.metrics.errors.labels(kind).inc()
         log.info("%s refused (%s): %s", context.peer() if hasattr(context, "peer") else "call", kind, message[:300])
         context.abort(code, message)
+        raise AssertionError("context.abort returns only by raising")

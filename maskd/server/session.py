@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -30,11 +31,13 @@ import numpy as np
 
 from maskd.server.config import Limits
 from maskd.server.engines import Engine, Matcher
-from maskd.server.grammar_cache import CacheEntry, GrammarCache
+from maskd.server.grammar_cache import CacheEntry, GrammarCache, QueueFull
+from maskd.server.quotas import Quotas
 from maskd.specs import GrammarSpec, SpecError
 from maskd.v1 import maskd_pb2 as pb
 from maskd.v1.contract import Code, GrammarState, SeqStatus
 
+log = logging.getLogger("maskd.server.session")
 READY, WAITING, FAILED, FINISHED, CLOSED, ERROR = (
     SeqStatus.READY, SeqStatus.WAITING, SeqStatus.FAILED, SeqStatus.FINISHED, SeqStatus.CLOSED, SeqStatus.ERROR)
 
@@ -43,6 +46,7 @@ class SequenceState:
     """Server-side state of one sequence; a pure function of (grammar, accepted tokens)."""
     __slots__ = (
         "accepted",
+        "dead_code",
         "dead_reason",
         "entry",
         "finished",
@@ -65,6 +69,7 @@ class SequenceState:
         self.accepted = 0              # tokens the matcher consumed (bounds rollback)
         self.pending: list[int] = []   # tokens received while the grammar compiled
         self.dead_reason = ""          # set once the sequence failed
+        self.dead_code = Code.INVALID_ARGUMENT
         self.last_tokens: tuple = ()
         self.last_drafts: tuple = ()
         self.last_rollback = 0
@@ -102,8 +107,11 @@ class _Advance:
 
 
 class Session:
-    def __init__(self, key: str, engine: Engine, cache: GrammarCache, limits: Limits) -> None:
+    def __init__(self, key: str, engine: Engine, cache: GrammarCache, limits: Limits, *, tenant: str = "",
+                 quotas: Quotas | None = None) -> None:
         self.key = key
+        self.tenant = tenant
+        self.quotas = quotas
         self.engine = engine
         self.cache = cache
         self.limits = limits
@@ -126,8 +134,16 @@ class Session:
             fill += repeats
             self._consume(consume, fill, refusals)
             t0 = time.perf_counter()
-            rows = self._fill(fill, request.want_forced_tokens)
+            rows = self._fill(fill, request.want_forced_tokens, refusals)
             return StepOutcome(results, rows, refusals, time.perf_counter() - t0)
+
+    def refuse_all(self, request: pb.StepRequest, reason: str) -> StepOutcome:
+        """Every entry refused with INTERNAL: the answer when a step failed in a way no phase caught."""
+        refusals: collections.Counter = collections.Counter()
+        results = [pb.SeqResult(seq_id=m.seq_id, step=m.step) for m in request.seqs]
+        for res in results:
+            _refuse(res, refusals, Code.INTERNAL, reason, kind="internal")
+        return StepOutcome(results, self.engine.allocate(0), refusals)
 
     def close_all(self) -> int:
         with self.lock:
@@ -135,6 +151,8 @@ class Session:
             for seq in self.seqs.values():
                 seq.matcher = None
             self.seqs.clear()
+            if self.quotas is not None:
+                self.quotas.close_sequences(self.tenant, n)
             return n
 
     def waiting_count(self) -> int:
@@ -152,6 +170,14 @@ class Session:
                 _refuse(res, refusals, Code.RESOURCE_EXHAUSTED,
                         f"step asks for {total_rows} rows; the limit is {self.limits.max_rows_per_step}")
             return []
+        if n * (self.limits.max_tokens_per_step + self.limits.max_draft_tokens) > self.limits.max_tokens_per_request:
+            tokens = sum(len(m.tokens) + len(m.draft_tokens) for m in entries)
+            if tokens > self.limits.max_tokens_per_request:
+                for res in results:
+                    _refuse(res, refusals, Code.RESOURCE_EXHAUSTED,
+                            f"step carries {tokens} tokens; the limit is {self.limits.max_tokens_per_request} "
+                            "(--max-tokens-per-request)")
+                return []
         admitted = []
         seen: set[str] = set()
         for msg, res in zip(entries, results):
@@ -270,6 +296,11 @@ class Session:
         if entry is None:
             _refuse(res, refusals, code, problem)
             return None
+        if self.quotas is not None:
+            over = self.quotas.open_sequence(self.tenant)
+            if over:
+                _refuse(res, refusals, Code.RESOURCE_EXHAUSTED, over)
+                return None
         seq = SequenceState(sid, entry, msg.step)
         seq.parts = {0: _digest(msg.tokens)}
         self.seqs[sid] = seq
@@ -294,10 +325,13 @@ class Session:
             spec = GrammarSpec.from_proto(msg.spec)
         except SpecError as exc:
             return None, Code.INVALID_ARGUMENT, str(exc)
-        if spec.size > self.limits.max_grammar_bytes:
-            return None, Code.RESOURCE_EXHAUSTED, (f"grammar is {spec.size} bytes; the limit is "
-                                                   f"{self.limits.max_grammar_bytes}")
-        return self.cache.lookup(spec), Code.OK, ""
+        problem = spec_problem(spec, self.limits)
+        if problem:
+            return None, Code.RESOURCE_EXHAUSTED, problem
+        try:
+            return self.cache.lookup(spec, self.tenant), Code.OK, ""
+        except QueueFull as exc:
+            return None, Code.RESOURCE_EXHAUSTED, str(exc)
 
     @staticmethod
     def _same_inputs(msg: pb.SeqStep, seq: SequenceState) -> bool:
@@ -309,7 +343,7 @@ class Session:
         """A repeat is answered from the unchanged state; readiness is the one decided before."""
         status = seq.last_status
         if status == FAILED:
-            _fail(res, seq, seq.dead_reason)
+            _fail(res, seq, seq.dead_reason, seq.dead_code)
         elif status == WAITING or seq.matcher is None:
             res.status = WAITING
         else:
@@ -330,7 +364,7 @@ class Session:
         for msg, res, seq, tokens in moving:
             if seq.dead_reason:
                 _record(seq, msg)
-                _fail(res, seq, seq.dead_reason)
+                _fail(res, seq, seq.dead_reason, seq.dead_code)
                 continue
             entry = seq.entry
             if entry.state is GrammarState.COMPILING:
@@ -351,7 +385,7 @@ class Session:
             if entry.state is GrammarState.FAILED:
                 _record(seq, msg)
                 seq.dead_reason = f"grammar {entry.grammar_id} does not compile: {entry.error}"
-                _fail(res, seq, seq.dead_reason)
+                _fail(res, seq, seq.dead_reason, entry.error_code)
                 refusals["grammar_failed"] += 1
                 continue
             if msg.rollback and msg.rollback > seq.history_length:
@@ -359,16 +393,21 @@ class Session:
                         f"cannot roll back {msg.rollback} tokens: sequence {seq.seq_id!r} has accepted "
                         f"{seq.history_length}")
                 continue
-            matcher = seq.matcher
-            if matcher is None:
-                matcher = seq.matcher = self.engine.new_matcher(entry.compiled)
-                if seq.pending:  # tokens queued while the grammar compiled come first
-                    tokens = seq.pending + list(tokens)
-                    seq.pending = []
-            if msg.rollback:
-                matcher.rollback(msg.rollback)
-                seq.accepted -= msg.rollback
-                seq.finished = False
+            try:
+                matcher = seq.matcher
+                if matcher is None:
+                    matcher = seq.matcher = self.engine.new_matcher(entry.compiled)
+                    if seq.pending:  # tokens queued while the grammar compiled come first
+                        tokens = seq.pending + list(tokens)
+                        seq.pending = []
+                if msg.rollback:
+                    matcher.rollback(msg.rollback)
+                    seq.accepted -= msg.rollback
+                    seq.finished = False
+            except Exception as exc:   # an engine fault costs this sequence only
+                _record(seq, msg)
+                self._internal(res, seq, "advancing", exc, refusals)
+                continue
             _record(seq, msg)
             (consume if tokens else fill).append(_Advance(res, seq, matcher, tokens, seq.last_drafts))
         return consume, fill
@@ -377,10 +416,20 @@ class Session:
     def _consume(self, consume: list[_Advance], fill: list[_Advance], refusals) -> None:
         if not consume:
             return
-        reasons = self.engine.consume_batch([a.matcher for a in consume], [a.tokens for a in consume])
+        try:
+            reasons: list = self.engine.consume_batch([a.matcher for a in consume], [a.tokens for a in consume])
+        except Exception:   # find the sequence the engine chokes on; the others carry on
+            reasons = []
+            for adv in consume:
+                try:
+                    reasons.append(adv.matcher.consume(adv.tokens))
+                except Exception as exc:
+                    reasons.append(exc)
         for adv, reason in zip(consume, reasons):
             seq = adv.seq
-            if reason is None:
+            if isinstance(reason, Exception):
+                self._internal(adv.res, seq, "consuming tokens", reason, refusals)
+            elif reason is None:
                 seq.accepted += len(adv.tokens)
                 fill.append(adv)
             else:
@@ -390,40 +439,80 @@ class Session:
                 _fail(adv.res, seq, seq.dead_reason)
 
     # -- phase 5: filling -------------------------------------------------------------------------
-    def _fill(self, fill: list[_Advance], want_forced: bool) -> np.ndarray:
+    def _fill(self, fill: list[_Advance], want_forced: bool, refusals) -> np.ndarray:
         n_rows = sum(1 + len(a.drafts) for a in fill)
         if n_rows > self._rows.shape[0]:
             self._rows = self.engine.allocate(max(n_rows, 2 * self._rows.shape[0]))
         out = self._rows[:n_rows]
         if not fill:
             return out
-        matchers, first_rows, drafts = [], [], []
+        filled: list[_Advance] = []
+        first_rows, drafts = [], []
         row = 0
         any_drafts = False
         for adv in fill:
             res, seq, d, m = adv.res, adv.seq, adv.drafts, adv.matcher
-            stopped = m.is_stopped()
+            try:
+                stopped = m.is_stopped()
+                accepting = stopped or m.is_accepting()
+                drafts_valid = m.validate(d) if d else 0
+                forced = m.forced_tokens() if want_forced and not stopped else ()
+            except Exception as exc:   # an engine fault costs this sequence only
+                self._internal(res, seq, "reading the grammar state", exc, refusals)
+                continue
             seq.finished = stopped
             seq.last_status = res.status = FINISHED if stopped else READY
             res.first_row = row
             res.num_rows = 1 + len(d)
-            res.accepting = stopped or m.is_accepting()
+            res.accepting = accepting
             if d:
                 any_drafts = True
-                res.drafts_valid = m.validate(d)
-            if want_forced and not stopped:
-                res.forced_tokens.extend(m.forced_tokens())
-            matchers.append(m)
+                res.drafts_valid = drafts_valid
+            if forced:
+                res.forced_tokens.extend(forced)
+            filled.append(adv)
             first_rows.append(row)
             drafts.append(d)
             row += 1 + len(d)
-        self.engine.fill_batch(matchers, first_rows, drafts if any_drafts else None, out)
+        try:
+            self.engine.fill_batch([a.matcher for a in filled], first_rows, drafts if any_drafts else None, out)
+        except Exception:   # fill them one by one: only the sequences the engine chokes on fail
+            for adv, r, d in zip(filled, first_rows, drafts):
+                try:
+                    self.engine.fill_batch([adv.matcher], [r], [d] if d else None, out)
+                except Exception as exc:
+                    out[r: r + 1 + len(d)] = 0
+                    adv.res.ClearField("forced_tokens")
+                    adv.res.first_row = adv.res.num_rows = 0
+                    self._internal(adv.res, adv.seq, "filling its mask", exc, refusals)
         return out
+
+    @staticmethod
+    def _internal(res: pb.SeqResult, seq: SequenceState, doing: str, exc: BaseException, refusals) -> None:
+        """An engine fault on one sequence: it fails (with the reason) and nothing else does."""
+        log.error("sequence %r: engine fault while %s", seq.seq_id, doing, exc_info=exc)
+        seq.dead_reason = f"internal error while {doing}: {type(exc).__name__}: {str(exc)[:200]}"
+        seq.matcher = None
+        refusals["internal"] += 1
+        _fail(res, seq, seq.dead_reason, Code.INTERNAL)
 
     def _forget(self, sid: str) -> None:
         seq = self.seqs.pop(sid, None)
         if seq is not None:
             seq.matcher = None
+            if self.quotas is not None:
+                self.quotas.close_sequences(self.tenant)
+
+
+def spec_problem(spec: GrammarSpec, limits: Limits) -> str:
+    """Why a well-formed spec is over the server's limits ("" when it is not)."""
+    if spec.size > limits.max_grammar_bytes:
+        return f"grammar is {spec.size} bytes; the limit is {limits.max_grammar_bytes}"
+    depth = spec.depth
+    if depth > limits.max_grammar_depth:
+        return (f"grammar nests {depth} levels deep; the limit is {limits.max_grammar_depth} "
+                "(--max-grammar-depth)")
+    return ""
 
 
 # -- per-entry results ---------------------------------------------------------------------------
@@ -447,7 +536,8 @@ def _refuse(res: pb.SeqResult, refusals, code: Code, message: str, kind: str | N
     refusals[kind or code.name.lower()] += 1
 
 
-def _fail(res: pb.SeqResult, seq: SequenceState, reason: str) -> None:
+def _fail(res: pb.SeqResult, seq: SequenceState, reason: str, code: Code = Code.INVALID_ARGUMENT) -> None:
     seq.last_status = res.status = FAILED
-    res.code = Code.INVALID_ARGUMENT
+    seq.dead_code = code
+    res.code = code
     res.reason = reason

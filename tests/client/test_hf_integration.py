@@ -193,14 +193,13 @@ def test_rejected_token_fails_the_row(server, tok, model):
 
 def test_waits_for_a_compiling_grammar(server, tok, model, eos, monkeypatch):
     """A slow compile: the processor polls (empty steps) and never applies an all-allowed mask."""
-    engine = server.engine
-    real_compile = engine.compile
+    real_compile = server.cache._compile     # the compile thread's job: make it take 0.4 s longer
 
-    def slow_compile(s):
+    def slow_compile(entry):
         time.sleep(0.4)
-        return real_compile(s)
+        return real_compile(entry)
 
-    monkeypatch.setattr(engine, "compile", slow_compile)
+    monkeypatch.setattr(server.cache, "_compile", slow_compile)
     schema = dict(PERSON, title="slow one")  # a grammar the cache has not seen
     rec = Recorder()
     enc = tok(["JSON:"], return_tensors="pt")

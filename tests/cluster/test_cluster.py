@@ -7,6 +7,8 @@ import uuid
 
 import pytest
 
+# A Ray cluster on this machine alone binds and advertises loopback only (read when Ray is imported).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 ray = pytest.importorskip("ray")
 
 from conftest import MASKBENCH, needs_maskbench  # noqa: E402
@@ -28,10 +30,12 @@ REPORT_KEYS = ("schemas", "compiled", "compile_errors", "valid_total", "valid_ac
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, namespace=NS, logging_level="WARNING")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, namespace=NS,
+             logging_level="WARNING")
     cfg = launcher.ClusterConfig(workers=2, namespace=NS, worker_cpus=0.5, detached=False, poll_s=0.25,
-                                 drain_grace_s=1.0, ready_timeout_s=150,
-                                 server=ServerConfig(port=0, tokenizer="cl100k", threads=1, compile_threads=1))
+                                 ready_timeout_s=150,
+                                 server=ServerConfig(port=0, tokenizer="cl100k", threads=1, compile_threads=1,
+                                                     drain_grace_s=1.0))
     address = launcher.up(cfg)
 
     class C:
@@ -58,6 +62,21 @@ def wait_workers(address, n, timeout_s=120):
 
 def status_by_worker():
     return {w["worker_id"]: w for w in launcher.status(NS)["workers"]}
+
+
+# -- loopback only ---------------------------------------------------------------------------------
+def test_ray_the_directory_and_the_workers_bind_and_advertise_loopback(cluster):
+    import psutil
+
+    assert [n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]] == ["127.0.0.1"]
+    assert cluster.address.startswith("127.0.0.1:")
+    workers = live_workers(cluster.address)
+    assert workers and all(w.address.startswith("127.0.0.1:") for w in workers.values())
+    mine = {p.pid for p in psutil.Process().children(recursive=True)} | {os.getpid()}   # this Ray, its actors
+    listening = {(c.laddr.ip, c.pid) for c in psutil.net_connections(kind="inet")
+                 if c.status == "LISTEN" and c.pid in mine}
+    assert listening
+    assert all(ip in ("127.0.0.1", "::ffff:127.0.0.1", "::1") for ip, _ in listening), sorted(listening)
 
 
 # -- the directory --------------------------------------------------------------------------------

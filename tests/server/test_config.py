@@ -34,7 +34,7 @@ def test_every_limit_is_a_flag_and_reaches_the_config():
     expected = {}
     for f in dataclasses.fields(Limits):
         flag = next(k for k, v in flags.items() if v == ("limits", f.name))
-        value = getattr(Limits(), f.name) * 2
+        value = (getattr(Limits(), f.name) or 1) * 2
         argv += [flag, str(value)]
         expected[f.name] = value
     cfg = from_flags(ServerConfig, parser.parse_args(argv))

@@ -294,7 +294,13 @@ def test_tensor_parallel_ranks_share_a_session(stub, cl100k):
 
 def test_waiting_while_compiling_then_ready(server, stub, cl100k):
     gate = threading.Event()
-    server.cache._pool.submit(gate.wait)  # occupy the only compile thread
+    compile_now = server.cache._compile     # occupy the only compile thread: compiles wait for the gate
+
+    def held(entry):
+        gate.wait()
+        compile_now(entry)
+
+    server.cache._compile = held
     try:
         s = Stream(stub)
         spec = {"regex": "w[0-9]{3}"}
@@ -305,6 +311,7 @@ def test_waiting_while_compiling_then_ready(server, stub, cl100k):
         assert r.results[0].status == pb.SEQ_STATUS_WAITING and len(r.rows) == 0
     finally:
         gate.set()
+        server.cache._compile = compile_now
     time.sleep(0.2)
     r2 = s.send(step("w", 1, w))  # a repeat of a WAITING step stays WAITING, even once compiled
     assert r2.results[0].status == pb.SEQ_STATUS_WAITING

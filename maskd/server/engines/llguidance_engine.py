@@ -179,15 +179,28 @@ class LLGuidanceEngine(Engine):
             self.executor.unsafe_compute_mask_ptr(
                 [(m.m, r) for m, r in zip(matchers, rows)], out.ctypes.data, out.shape[1] * 4, batch)
             return
-        jobs = []
+        # llguidance's draft fill refuses an empty draft list: a batch in speculative decoding
+        # mixes sequences with and without drafts, so those without go through the plain fill.
+        plain, jobs = [], []
         for m, r, d in zip(matchers, rows, drafts):
             if d:
                 out[r: r + 1 + len(d)] = 0
-            jobs.append((m.m, r, list(d)))
+                jobs.append((m.m, r, list(d)))
+            else:
+                plain.append((m.m, r))
+        if plain:
+            self.executor.unsafe_compute_mask_ptr(plain, out.ctypes.data, out.shape[1] * 4, batch)
         self.executor.unsafe_compute_mask_ptr_with_draft_token(jobs, out.ctypes.data, out.shape[1] * 4, batch)
 
     def serialize(self, grammar: CompiledGrammar) -> bytes:
         return grammar.handle.encode()
 
     def deserialize(self, spec: GrammarSpec, data: bytes) -> CompiledGrammar:
-        return CompiledGrammar(spec, data.decode(), 0.0)
+        """A grammar compiled elsewhere (a compile worker, another replica): its prototype matcher is
+        built here, off the step path."""
+        t0 = time.perf_counter()
+        grammar = data.decode()
+        probe = llguidance.LLMatcher(self.ll, grammar, log_level=0)
+        if probe.is_error():
+            raise GrammarCompileError(_first_line(probe.get_error()))
+        return CompiledGrammar(spec, grammar, time.perf_counter() - t0, _Prototype(probe))

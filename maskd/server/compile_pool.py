@@ -1,0 +1,248 @@
+"""Grammar compiles in worker processes: a crash or a runaway compile costs only that grammar.
+
+A grammar engine is native code: a schema whose ``$ref`` chain is 1,500 levels deep overflows
+llguidance's stack and takes the whole process down; a pathological grammar can compile for
+minutes. So every compile runs first in a worker process (``python -m
+maskd.server.compile_worker``, its own interpreter: no gRPC thread is forked, no ``__main__`` is
+re-imported): the worker compiles the spec with the server's engine on a thread of
+``COMPILE_STACK_BYTES`` and returns ``Engine.serialize`` of the result over a pipe.
+
+* A worker that dies (a signal, a native crash) fails only that grammar: CompileCrashed.
+* A compile past its time limit is stopped for real: the worker is killed and replaced
+  (CompileTimeout; the grammar cache does not keep a timeout as a permanent failure).
+* The server then loads the serialized grammar (``Engine.deserialize``) on a compile thread whose
+  stack is ``SERVER_STACK_BYTES``, four times the worker's, so what a worker survived the server
+  survives too.
+
+Pools are shared within a process by (backend, tokenizer, width) and live until it exits: several
+servers in one process (tests, tools) start their workers once. Workers start with the first server
+that uses them and load the engine at once, off the request path.
+"""
+from __future__ import annotations
+
+import atexit
+import collections
+import logging
+import os
+import pickle
+import select
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from maskd.server.engines import GrammarCompileError
+from maskd.specs import GrammarSpec
+
+log = logging.getLogger("maskd.server.compile_pool")
+COMPILE_STACK_BYTES = 64 << 20     # a worker's compile thread
+SERVER_STACK_BYTES = 256 << 20     # the server's compile threads (4x: what a worker survives, the server does)
+_HEADER = struct.Struct("<I")
+
+
+class CompileCrashed(GrammarCompileError):
+    """The worker compiling the grammar died (a native crash, e.g. a stack overflow)."""
+
+
+class CompileTimeout(GrammarCompileError):
+    """The compile ran past its time limit; the worker was killed."""
+
+
+def write_message(stream: Any, obj: Any) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(_HEADER.pack(len(data)) + data)
+    stream.flush()
+
+
+def read_exact(fd: int, n: int, deadline: float | None) -> bytes:
+    """n bytes from a pipe; TimeoutError past the deadline, EOFError when the writer is gone."""
+    chunks, left = [], n
+    while left:
+        wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready, _, _ = select.select([fd], [], [], wait)
+        if not ready:
+            raise TimeoutError
+        chunk = os.read(fd, min(left, 1 << 20))
+        if not chunk:
+            raise EOFError
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+class _Worker:
+    """One worker process and its pipes."""
+
+    def __init__(self, key: tuple[str, str, int | None]) -> None:
+        backend, tokenizer, width = key
+        cmd = [sys.executable, "-m", "maskd.server.compile_worker", backend, tokenizer, str(width or 0),
+               str(COMPILE_STACK_BYTES)]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+                                     start_new_session=True)   # ^C to the server does not reach it
+        self.ready = False
+
+    def call(self, request: Any, timeout_s: float | None) -> Any:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        write_message(self.proc.stdin, request)
+        fd = self.proc.stdout.fileno()
+        (size,) = _HEADER.unpack(read_exact(fd, _HEADER.size, deadline))
+        return pickle.loads(read_exact(fd, size, deadline))
+
+    def kill(self) -> None:
+        try:
+            self.proc.kill()
+        except OSError:
+            pass
+        self.proc.wait(10)
+
+    def exit_status(self) -> str:
+        """How the worker ended (it is killed if it still runs after a broken conversation)."""
+        try:
+            code = self.proc.wait(2)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return "a broken pipe"
+        if code < 0 and -code in signal.valid_signals():
+            return f"signal {signal.Signals(-code).name}"
+        return f"exit code {code}"
+
+
+class CompilePool:
+    def __init__(self, backend: str, tokenizer: str, logits_width: int | None, workers: int) -> None:
+        self.key = (backend, tokenizer, logits_width)
+        self.workers = workers
+        self._idle: collections.deque[_Worker] = collections.deque()
+        self._cond = threading.Condition()
+        self._started = 0
+        self._closed = False
+        self._warm_error: str | None = None
+        self.users = 0
+        self.crashes = 0
+        self.timeouts = 0
+        self._warmers = [threading.Thread(target=self._warm_one, daemon=True, name="maskd-compile-warm")
+                         for _ in range(workers)]
+        self._started = workers
+        for t in self._warmers:
+            t.start()
+
+    def _warm_one(self) -> None:
+        """Starts a worker and waits for it to load the engine (seconds for a large vocabulary)."""
+        try:
+            worker = _Worker(self.key)
+            if worker.call(("warm", None), 300.0) != ("ok", None):
+                raise RuntimeError("unexpected answer")
+            worker.ready = True
+            with self._cond:
+                self._idle.append(worker)
+                self._cond.notify()
+        except Exception as exc:   # a worker that cannot load the engine: report it, start no more
+            log.error("a compile worker cannot load the engine %s: %s", self.key, exc)
+            with self._cond:
+                self._started -= 1
+                self._warm_error = f"{type(exc).__name__}: {exc}"
+                self._cond.notify_all()
+
+    def wait_warm(self, timeout_s: float) -> bool:
+        """Waits until every worker has loaded the engine; False if that took longer than timeout_s."""
+        for t in self._warmers:
+            t.join(timeout_s)
+        if self._warm_error and not self._idle:
+            raise RuntimeError(f"compile workers cannot load the engine: {self._warm_error}")
+        return all(not t.is_alive() for t in self._warmers)
+
+    def compile(self, spec: GrammarSpec, timeout_s: float) -> bytes:
+        """Serialized compiled grammar; GrammarCompileError (CompileCrashed, CompileTimeout) if not."""
+        worker = self._take()
+        try:
+            kind, value = worker.call(("compile", spec), timeout_s)
+        except TimeoutError:
+            self.timeouts += 1
+            worker.kill()
+            self._replace(worker)
+            raise CompileTimeout(f"grammar compile exceeded the {timeout_s:g} s limit (stopped)") from None
+        except (EOFError, OSError, pickle.UnpicklingError):
+            how = worker.exit_status()
+            self.crashes += 1
+            log.warning("a compile worker died (%s) on a %s grammar", how, spec.kind)
+            self._replace(worker)
+            raise CompileCrashed(f"the grammar crashed its compile worker ({how}): it is nested or chained "
+                                 "too deeply, or too large, for this server") from None
+        self._give_back(worker)
+        if kind == "error":
+            raise GrammarCompileError(value)
+        return value
+
+    def _take(self) -> _Worker:
+        with self._cond:
+            while not self._idle:
+                if self._closed:
+                    raise GrammarCompileError("the server is shutting down")
+                if self._started == 0:
+                    raise GrammarCompileError(f"no compile worker can run: {self._warm_error}")
+                self._cond.wait()
+            return self._idle.popleft()
+
+    def _give_back(self, worker: _Worker) -> None:
+        with self._cond:
+            if self._closed:
+                worker.kill()
+                return
+            self._idle.append(worker)
+            self._cond.notify()
+
+    def _replace(self, dead: _Worker) -> None:
+        """A killed or crashed worker: start another one in the background."""
+        with self._cond:
+            self._started -= 1
+            if self._closed:
+                return
+            self._started += 1
+        t = threading.Thread(target=self._warm_one, daemon=True, name="maskd-compile-warm")
+        t.start()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            idle = list(self._idle)
+            self._idle.clear()
+            self._cond.notify_all()
+        for worker in idle:
+            worker.kill()
+
+
+_POOLS: dict[tuple, CompilePool] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def acquire(backend: str, tokenizer: str, logits_width: int | None, workers: int) -> CompilePool:
+    """The process's pool for this engine configuration (started on first use; a larger one replaces
+    a smaller one that nobody uses)."""
+    key = (backend, tokenizer, logits_width)
+    with _POOLS_LOCK:
+        pool = _POOLS.get(key)
+        if pool is None or (pool.workers < workers and pool.users == 0):
+            if pool is not None:
+                pool.close()
+            pool = _POOLS[key] = CompilePool(backend, tokenizer, logits_width, workers)
+        pool.users += 1
+        return pool
+
+
+def release(pool: CompilePool) -> None:
+    """A server is done with its pool (the workers stay for the next server in this process)."""
+    with _POOLS_LOCK:
+        pool.users -= 1
+
+
+@atexit.register
+def _close_all() -> None:
+    with _POOLS_LOCK:
+        pools = list(_POOLS.values())
+        _POOLS.clear()
+    for pool in pools:
+        pool.close()

@@ -1,0 +1,70 @@
+"""A compile worker process: ``python -m maskd.server.compile_worker BACKEND TOKENIZER WIDTH STACK``.
+
+Reads length-prefixed pickled requests on stdin and answers on stdout (see compile_pool):
+``("warm", None)`` loads the engine; ``("compile", GrammarSpec)`` answers ``("ok", bytes)`` with the
+serialized compiled grammar or ``("error", message)``. The compile runs on a thread with a stack of
+STACK bytes, the size the server's own compile threads exceed. Anything the engine prints goes to
+stderr, so stdout carries only answers.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import sys
+import threading
+from typing import Any
+
+from maskd.server.compile_pool import (
+    _HEADER,
+    read_exact,
+    write_message,
+)
+
+
+def main(argv: list[str]) -> int:
+    backend, tokenizer, width, stack = argv[0], argv[1], int(argv[2]) or None, int(argv[3])
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    out = os.fdopen(os.dup(1), "wb")        # the answers' channel ...
+    os.dup2(2, 1)                           # ... and stdout (prints of any library) goes to stderr
+    inp = sys.stdin.buffer.fileno()
+    threading.stack_size(stack)
+    engine: Any = None
+
+    def load():
+        nonlocal engine
+        if engine is None:
+            from maskd.server.engines import create_engine
+            from maskd.server.tokenizers import load_tokenizer
+            engine = create_engine(backend, load_tokenizer(tokenizer, width), threads=1)
+        return engine
+
+    while True:
+        try:
+            (size,) = _HEADER.unpack(read_exact(inp, _HEADER.size, None))
+        except EOFError:
+            return 0
+        kind, payload = pickle.loads(read_exact(inp, size, None))
+        answer: list[Any] = []
+        thread = threading.Thread(target=_serve, args=(load, kind, payload, answer), name="maskd-compile-worker")
+        thread.start()
+        thread.join()
+        try:
+            write_message(out, answer[0])
+        except BrokenPipeError:   # the server is gone (or killed this worker's slot): nothing to answer
+            return 0
+
+
+def _serve(load, kind: str, payload: Any, answer: list) -> None:
+    from maskd.server.engines import GrammarCompileError
+    try:
+        engine = load()
+        answer.append(("ok", None) if kind == "warm" else ("ok", engine.serialize(engine.compile(payload))))
+    except GrammarCompileError as exc:
+        answer.append(("error", str(exc)))
+    except Exception as exc:   # an engine bug: this grammar's compile error, the worker lives on
+        answer.append(("error", f"internal compile error: {type(exc).__name__}: {exc}"))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

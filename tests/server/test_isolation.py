@@ -1,0 +1,201 @@
+"""No grammar can end the server: compiles run in worker processes (a crash or a runaway compile
+costs only that grammar), timeouts are not cached, compiles are scheduled fairly across tenants,
+the cache is bounded by bytes, and one entry's fault never ends its stream."""
+import threading
+
+import grpc
+import pytest
+
+from maskd.server import Limits, MaskServer, ServerConfig
+from maskd.server.grammar_cache import GrammarCache, QueueFull
+from maskd.specs import GrammarSpec
+from maskd.v1 import maskd_pb2 as pb
+from maskd.v1 import maskd_pb2_grpc as pb_grpc
+
+C = grpc.StatusCode
+
+
+def ref_chain(n: int) -> dict:
+    """An object schema whose $defs chain n levels deep: valid JSON Schema, hard on a compiler's stack."""
+    defs = {f"d{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}}, "required": ["x"]}
+            for i in range(n)}
+    defs[f"d{n}"] = {"type": "integer"}
+    return {"$ref": "#/$defs/d0", "$defs": defs}
+
+
+def lark_chain(n: int) -> str:
+    return "start: r0\n" + "\n".join(f"r{i}: r{i + 1}" for i in range(n)) + f'\nr{n}: "x"\n'
+
+
+def register(stub, spec: dict, wait=True):
+    return stub.RegisterGrammar(pb.RegisterGrammarRequest(spec=GrammarSpec.from_dict(spec).to_proto(), wait=wait))
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = MaskServer(ServerConfig(port=0, tokenizer="cl100k", threads=1, compile_threads=2,
+                                  limits=Limits(max_grammar_bytes=4 << 20))).start()
+    yield srv
+    srv.stop(grace=0.5)
+
+
+@pytest.fixture
+def stub(server):
+    with grpc.insecure_channel(server.address) as ch:
+        yield pb_grpc.MaskServiceStub(ch)
+
+
+def test_a_grammar_that_crashes_the_compiler_costs_only_that_grammar(server, stub, cl100k):
+    # a live stream of another client, before and after
+    gid = register(stub, {"regex": "[0-9]+"}).grammar_id
+    reqs = [pb.StepRequest(seqs=[pb.SeqStep(seq_id="bystander", step=0, grammar_id=gid)])]
+    crashes = server._pool.crashes
+    for spec in ({"lark": lark_chain(100_000)}, {"json_schema": ref_chain(12_000)}):
+        with pytest.raises(grpc.RpcError) as err:
+            register(stub, spec)
+        assert err.value.code() == C.INVALID_ARGUMENT
+        assert "crashed its compile worker" in err.value.details() and "SIGSEGV" in err.value.details()
+    assert server._pool.crashes == crashes + 2
+    # the same crash through a sequence open: that sequence FAILS, the stream and the server go on
+    big = pb.SeqStep(seq_id="deep", step=0, spec=GrammarSpec.from_dict({"lark": lark_chain(100_000)}).to_proto())
+    reqs.append(pb.StepRequest(seqs=[big, pb.SeqStep(seq_id="bystander", step=1, tokens=cl100k.encode("4"))]))
+    replies = list(stub.Session(iter(reqs)))
+    deep, bystander = replies[1].results
+    assert deep.status == pb.SEQ_STATUS_FAILED and "crashed" in deep.reason
+    assert bystander.status == pb.SEQ_STATUS_READY
+    assert stub.Info(pb.InfoRequest()).tokenizer == "cl100k"
+    # a deep chain that does compile (1,500 levels: it crashed the server before isolation)
+    assert register(stub, {"json_schema": ref_chain(1500)}).state == pb.GRAMMAR_STATE_READY
+
+
+def test_a_schema_nested_past_the_limit_is_refused_before_any_engine_sees_it(stub):
+    deep = {"type": "array", "items": {}}
+    node = deep["items"]
+    for _ in range(300):
+        node["type"], node["items"] = "array", {}
+        node = node["items"]
+    with pytest.raises(grpc.RpcError) as err:
+        register(stub, {"json_schema": deep})
+    assert err.value.code() == C.RESOURCE_EXHAUSTED and "limit is 128" in err.value.details()
+    text = "[" * 200_000 + "]" * 200_000      # deeper than Python's recursion limit
+    with pytest.raises(grpc.RpcError) as err:
+        stub.RegisterGrammar(pb.RegisterGrammarRequest(spec=pb.GrammarSpec(json_schema=text)))
+    assert err.value.code() == C.INVALID_ARGUMENT and "too deeply" in err.value.details()
+    replies = list(stub.Session(iter([pb.StepRequest(seqs=[pb.SeqStep(seq_id="x", step=0,
+                                                                      spec=pb.GrammarSpec(json_schema=text))])])))
+    assert replies[0].results[0].status == pb.SEQ_STATUS_ERROR and "too deeply" in replies[0].results[0].reason
+
+
+def test_a_runaway_compile_is_stopped_and_not_cached():
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": f"^[a-z]{{{i},{i + 40}}}$"}
+                                               for i in range(30)}}
+    with MaskServer(ServerConfig(port=0, tokenizer="cl100k", backend="xgrammar", threads=1,
+                                 limits=Limits(compile_timeout_s=0.3))) as srv, \
+            grpc.insecure_channel(srv.address) as ch:
+        stub = pb_grpc.MaskServiceStub(ch)
+        for attempt in range(2):
+            with pytest.raises(grpc.RpcError) as err:
+                register(stub, {"json_schema": schema})
+            assert err.value.code() == C.RESOURCE_EXHAUSTED and "exceeded the 0.3 s limit" in err.value.details()
+        assert srv._pool.timeouts == 2 and srv.cache.compiles == 2   # the second attempt compiled again
+        assert register(stub, {"regex": "[ab]"}).state == pb.GRAMMAR_STATE_READY   # the workers were replaced
+
+
+def test_compiles_are_taken_round_robin_across_tenants(cl100k):
+    """Tenant A queues five grammars, then tenant B one: B's compiles second, not sixth."""
+    from maskd.server.engines import create_engine
+    engine = create_engine("llguidance", cl100k, threads=1)
+    cache = GrammarCache(engine, compile_threads=1, max_queued_per_tenant=6)
+    order, gate = [], threading.Event()
+    compile_now = cache._compile
+
+    def recording(entry):
+        gate.wait()
+        order.append(entry.tenant)
+        compile_now(entry)
+
+    cache._compile = recording
+    try:
+        entries = [cache.lookup(GrammarSpec.from_dict({"regex": f"a{i}[0-9]"}), "A") for i in range(6)]
+        while len(cache._queues.get("A", ())) < 6:   # fill A's queue to its cap (one may be running)
+            entries.append(cache.lookup(GrammarSpec.from_dict({"regex": f"a{len(entries)}[0-9]"}), "A"))
+        with pytest.raises(QueueFull, match="limit is 6"):
+            cache.lookup(GrammarSpec.from_dict({"regex": "a9[0-9]"}), "A")
+        entries.append(cache.lookup(GrammarSpec.from_dict({"regex": "b[0-9]"}), "B"))
+        gate.set()
+        for e in entries:
+            assert cache.wait(e, 10).done.is_set()
+    finally:
+        gate.set()
+        cache.close()
+    assert order[:3] == ["A", "B", "A"] and order.count("A") == len(entries) - 1
+
+
+def test_the_cache_is_bounded_by_bytes(cl100k):
+    from maskd.server.engines import create_engine
+    engine = create_engine("llguidance", cl100k, threads=1)
+    cache = GrammarCache(engine, compile_threads=1, max_bytes=20_000)
+    try:
+        for i in range(40):
+            cache.wait(cache.lookup(GrammarSpec.from_dict({"regex": f"x{i}[0-9]{{1,4}}"})), 10)
+        assert cache.bytes <= 20_000 and 0 < len(cache) < 40
+    finally:
+        cache.close()
+
+
+class Stream:
+    """One Session stream driven message by message (each send waits for its reply)."""
+
+    def __init__(self, stub):
+        import queue
+        self._q = queue.SimpleQueue()
+        self.call = stub.Session(iter(self._q.get, None))
+
+    def send(self, *seqs, forced=False):
+        self._q.put(pb.StepRequest(seqs=list(seqs), want_forced_tokens=forced))
+        return next(self.call)
+
+    def close(self):
+        self._q.put(None)
+
+
+def test_mixed_drafts_in_one_batch_work(stub, cl100k):
+    gid = register(stub, {"regex": "[0-9]+"}).grammar_id
+    one = cl100k.encode("1")[0]
+    s = Stream(stub)
+    s.send(*[pb.SeqStep(seq_id=x, step=0, grammar_id=gid) for x in ("d", "p")])
+    r = s.send(pb.SeqStep(seq_id="d", step=1, tokens=[one], draft_tokens=[one, one]),
+               pb.SeqStep(seq_id="p", step=1, tokens=[one]))
+    d, p = r.results
+    assert d.status == p.status == pb.SEQ_STATUS_READY, (d.reason, p.reason)
+    assert (d.num_rows, d.drafts_valid, p.num_rows, len(r.rows)) == (3, 2, 1, 4)
+    s.close()
+
+
+def test_an_engine_fault_costs_that_entry_only(server, stub, cl100k, monkeypatch):
+    """A matcher that raises (an engine bug) fails its sequence with INTERNAL; the batch, the
+    stream and the later steps carry on."""
+    gid = register(stub, {"regex": "[0-9]+"}).grammar_id
+    one = cl100k.encode("1")[0]
+    s = Stream(stub)
+    s.send(*[pb.SeqStep(seq_id=x, step=0, grammar_id=gid) for x in ("f", "p")])
+    session = next(x for x in server.service.sessions.sessions() if "f" in x.seqs)
+    victim = session.seqs["f"].matcher
+    matcher_type = type(victim)
+    real = matcher_type.forced_tokens
+
+    def faulty(self):
+        if self is victim:
+            raise RuntimeError("engine fault")
+        return real(self)
+
+    monkeypatch.setattr(matcher_type, "forced_tokens", faulty)
+    r = s.send(pb.SeqStep(seq_id="f", step=1, tokens=[one]), pb.SeqStep(seq_id="p", step=1, tokens=[one]),
+               forced=True)
+    f, p = r.results
+    assert f.status == pb.SEQ_STATUS_FAILED and f.code == C.INTERNAL.value[0] and "engine fault" in f.reason
+    assert p.status == pb.SEQ_STATUS_READY
+    r = s.send(pb.SeqStep(seq_id="p", step=2, tokens=[one]), pb.SeqStep(seq_id="f", step=2, tokens=[one]))
+    assert r.results[0].status == pb.SEQ_STATUS_READY and r.results[1].status == pb.SEQ_STATUS_FAILED
+    assert server.metrics.registry.get_sample_value("maskd_errors_total", {"kind": "internal"}) >= 1
+    s.close()
