@@ -1,6 +1,6 @@
 """The house: packages depend one way, and a GPU worker's install is the client alone.
 
-* The import contracts in pyproject.toml (import-linter) hold: cli > tools | cluster > server |
+* The import contracts in pyproject.toml (import-linter) hold: cli > tools > cluster > server |
   client > shared layer > generated contract; the client imports no engine, no Ray, no server; the
   step protocol imports no gRPC.
 * ``pip install .[client]`` into a clean virtual environment pulls no grammar engine and no Ray, and
