@@ -49,6 +49,13 @@ def strict(props, required=()):
 secret_ref_rule = lambda: {"if": {"properties": {"enabled": {"const": True}}, "required": ["enabled"]},
                            "then": {"properties": {"secretName": {"$ref": "#/definitions/dnsName"}}, "required": ["secretName"]}}
 
+# auth.enabled needs a token's secret or a tokens file's secret (both may be set).
+auth_secret_rule = lambda: {
+    "if": {"properties": {"enabled": {"const": True}}, "required": ["enabled"]},
+    "then": {"anyOf": [{"properties": {"secretName": {"$ref": "#/definitions/dnsName"}}, "required": ["secretName"]},
+                       {"properties": {"tokensSecretName": {"$ref": "#/definitions/dnsName"}},
+                        "required": ["tokensSecretName"]}]}}
+
 SCHEMA = {
     "$schema": "http://json-schema.org/draft-07/schema#",
     "title": "maskd chart values",
@@ -89,14 +96,26 @@ SCHEMA = {
             "maxRowsPerStep": opt_posint,
             "maxSequencesPerSession": opt_posint,
             "logLevel": {"type": ["string", "null"], "enum": ["debug", "info", "warning", "error", None]},
+            "cacheBytes": opt_posint,
+            "compileIsolation": {"type": ["string", "null"], "enum": ["process", "thread", None]},
+            "maxStreamsPerTenant": opt_posint, "maxSequences": opt_posint, "maxSequencesPerTenant": opt_posint,
+            "maxTokensPerRequest": opt_posint, "maxGrammarDepth": opt_posint, "maxCompilesQueued": opt_posint,
+            "maxCompilesQueuedPerTenant": opt_posint, "maxCompilesRunningPerTenant": opt_posint,
+            "idleTimeoutSeconds": {"type": ["number", "null"], "exclusiveMinimum": 0},
+            "drainDelaySeconds": {"type": ["number", "null"], "minimum": 0},
+            "drainGraceSeconds": {"type": ["number", "null"], "minimum": 0},
             "extraArgs": {"type": "array", "items": {"type": ["string", "number", "boolean"]}},
             "env": arr, "envFrom": arr,
         }, ["port", "metricsPort", "tokenizer", "backend", "threads"]),
         "tls": {**strict({"enabled": {"type": "boolean"}, "secretName": {"type": "string"},
                           "certKey": {"type": "string", "minLength": 1}, "keyKey": {"type": "string", "minLength": 1},
-                          "mountPath": {"type": "string", "pattern": "^/"}}, ["enabled"]), **secret_ref_rule()},
+                          "mountPath": {"type": "string", "pattern": "^/"},
+                          "clientCAKey": {"type": "string"}}, ["enabled"]), **secret_ref_rule()},
         "auth": {**strict({"enabled": {"type": "boolean"}, "secretName": {"type": "string"},
-                           "secretKey": {"type": "string", "minLength": 1}}, ["enabled"]), **secret_ref_rule()},
+                           "secretKey": {"type": "string", "minLength": 1}, "tokensSecretName": {"type": "string"},
+                           "tokensSecretKey": {"type": "string", "minLength": 1},
+                           "mountPath": {"type": "string", "pattern": "^/"}, "allowPlaintext": {"type": "boolean"}},
+                          ["enabled"]), **auth_secret_rule()},
         "replicaCount": nonneg,
         "resources": {"$ref": "#/definitions/resources"},
         **sched(),

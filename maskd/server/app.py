@@ -175,10 +175,12 @@ class MaskServer:
         watchdog.cancel()
 
     def _housekeeping(self) -> None:
-        """Once a second, off the step path: gauges, and the end of streams idle too long."""
+        """Once a second, off the step path: gauges, the end of streams idle too long, and the
+        tokens file reloaded when it changed."""
         while not self._stopped.wait(1.0):
             self.service.update_gauges()
             self.service.end_idle_streams()
+            self.credentials.reload_if_changed()
 
     def __enter__(self) -> MaskServer:
         return self.start()

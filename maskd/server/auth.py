@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import os
 import re
 import threading
 from typing import Any
@@ -68,6 +69,7 @@ class Credentials:
         self._single = {token: DEFAULT_TENANT} if token else {}
         self._lock = threading.Lock()
         self._by_digest: dict[bytes, tuple[bytes, str]] = {}
+        self._mtime = 0.0
         self.reload()
 
     @property
@@ -79,11 +81,31 @@ class Credentials:
     def uses_tokens(self) -> bool:
         return bool(self._by_digest)
 
+    def reload_if_changed(self) -> bool:
+        """Reloads the tokens file when it changed on disk (a Kubernetes secret update sends no
+        SIGHUP). Returns whether it reloaded; a bad file keeps the old tokens (logged)."""
+        if not self.tokens_file:
+            return False
+        try:
+            if os.stat(self.tokens_file).st_mtime == self._mtime:
+                return False
+            n = self.reload()
+            log.warning("tokens file %s changed: %d tokens loaded", self.tokens_file, n)
+            return True
+        except (OSError, AuthConfigError) as exc:
+            log.error("tokens file %s not reloaded, the old tokens stay: %s", self.tokens_file, exc)
+            try:
+                self._mtime = os.stat(self.tokens_file).st_mtime   # do not log the same bad file again
+            except OSError:
+                pass
+            return False
+
     def reload(self) -> int:
         """(Re)reads the tokens file; the old tokens stay when the new file is bad. Returns the count."""
         tokens = dict(self._single)
         if self.tokens_file:
             try:
+                self._mtime = os.stat(self.tokens_file).st_mtime
                 with open(self.tokens_file, encoding="utf-8") as f:
                     tokens.update(parse_tokens(f.read(), self.tokens_file))
             except OSError as exc:

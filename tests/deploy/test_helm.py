@@ -697,14 +697,20 @@ def test_cluster_up_args_parse_with_the_real_cli(chart):
 CHART_OWNED_FLAGS = {
     "--host": "the pod binds 0.0.0.0",
     "--metrics-host": "follows --host",
-    "--auth-token-env": "auth.enabled puts the token into MASKD_AUTH_TOKEN, the flag's default variable",
-    "--tls-cert": "tls.enabled mounts the secret", "--tls-key": "tls.enabled mounts the secret",
+    "--auth-token-env": "auth.secretName puts the token into MASKD_AUTH_TOKEN, the flag's default variable",
 }
+# Values outside `server` that render server flags (auth and TLS secrets are mounted).
+AUTH_TLS_VALUES = {"auth": {"enabled": True, "tokensSecretName": "maskd-tokens", "allowPlaintext": True},
+                   "tls": {"enabled": True, "secretName": "maskd-tls", "clientCAKey": "ca.crt"}}
 ALL_SERVER_VALUES = {"port": 7000, "metricsPort": 9100, "tokenizer": "cl100k", "threads": 6, "logitsWidth": 100352,
                      "compileThreads": 3, "maxMessageBytes": 134217728, "maxGrammarBytes": 2097152,
                      "compileTimeoutSeconds": 12.5, "maxStreams": 512, "cacheEntries": 4096, "rowDictSize": 512,
                      "maxTokensPerStep": 8192, "maxDraftTokens": 8, "maxRowsPerStep": 4096,
-                     "maxSequencesPerSession": 1000, "logLevel": "info"}
+                     "maxSequencesPerSession": 1000, "logLevel": "info", "cacheBytes": 1 << 28,
+                     "compileIsolation": "process", "maxStreamsPerTenant": 32, "maxSequences": 20000,
+                     "maxSequencesPerTenant": 5000, "maxTokensPerRequest": 100000, "maxGrammarDepth": 64,
+                     "maxCompilesQueued": 900, "maxCompilesQueuedPerTenant": 90, "maxCompilesRunningPerTenant": 2,
+                     "idleTimeoutSeconds": 120, "drainDelaySeconds": 3, "drainGraceSeconds": 20}
 
 
 def test_server_values_cover_every_server_flag(chart):
@@ -713,16 +719,29 @@ def test_server_values_cover_every_server_flag(chart):
     those values."""
     config_mod = pytest.importorskip("maskd.server.config", reason="maskd server package not importable")
     parser = _maskd_parser()
-    args = container(one(render(chart, {"server": ALL_SERVER_VALUES}), "Deployment")["spec"]["template"]["spec"],
-                     "maskd")["args"]
+    pod = one(render(chart, {"server": ALL_SERVER_VALUES, **AUTH_TLS_VALUES}), "Deployment")["spec"]["template"]["spec"]
+    args = container(pod, "maskd")["args"]
     rendered = {a for a in args if a.startswith("--")}
     missing = [f for f in config_mod.flag_names(config_mod.ServerConfig)
                if f not in rendered and f not in CHART_OWNED_FLAGS]
     assert not missing, f"server flags with no chart value: {missing}"
     cfg = config_mod.from_flags(config_mod.ServerConfig, _parse(parser, args))
-    cfg.check()
     lim = cfg.limits
     assert (cfg.port, cfg.metrics_port, cfg.threads, cfg.row_dict_size) == (7000, 9100, 6, 512)
     assert (lim.max_tokens_per_step, lim.max_draft_tokens, lim.max_rows_per_step,
             lim.max_sequences_per_session, lim.compile_timeout_s) == (8192, 8, 4096, 1000, 12.5)
     assert _parse(parser, args).log_level == "info"
+    assert (cfg.cache_bytes, cfg.compile_isolation, lim.idle_timeout_s, cfg.drain_delay_s, cfg.drain_grace_s) == (
+        1 << 28, "process", 120.0, 3.0, 20.0)
+    assert (lim.max_streams_per_tenant, lim.max_sequences, lim.max_compiles_running_per_tenant) == (32, 20000, 2)
+    mounts = {m["name"]: m["mountPath"] for m in container(pod, "maskd")["volumeMounts"]}
+    assert cfg.auth_tokens_file == mounts["auth-tokens"] + "/tokens" and cfg.allow_plaintext_auth
+    assert cfg.tls_client_ca == mounts["tls"] + "/ca.crt"
+
+
+def test_auth_without_tls_fails_at_render_time_unless_plaintext_is_allowed(chart):
+    with pytest.raises(Exception, match="in the clear"):
+        render(chart, {"auth": {"enabled": True, "secretName": "tok"}})
+    args = container(one(render(chart, {"auth": {"enabled": True, "secretName": "tok", "allowPlaintext": True}}),
+                         "Deployment")["spec"]["template"]["spec"], "maskd")["args"]
+    assert "--allow-plaintext-auth" in args

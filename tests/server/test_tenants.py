@@ -198,3 +198,18 @@ def test_mtls_client_certificates_name_the_tenant(tmp_path, cl100k):
             with pytest.raises(grpc.RpcError) as err:
                 pb_grpc.MaskServiceStub(ch).Info(pb.InfoRequest(), timeout=10)
             assert err.value.code() == C.UNAVAILABLE
+
+
+def test_a_changed_tokens_file_is_picked_up_without_a_signal(tmp_path):
+    """A Kubernetes secret update rewrites the mounted file and sends no SIGHUP."""
+    path = tokens_file(tmp_path, f"alice {TOKEN_A}\n")
+    with MaskServer(ServerConfig(port=0, tokenizer="cl100k", threads=1, auth_tokens_file=str(path))) as srv:
+        with pytest.raises(MaskClientError):
+            MaskClient(srv.address, auth_token=TOKEN_B, timeout_s=3).info()
+        path.write_text(f"alice {TOKEN_A}\nbob {TOKEN_B}\n")
+        deadline = time.time() + 15
+        while srv.credentials.tenant_of([("authorization", f"Bearer {TOKEN_B}")]) is None:
+            assert time.time() < deadline, "the changed tokens file was not picked up"
+            time.sleep(0.2)
+        with MaskClient(srv.address, auth_token=TOKEN_B) as mc:
+            assert mc.info().tokenizer == "cl100k"

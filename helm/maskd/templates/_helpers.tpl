@@ -81,6 +81,9 @@ Call with (dict "root" $ "threads" N); threads defaults to server.threads.
 */}}
 {{- define "maskd.serverFlags" -}}
 {{- $root := .root -}}
+{{- if and $root.Values.auth.enabled (not $root.Values.tls.enabled) (not $root.Values.auth.allowPlaintext) -}}
+{{- fail "auth.enabled sends bearer tokens in the clear without tls.enabled: enable TLS, or set auth.allowPlaintext: true (a network you trust)" -}}
+{{- end -}}
 {{- $s := $root.Values.server -}}
 {{- $threads := $s.threads -}}
 {{- if not (kindIs "invalid" .threads) }}{{ $threads = .threads }}{{ end -}}
@@ -91,7 +94,7 @@ Call with (dict "root" $ "threads" N); threads defaults to server.threads.
 {{- if not (kindIs "invalid" $s.compileThreads) -}}
 {{- $flags = concat $flags (list "--compile-threads" (include "maskd.int" $s.compileThreads)) -}}
 {{- end -}}
-{{- range $key, $flag := dict "maxMessageBytes" "--max-message-bytes" "maxGrammarBytes" "--max-grammar-bytes" "maxStreams" "--max-streams" "cacheEntries" "--cache-entries" "rowDictSize" "--row-dict-size" "maxTokensPerStep" "--max-tokens-per-step" "maxDraftTokens" "--max-draft-tokens" "maxRowsPerStep" "--max-rows-per-step" "maxSequencesPerSession" "--max-sequences-per-session" -}}
+{{- range $key, $flag := dict "maxMessageBytes" "--max-message-bytes" "maxGrammarBytes" "--max-grammar-bytes" "maxStreams" "--max-streams" "cacheEntries" "--cache-entries" "rowDictSize" "--row-dict-size" "maxTokensPerStep" "--max-tokens-per-step" "maxDraftTokens" "--max-draft-tokens" "maxRowsPerStep" "--max-rows-per-step" "maxSequencesPerSession" "--max-sequences-per-session" "cacheBytes" "--cache-bytes" "maxStreamsPerTenant" "--max-streams-per-tenant" "maxSequences" "--max-sequences" "maxSequencesPerTenant" "--max-sequences-per-tenant" "maxTokensPerRequest" "--max-tokens-per-request" "maxGrammarDepth" "--max-grammar-depth" "maxCompilesQueued" "--max-compiles-queued" "maxCompilesQueuedPerTenant" "--max-compiles-queued-per-tenant" "maxCompilesRunningPerTenant" "--max-compiles-running-per-tenant" -}}
 {{- $v := index $s $key -}}
 {{- if not (kindIs "invalid" $v) -}}
 {{- $flags = concat $flags (list $flag (include "maskd.int" $v)) -}}
@@ -99,6 +102,21 @@ Call with (dict "root" $ "threads" N); threads defaults to server.threads.
 {{- end -}}
 {{- if not (kindIs "invalid" $s.compileTimeoutSeconds) -}}
 {{- $flags = concat $flags (list "--compile-timeout" (toString $s.compileTimeoutSeconds)) -}}
+{{- end -}}
+{{- range $key, $flag := dict "idleTimeoutSeconds" "--idle-timeout" "drainDelaySeconds" "--drain-delay" "drainGraceSeconds" "--drain-grace" "compileIsolation" "--compile-isolation" -}}
+{{- $v := index $s $key -}}
+{{- if not (kindIs "invalid" $v) -}}
+{{- $flags = concat $flags (list $flag (toString $v)) -}}
+{{- end -}}
+{{- end -}}
+{{- if and $root.Values.auth.enabled $root.Values.auth.tokensSecretName -}}
+{{- $flags = concat $flags (list "--auth-tokens-file" (printf "%s/%s" $root.Values.auth.mountPath $root.Values.auth.tokensSecretKey)) -}}
+{{- end -}}
+{{- if $root.Values.auth.allowPlaintext -}}
+{{- $flags = append $flags "--allow-plaintext-auth" -}}
+{{- end -}}
+{{- if and $root.Values.tls.enabled $root.Values.tls.clientCAKey -}}
+{{- $flags = concat $flags (list "--tls-client-ca" (printf "%s/%s" $root.Values.tls.mountPath $root.Values.tls.clientCAKey)) -}}
 {{- end -}}
 {{- if not (kindIs "invalid" $s.logLevel) -}}
 {{- $flags = concat $flags (list "--log-level" ($s.logLevel | toString)) -}}
@@ -117,7 +135,7 @@ Call with (dict "root" $ "threads" N); threads defaults to server.threads.
 # Writable home for tokenizer and Hugging Face caches (the root filesystem is read-only).
 - name: HOME
   value: /tmp
-{{- if .Values.auth.enabled }}
+{{- if and .Values.auth.enabled .Values.auth.secretName }}
 - name: MASKD_AUTH_TOKEN
   valueFrom:
     secretKeyRef:
@@ -137,6 +155,11 @@ Call with (dict "root" $ "threads" N); threads defaults to server.threads.
   mountPath: {{ .Values.tls.mountPath }}
   readOnly: true
 {{- end }}
+{{- if and .Values.auth.enabled .Values.auth.tokensSecretName }}
+- name: auth-tokens
+  mountPath: {{ .Values.auth.mountPath }}
+  readOnly: true
+{{- end }}
 {{- end -}}
 
 {{- define "maskd.volumes" -}}
@@ -152,6 +175,19 @@ Call with (dict "root" $ "threads" N); threads defaults to server.threads.
         path: {{ .Values.tls.certKey }}
       - key: {{ .Values.tls.keyKey }}
         path: {{ .Values.tls.keyKey }}
+      {{- with .Values.tls.clientCAKey }}
+      - key: {{ . }}
+        path: {{ . }}
+      {{- end }}
+{{- end }}
+{{- if and .Values.auth.enabled .Values.auth.tokensSecretName }}
+- name: auth-tokens
+  secret:
+    secretName: {{ .Values.auth.tokensSecretName }}
+    defaultMode: 0440
+    items:
+      - key: {{ .Values.auth.tokensSecretKey }}
+        path: {{ .Values.auth.tokensSecretKey }}
 {{- end }}
 {{- end -}}
 
