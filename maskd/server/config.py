@@ -41,9 +41,9 @@ class Limits:
     gets RESOURCE_EXHAUSTED naming the flag."""
 
     max_streams: int = setting(256, help="concurrent Session streams of the server")
-    max_streams_per_tenant: int = setting(128, help="concurrent Session streams of one tenant")
+    max_streams_per_tenant: int = setting(128, help="concurrent Session streams of one authenticated tenant")
     max_sequences: int = setting(131072, help="live sequences of the server")
-    max_sequences_per_tenant: int = setting(65536, help="live sequences of one tenant")
+    max_sequences_per_tenant: int = setting(65536, help="live sequences of one authenticated tenant")
     max_sequences_per_session: int = setting(65536, help="live sequences one session may hold")
     max_message_bytes: int = setting(64 << 20, help="largest request message, bytes")
     max_tokens_per_request: int = setting(262144, help="tokens and draft tokens one step message may carry")

@@ -2,6 +2,8 @@
 
 Counters only (thread-safe); a refusal is a message naming the cap, which the caller sends as
 RESOURCE_EXHAUSTED. Per-session and per-request caps live where those are checked (the session).
+Per-tenant caps apply to authenticated tenants; a server without auth has one anonymous tenant,
+bounded by the server-wide caps alone.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ class Quotas:
         with self._lock:
             if self.streams >= lim.max_streams:
                 return f"the server has {self.streams} streams open; the limit is {lim.max_streams} (--max-streams)"
-            if self._streams[tenant] >= lim.max_streams_per_tenant:
+            if tenant and self._streams[tenant] >= lim.max_streams_per_tenant:
                 return (f"this tenant has {self._streams[tenant]} streams open; the limit is "
                         f"{lim.max_streams_per_tenant} (--max-streams-per-tenant)")
             self.streams += 1
@@ -47,7 +49,7 @@ class Quotas:
             if self.sequences >= lim.max_sequences:
                 return (f"the server holds {self.sequences} live sequences; the limit is {lim.max_sequences} "
                         "(--max-sequences)")
-            if self._sequences[tenant] >= lim.max_sequences_per_tenant:
+            if tenant and self._sequences[tenant] >= lim.max_sequences_per_tenant:
                 return (f"this tenant holds {self._sequences[tenant]} live sequences; the limit is "
                         f"{lim.max_sequences_per_tenant} (--max-sequences-per-tenant)")
             self.sequences += 1
