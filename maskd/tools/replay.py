@@ -87,8 +87,10 @@ class Replay:
                 continue
             try:
                 template = self._template(inst.schema)
-            except Exception:   # llguidance refuses it: the server would too; not part of the replay
-                self._bad.add(inst.schema.name)
+            except Exception:
+                template = None
+            if template is None or template.is_error():   # llguidance refuses it, as the server would:
+                self._bad.add(inst.schema.name)           # such schemas are not part of the replay
                 continue
             sid = f"{self.tag}-{self._cursor}"
             self.client.open(sid, inst.schema.spec)

@@ -155,9 +155,15 @@ def cmd_soak(args) -> int:
              f"- server RSS: {memory.get('first_mib')} MiB at the start, {memory.get('last_mib')} MiB at the end, "
              f"max {memory.get('max_mib')}; slope {memory.get('slope_mib_per_hour')} MiB/hour; last third "
              f"{memory.get('last_third_mib')} vs second third {memory.get('second_third_mib')} MiB: "
-             f"**{'flat' if memory.get('flat') else 'GROWING'}**",
+             f"**{_verdict(memory)}**",
              f"- {'PASSED' if passed else 'FAILED'}"]
     return _report(args, "soak", report, lines)
+
+
+def _verdict(memory: dict) -> str:
+    if "flat" not in memory:
+        return f"{memory.get('readings', 0)} readings: too few to tell"
+    return "flat" if memory["flat"] else "GROWING"
 
 
 def _memory(readings: list[tuple[float, float]]) -> dict:
