@@ -28,11 +28,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import grpc
+import numpy as np
 
 from maskd.v1 import maskd_pb2 as pb
 from maskd.v1.contract import ServerInfo
 from maskd_client.connection import Connection, ConnectionSettings, spec_proto
-from maskd_client.ledger import Advance, SequenceLedger, UndoRecord
+from maskd_client.ledger import Advance, SequenceLedger, Undo
 from maskd_client.merge import gather
 from maskd_client.recovery import LostServer, Recovery, Unreachable
 from maskd_client.routing import NoOwner, Router
@@ -258,24 +259,43 @@ class ClientCore(Recovery):
             if self._closed:
                 raise MaskClientError("client is shut down")
             self._ledger.check(advances)
-            parts: dict[str, tuple[list[pb.SeqStep], list[UndoRecord]]] = {}
+            parts: dict[str, _Part] = {}
+            ledger, owner = self._ledger, self._owner
             for a in advances:
-                entry, undo = self._ledger.advance(a)
-                part = parts.setdefault(self._owner[a.seq_id], ([], []))
-                part[0].append(entry)
-                part[1].append(undo)
-            futures = []
-            for address, (entries, undo) in parts.items():
-                reopened = {e.seq_id for e in entries} & {c.seq_id for c, _ in self._closes.get(address, [])}
-                if reopened:   # a closed id opened again: its close goes first, on its own
-                    self._send_closes(address, reopened)
-                closes = self._closes.pop(address, [])
-                request = pb.StepRequest(seqs=[c for c, _ in closes] + entries,
-                                         want_forced_tokens=self.want_forced_tokens)
-                item = InFlight(request, concurrent.futures.Future(), undo,
-                                closes=[(c.seq_id, f) for c, f in closes])
-                futures.append(self._dispatch(address, item))
+                part = parts.get(owner[a.seq_id])
+                if part is None:
+                    part = parts[owner[a.seq_id]] = _Part()
+                if not a.drafts and not a.rollback and ledger.plain(a.seq_id):
+                    part.plain_ids.append(a.seq_id)     # a columnar entry: a handle, a step, tokens
+                    part.plain_tokens.append(a.tokens)
+                else:
+                    entry, undo = ledger.advance(a)
+                    part.entries.append(entry)
+                    part.undo.append(undo)
+            futures = [self._dispatch(address, self._request(address, part)) for address, part in parts.items()]
             return gather([a.seq_id for a in advances], futures)
+
+    def _request(self, address: str, part: _Part) -> InFlight:
+        """(under the lock) One server's part of a step as a request: closes waiting for it first,
+        then SeqStep entries, then the columnar ones."""
+        ids = {e.seq_id for e in part.entries} | set(part.plain_ids)
+        reopened = ids & {c.seq_id for c, _ in self._closes.get(address, [])}
+        if reopened:   # a closed id opened again: its close goes first, on its own
+            self._send_closes(address, reopened)
+        closes = self._closes.pop(address, [])
+        request = pb.StepRequest(seqs=[c for c, _ in closes] + part.entries, want_forced_tokens=self.want_forced_tokens)
+        if part.plain_ids:
+            handles, steps, undo = self._ledger.advance_plain(part.plain_ids, part.plain_tokens)
+            part.undo.append(undo)
+            counts = [len(t) for t in part.plain_tokens]
+            request.handles = np.array(handles, dtype="<u4").tobytes()
+            request.steps = np.array(steps, dtype="<u4").tobytes()
+            request.token_counts = np.array(counts, dtype="<u4").tobytes()
+            flat = part.plain_tokens[0] if len(part.plain_tokens) == 1 else \
+                [t for toks in part.plain_tokens for t in toks]
+            request.tokens = np.array(flat, dtype="<i4").tobytes()
+        return InFlight(request, concurrent.futures.Future(), part.undo, closes=[(c.seq_id, f) for c, f in closes],
+                        plain_ids=part.plain_ids)
 
     def _dispatch(self, address: str, item: InFlight) -> concurrent.futures.Future:
         """(under the lock) Sends on the address's stream, or hands the step to its recovery."""
@@ -294,9 +314,14 @@ class ClientCore(Recovery):
 
     def _new_stream(self, address: str) -> StepStream:
         conn = self._connection(address)
-        return StepStream(conn, self.session, conn.info(), on_lost=self._stream_lost, on_refused=self._refused)
+        return StepStream(conn, self.session, conn.info(), on_lost=self._stream_lost, on_refused=self._refused,
+                          on_handles=self._handles)
 
-    def _refused(self, undo: list[UndoRecord], seq_ids: set[str]) -> None:
+    def _handles(self, handles: dict[str, int]) -> None:
+        with self._cond:
+            self._ledger.set_handles(handles)
+
+    def _refused(self, undo: list[Undo], seq_ids: set[str]) -> None:
         with self._cond:
             self._ledger.undo(undo, seq_ids)
 
@@ -325,6 +350,17 @@ class ClientCore(Recovery):
 
 
 # -- helpers ---------------------------------------------------------------------------------------
+class _Part:
+    """One server's share of a step while it is built."""
+    __slots__ = ("entries", "plain_ids", "plain_tokens", "undo")
+
+    def __init__(self) -> None:
+        self.entries: list[pb.SeqStep] = []
+        self.undo: list[Undo] = []
+        self.plain_ids: list[str] = []
+        self.plain_tokens: list[list[int]] = []
+
+
 def _parse(tokens_by_seq: Mapping[str, Any]) -> list[Advance]:
     advances = []
     for seq_id, value in tokens_by_seq.items():

@@ -1,9 +1,10 @@
-"""The client's record of its sequences: grammar, step, accepted history, typed undo, restores.
+"""The client's record of its sequences: grammar, step, accepted history, handle, typed undo, restores.
 
 The server's state of a sequence is a function of (grammar, accepted tokens), so this ledger is
 all a client needs to rebuild it anywhere: ``restore_requests`` reopens sequences at the state
 before the steps still in flight, in parts of at most ``max_tokens_per_step`` tokens (the
-contract's "Restores").
+contract's "Restores"). A sequence's handle (given by its server at open, for columnar steps) is
+kept too; it is forgotten when that server's stream is lost, until a restore gives a new one.
 
 Every method is called with the owning client's lock held; the ledger itself does no locking.
 """
@@ -25,6 +26,7 @@ class SequenceState:
     step: int = -1                                   # last step sent
     history: list[int] = dataclasses.field(default_factory=list)   # accepted tokens, as sent
     opened: bool = False                             # an open has been sent
+    handle: int = 0                                  # its server's handle (0: none known)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -35,6 +37,33 @@ class UndoRecord:
     n_tokens: int               # tokens it appended to the history
     popped: tuple[int, ...]     # tokens its rollback removed
     opened_here: bool           # it carried the open
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PlainUndo:
+    """What one columnar step did to its sequences: each advanced one step by counts[i] tokens."""
+    seq_ids: list[str]
+    steps: list[int]
+    counts: list[int]
+
+    def records(self, only: set[str] | None = None) -> Iterator[UndoRecord]:
+        for sid, step, n in zip(self.seq_ids, self.steps, self.counts):
+            if only is None or sid in only:
+                yield UndoRecord(sid, step, n, (), False)
+
+
+Undo = UndoRecord | PlainUndo
+
+
+def records_of(items: Iterable[Undo], only: set[str] | None = None) -> list[UndoRecord]:
+    """UndoRecords in order, columnar steps expanded."""
+    out: list[UndoRecord] = []
+    for u in items:
+        if isinstance(u, PlainUndo):
+            out.extend(u.records(only))
+        elif only is None or u.seq_id in only:
+            out.append(u)
+    return out
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -107,18 +136,46 @@ class SequenceLedger:
         seq.history.extend(a.tokens)
         return entry, UndoRecord(a.seq_id, seq.step, len(a.tokens), popped, opened_here)
 
-    def undo(self, records: Iterable[UndoRecord], only: set[str] | None = None) -> None:
+    def plain(self, seq_id: str) -> bool:
+        """Whether the sequence can take a columnar step (open on its server, handle known)."""
+        seq = self._seqs[seq_id]
+        return seq.opened and seq.handle > 0
+
+    def advance_plain(self, seq_ids: list[str], tokens: list[list[int]]) -> tuple[list[int], list[int], PlainUndo]:
+        """Columnar steps of sequences that can take them: (handles, steps, undo)."""
+        handles, steps, counts = [], [], []
+        seqs = self._seqs
+        for sid, toks in zip(seq_ids, tokens):
+            seq = seqs[sid]
+            seq.step += 1
+            seq.history.extend(toks)
+            handles.append(seq.handle)
+            steps.append(seq.step)
+            counts.append(len(toks))
+        return handles, steps, PlainUndo(seq_ids, steps, counts)
+
+    def set_handles(self, handles: dict[str, int]) -> None:
+        for sid, h in handles.items():
+            seq = self._seqs.get(sid)
+            if seq is not None:
+                seq.handle = h
+
+    def forget_handles(self, seq_ids: Iterable[str]) -> None:
+        for sid in seq_ids:
+            seq = self._seqs.get(sid)
+            if seq is not None:
+                seq.handle = 0
+
+    def undo(self, records: Iterable[Undo], only: set[str] | None = None) -> None:
         """Takes back what steps did (newest first), e.g. for entries the server refused."""
-        for rec in reversed(list(records)):
-            if only is not None and rec.seq_id not in only:
-                continue
+        for rec in reversed(records_of(records, only)):
             seq = self._seqs.get(rec.seq_id)
             if seq is None or seq.step != rec.step:
                 continue
             _revert(seq, rec)
 
     # -- restores ---------------------------------------------------------------------------------
-    def restore_requests(self, seq_ids: Iterable[str], in_flight: Sequence[Sequence[UndoRecord]],
+    def restore_requests(self, seq_ids: Iterable[str], in_flight: Sequence[Sequence[Undo]],
                          max_tokens_per_step: int) -> list[pb.StepRequest]:
         """Messages that reopen ``seq_ids`` at their state before the steps in ``in_flight`` (oldest
         first): each opened sequence at its last acknowledged step with its whole history, in
@@ -127,7 +184,7 @@ class SequenceLedger:
         state = {sid: dataclasses.replace(s, history=list(s.history))
                  for sid, s in self._seqs.items() if sid in wanted}
         for records in reversed(in_flight):
-            for rec in reversed(records):
+            for rec in reversed(records_of(records)):
                 seq = state.get(rec.seq_id)
                 if seq is not None and seq.step == rec.step:
                     _revert(seq, rec)

@@ -3,47 +3,60 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
-from typing import Any
 
 import numpy as np
 
-from maskd_client.types import StepResult
+from maskd_client.types import SeqResult, StepResult
 
 
 def merge_results(order: list[str], parts: list[StepResult]) -> StepResult:
     """One StepResult from per-server parts: every sequence of ``order``, rows in that order."""
-    if len(parts) == 1 and list(parts[0].seqs) == order:
+    if len(parts) == 1 and parts[0].ids == order:
         return parts[0]
-    words = next((p.bitmask.shape[1] for p in parts if p.bitmask.ndim == 2), 0)
-    where: dict[str, tuple[int, Any]] = {}
-    for i, part in enumerate(parts):
-        for sid, r in part.seqs.items():
-            where[sid] = (i, r)
-    src: list[list[int]] = [[] for _ in parts]
-    dst: list[list[int]] = [[] for _ in parts]
-    seqs = {}
-    row = 0
-    for sid in order:
-        i, r = where[sid]
-        if r.row >= 0 and r.num_rows:
-            n = r.num_rows
-            src[i].extend(range(r.row, r.row + n))
-            dst[i].extend(range(row, row + n))
-            r.row = row
-            row += n
-        seqs[sid] = r
-    bitmask = np.empty((row, words), dtype=np.int32)
-    for i, part in enumerate(parts):
-        if src[i]:
-            bitmask[dst[i]] = part.bitmask[src[i]]
-    return StepResult(seqs, bitmask, max((p.server_seconds for p in parts), default=0.0),
-                      max((p.round_trip_seconds for p in parts), default=0.0))
+    words = next((p.bitmask.shape[1] for p in parts if p.bitmask.ndim == 2 and p.bitmask.shape[1]), 0)
+    loc: dict[str, tuple[int, int]] = {}
+    for pi, part in enumerate(parts):
+        for j, sid in enumerate(part.ids):
+            loc[sid] = (pi, j)
+    where = np.array([loc[sid] for sid in order], dtype=np.int64).reshape(len(order), 2)
+    n = len(order)
+    status = np.empty(n, dtype=np.uint8)
+    old_row = np.empty(n, dtype=np.int64)
+    num_rows = np.empty(n, dtype=np.int32)
+    accepting = np.empty(n, dtype=bool)
+    steps = np.empty(n, dtype=np.int64)
+    for pi, part in enumerate(parts):
+        mine = where[:, 0] == pi
+        j = where[mine, 1]
+        status[mine], old_row[mine], num_rows[mine] = part.status[j], part.row[j], part.num_rows[j]
+        accepting[mine], steps[mine] = part.accepting[j], part.steps[j]
+    counts = np.where(old_row >= 0, num_rows, 0)
+    new_row = np.where(old_row >= 0, np.cumsum(counts) - counts, -1).astype(np.int32)
+    bitmask = np.empty((int(counts.sum()), words), dtype=np.int32)
+    for pi, part in enumerate(parts):   # every row of a part to its place, in one copy per part
+        mine = (where[:, 0] == pi) & (counts > 0)
+        if mine.any():
+            reps = counts[mine]
+            offset = np.arange(int(reps.sum())) - np.repeat(np.cumsum(reps) - reps, reps)
+            bitmask[np.repeat(new_row[mine], reps) + offset] = part.bitmask[np.repeat(old_row[mine], reps) + offset]
+    details: dict[str, SeqResult] = {}
+    forced: dict[str, list[int]] = {}
+    position = {sid: i for i, sid in enumerate(order)}
+    for part in parts:
+        for sid, d in part._details.items():
+            if sid in position:
+                d.row = int(new_row[position[sid]])
+                details[sid] = d
+        forced.update(part._forced)
+    return StepResult(None, bitmask, max((p.server_seconds for p in parts), default=0.0),
+                      max((p.round_trip_seconds for p in parts), default=0.0), ids=list(order), status=status,
+                      row=new_row, num_rows=num_rows, accepting=accepting, steps=steps, details=details,
+                      forced=forced)
 
 
 def gather(order: list[str], futures: list[concurrent.futures.Future]) -> concurrent.futures.Future:
-    """A future of the merged result of per-server futures."""
-    if len(futures) == 1:
-        return futures[0]
+    """A future of the merged result of per-server futures, in ``order`` (a server answers its
+    SeqStep entries before its columnar ones; the caller gets the order it asked in)."""
     outer: concurrent.futures.Future = concurrent.futures.Future()
     left = [len(futures)]
     lock = threading.Lock()

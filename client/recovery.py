@@ -17,11 +17,12 @@ import time
 from typing import TYPE_CHECKING
 
 import grpc
+import numpy as np
 
 from maskd.v1 import maskd_pb2 as pb
 from maskd.v1.contract import SeqStatus
 from maskd_client.connection import Connection
-from maskd_client.ledger import SequenceLedger, UndoRecord
+from maskd_client.ledger import SequenceLedger, Undo, UndoRecord, records_of
 from maskd_client.merge import chain, gather
 from maskd_client.routing import NoOwner, Router
 from maskd_client.stream import InFlight, StepStream, fail_all
@@ -77,7 +78,8 @@ class Recovery:
     if TYPE_CHECKING:
         def _connect(self, address: str) -> Connection: ...
         def _dispatch(self, address: str, item: InFlight) -> concurrent.futures.Future: ...
-        def _refused(self, undo: list[UndoRecord], seq_ids: set[str]) -> None: ...
+        def _refused(self, undo: list[Undo], seq_ids: set[str]) -> None: ...
+        def _handles(self, handles: dict[str, int]) -> None: ...
 
     def _stream_lost(self, stream: StepStream, error: grpc.RpcError | None) -> None:
         """A stream ended (its reader thread): recover, fail, or note it for the next step."""
@@ -89,6 +91,8 @@ class Recovery:
             current = self._streams.get(address) is stream
             if current:
                 del self._streams[address]
+                # the session there is gone with its handles: SeqStep entries until a restore gives new ones
+                self._ledger.forget_handles([s for s, a in self._owner.items() if a == address])
             closes = self._closes.pop(address, []) if current else []
             user = [i for i in items if not i.internal]
             fail_all([i for i in items if i.internal], MaskClientError(details, code))
@@ -213,7 +217,7 @@ class Recovery:
                 if stream is None:
                     conn = targets[address]
                     stream = fresh[address] = StepStream(conn, self.session, conn.info(), on_lost=_fail_restores,
-                                                         on_refused=self._refused)
+                                                         on_refused=self._refused, on_handles=self._handles)
                 futures.append(stream.send(InFlight(pb.StepRequest(seqs=entries), concurrent.futures.Future(), [],
                                                     internal=True)))
         for fut in futures:
@@ -229,12 +233,12 @@ class Recovery:
             for _, fut in item.closes:
                 if not fut.done():
                     fut.set_result(None)
-            entries = [e for e in item.request.seqs if not e.close]
+            entries = [e for e in item.request.seqs if not e.close] + as_seq_steps(item)
             if not entries:
                 if not item.future.done():
                     item.future.set_result(None)
                 continue
-            undo = {u.seq_id: u for u in item.undo}
+            undo = {u.seq_id: u for u in records_of(item.undo)}
             by_owner: dict[str, tuple[list[pb.SeqStep], list[UndoRecord]]] = {}
             for e in entries:
                 part = by_owner.setdefault(owners.get(e.seq_id) or self._owner.get(e.seq_id, rec.address), ([], []))
@@ -260,6 +264,22 @@ class Recovery:
                 self._lost.add(rec.address)
         fail_all(items, MaskClientError(f"maskd at {rec.address} was lost and not restored: {why}", _C.UNAVAILABLE))
         log.error("maskd: recovery of %s failed: %s", rec.address, why)
+
+
+def as_seq_steps(item: InFlight) -> list[pb.SeqStep]:
+    """A request's columnar entries as SeqSteps: their handles belonged to a lost session, so a
+    resend names the sequences (the restore gave new handles, used from the next step on)."""
+    if not item.plain_ids:
+        return []
+    req = item.request
+    steps = np.frombuffer(req.steps, dtype="<u4").tolist()
+    counts = np.frombuffer(req.token_counts, dtype="<u4").tolist()
+    tokens = np.frombuffer(req.tokens, dtype="<i4").tolist()
+    out, pos = [], 0
+    for sid, step, n in zip(item.plain_ids, steps, counts):
+        out.append(pb.SeqStep(seq_id=sid, step=step, tokens=tokens[pos:pos + n]))
+        pos += n
+    return out
 
 
 def _fail_restores(stream: StepStream, error: grpc.RpcError | None) -> None:

@@ -17,12 +17,13 @@ import time
 from collections.abc import Callable, Sequence
 
 import grpc
+import numpy as np
 
-from maskd.rowcodec import RowDecoder
+from maskd.rowcodec import RowBlockDecoder
 from maskd.v1 import maskd_pb2 as pb
 from maskd.v1.contract import SeqStatus, ServerInfo
 from maskd_client.connection import Connection
-from maskd_client.ledger import UndoRecord
+from maskd_client.ledger import Undo
 from maskd_client.types import MaskClientError, SeqResult, StepResult, grpc_code
 
 log = logging.getLogger("maskd_client.stream")
@@ -34,8 +35,9 @@ class InFlight:
     """A request sent (or to be sent again) and the future of its answer."""
     request: pb.StepRequest
     future: concurrent.futures.Future
-    undo: list[UndoRecord]
+    undo: list[Undo]
     internal: bool = False          # a restore: no undo, nobody else waits for it
+    plain_ids: list[str] = dataclasses.field(default_factory=list)   # the columnar entries' sequences
     closes: list[tuple[str, concurrent.futures.Future]] = dataclasses.field(default_factory=list)
     attempts: int = 1               # times sent (bounded by the client's retry budget)
     sent_at: float = 0.0
@@ -48,12 +50,16 @@ class StreamLost(MaskClientError):
 class StepStream:
     def __init__(self, connection: Connection, session: str, info: ServerInfo, *,
                  on_lost: Callable[[StepStream, grpc.RpcError | None], None],
-                 on_refused: Callable[[list[UndoRecord], set[str]], None]) -> None:
+                 on_refused: Callable[[list[Undo], set[str]], None],
+                 on_handles: Callable[[dict[str, int]], None]) -> None:
         self.connection = connection
         self.address = connection.target
-        self.decoder = RowDecoder(info.words_per_row, info.logits_width, dict_size=info.row_dictionary_size)
+        self.decoder: RowBlockDecoder | None = RowBlockDecoder(info.words_per_row, info.logits_width,
+                                                              dict_size=info.row_dictionary_size,
+                                       compression=info.row_compression)
         self._on_lost = on_lost
         self._on_refused = on_refused
+        self._on_handles = on_handles
         self._handed_over = False
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._in_flight: collections.deque[InFlight] = collections.deque()
@@ -140,32 +146,85 @@ class StepStream:
             on_lost(self, error)
 
     def _resolve(self, item: InFlight, reply: pb.StepResponse) -> None:
-        try:
-            bitmask = self.decoder.decode(reply)
-        except Exception as exc:
-            _fail(item, MaskClientError(f"cannot decode mask rows from {self.address}: {exc}"))
+        if self.decoder is None:
             return
-        seqs = results_of(reply)
+        try:
+            bitmask = self.decoder.decode(reply.row_block, reply.num_rows)
+            if reply.words_per_row and reply.words_per_row != self.decoder.words:
+                raise ValueError(f"{reply.words_per_row} words per row, this client expects {self.decoder.words}")
+            result = result_of(reply, item, bitmask)
+        except Exception as exc:   # out of step from here on: drop the stream, its owner restores
+            self.decoder = None
+            _fail(item, MaskClientError(f"cannot decode the reply from {self.address}: {exc}",
+                                        grpc.StatusCode.DATA_LOSS))
+            self._call.cancel()
+            return
+        result.round_trip_seconds = time.perf_counter() - item.sent_at
+        details = result._details
         for seq_id, fut in item.closes:   # closes that rode along are not part of the step's result
             if not fut.done():
-                fut.set_result(seqs.pop(seq_id, None))
+                fut.set_result(details.get(seq_id))
+        handles = {sid: r.handle for sid, r in ((r.seq_id, r) for r in reply.results)
+                   if r.handle and r.status != SeqStatus.ERROR}
+        if handles:
+            self._on_handles(handles)
         if not item.internal:
-            refused = {s.seq_id for s in seqs.values() if s.status is SeqStatus.ERROR}
+            refused = {sid for sid, d in details.items() if d.status is SeqStatus.ERROR}
             if refused:   # an ERROR leaves the server's sequence unchanged: take the step back here
                 self._on_refused(item.undo, refused)
         if not item.future.done():
-            item.future.set_result(StepResult(seqs, bitmask, reply.server_seconds,
-                                              time.perf_counter() - item.sent_at))
+            item.future.set_result(result)
 
 
-def results_of(reply: pb.StepResponse) -> dict[str, SeqResult]:
-    seqs = {}
+def result_of(reply: pb.StepResponse, item: InFlight, bitmask: np.ndarray) -> StepResult:
+    """The StepResult of a reply: SeqStep entries (closes apart) first, then the columnar ones,
+    whose answers are arrays (one Python object per sequence only where there is a reason)."""
+    details: dict[str, SeqResult] = {}
+    rich_ids = []
     for r in reply.results:
         status = SeqStatus(r.status)
         has_rows = status is SeqStatus.READY or status is SeqStatus.FINISHED
-        seqs[r.seq_id] = SeqResult(r.seq_id, r.step, status, r.first_row if has_rows else -1, r.num_rows,
-                                   list(r.forced_tokens), r.reason, grpc_code(r.code), r.accepting, r.drafts_valid)
-    return seqs
+        details[r.seq_id] = SeqResult(r.seq_id, r.step, status, r.first_row if has_rows else -1, r.num_rows,
+                                      list(r.forced_tokens), r.reason, grpc_code(r.code), r.accepting, r.drafts_valid)
+        rich_ids.append(r.seq_id)
+    closing = {sid for sid, _ in item.closes}
+    rich_ids = [sid for sid in rich_ids if sid not in closing]
+    plain_ids = item.plain_ids
+    n_plain = len(plain_ids)
+    packed = np.frombuffer(reply.statuses, dtype=np.uint8)
+    if len(packed) != n_plain:
+        raise ValueError(f"{len(packed)} columnar answers for {n_plain} columnar entries")
+    plain_status = packed & 0x0F
+    has_rows = (plain_status == SeqStatus.READY) | (plain_status == SeqStatus.FINISHED)
+    first_plain_row = sum(details[sid].num_rows for sid in rich_ids if details[sid].row >= 0)
+    plain_row = np.where(has_rows, first_plain_row + np.cumsum(has_rows) - 1, -1).astype(np.int32)
+    if first_plain_row + int(has_rows.sum()) > len(bitmask):
+        raise ValueError("the reply's rows do not cover its answers")
+    steps = np.frombuffer(item.request.steps, dtype="<u4") if n_plain else np.zeros(0, np.int64)
+    for p in reply.problems:
+        sid = plain_ids[p.index]
+        details[sid] = SeqResult(sid, int(steps[p.index]), SeqStatus(int(plain_status[p.index])), -1, 0, [],
+                                 p.reason, grpc_code(p.code))
+    forced: dict[str, list[int]] = {}
+    if reply.forced_counts:
+        counts = np.frombuffer(reply.forced_counts, dtype="<u4")
+        flat = np.frombuffer(reply.forced_tokens, dtype="<i4").tolist()
+        ends = np.cumsum(counts).tolist()
+        for i in np.flatnonzero(counts).tolist():
+            forced[plain_ids[i]] = flat[ends[i] - int(counts[i]):ends[i]]
+    if not rich_ids:
+        return StepResult(None, bitmask, reply.server_seconds, ids=list(plain_ids), status=plain_status,
+                          row=plain_row, num_rows=has_rows.astype(np.int32), accepting=(packed & 0x10) > 0,
+                          steps=steps.astype(np.int64), details=details, forced=forced)
+    rich = [details[sid] for sid in rich_ids]
+    return StepResult(None, bitmask, reply.server_seconds, ids=rich_ids + list(plain_ids),
+                      status=np.concatenate([np.array([int(d.status) for d in rich], np.uint8), plain_status]),
+                      row=np.concatenate([np.array([d.row for d in rich], np.int32), plain_row]),
+                      num_rows=np.concatenate([np.array([d.num_rows for d in rich], np.int32),
+                                               has_rows.astype(np.int32)]),
+                      accepting=np.concatenate([np.array([d.accepting for d in rich], bool), (packed & 0x10) > 0]),
+                      steps=np.concatenate([np.array([d.step for d in rich], np.int64), steps.astype(np.int64)]),
+                      details=details, forced=forced)
 
 
 def _fail(item: InFlight, exc: BaseException) -> None:

@@ -59,13 +59,59 @@ class SeqResult:
         return self.status in _HAS_ROWS
 
 
-@dataclasses.dataclass
 class StepResult:
-    """One step's answer for the whole batch: per-sequence results and the dense rows."""
-    seqs: dict[str, SeqResult]
-    bitmask: np.ndarray       # int32 (rows, words_per_row)
-    server_seconds: float
-    round_trip_seconds: float
+    """One step's answer for the whole batch.
+
+    Per sequence, in the order the step named them (``ids``), as arrays: ``status`` (SeqStatus
+    values), ``row`` (its first row in ``bitmask``, -1 for none), ``num_rows``, ``accepting``; and
+    ``bitmask``, the dense int32 rows (rows, words_per_row). ``seqs`` gives the same per sequence
+    as SeqResult objects (built on first use; reasons, codes and forced tokens are there).
+    """
+
+    def __init__(self, seqs: dict[str, SeqResult] | None = None, bitmask: np.ndarray | None = None,
+                 server_seconds: float = 0.0, round_trip_seconds: float = 0.0, *,
+                 ids: list[str] | None = None, status: np.ndarray | None = None, row: np.ndarray | None = None,
+                 num_rows: np.ndarray | None = None, accepting: np.ndarray | None = None,
+                 steps: np.ndarray | None = None, details: dict[str, SeqResult] | None = None,
+                 forced: dict[str, list[int]] | None = None) -> None:
+        self.bitmask = bitmask if bitmask is not None else np.zeros((0, 0), dtype=np.int32)
+        self.server_seconds = server_seconds
+        self.round_trip_seconds = round_trip_seconds
+        self._seqs: dict[str, SeqResult] | None = None
+        if seqs is not None:   # from per-sequence results
+            self.ids = list(seqs)
+            self.status = np.array([int(r.status) for r in seqs.values()], dtype=np.uint8)
+            self.row = np.array([r.row for r in seqs.values()], dtype=np.int32)
+            self.num_rows = np.array([r.num_rows for r in seqs.values()], dtype=np.int32)
+            self.accepting = np.array([r.accepting for r in seqs.values()], dtype=bool)
+            self.steps = np.array([r.step for r in seqs.values()], dtype=np.int64)
+            self._details: dict[str, SeqResult] = dict(seqs)
+            self._forced: dict[str, list[int]] = {}
+            self._seqs = dict(seqs)
+            return
+        self.ids = ids or []
+        n = len(self.ids)
+        self.status = status if status is not None else np.zeros(n, dtype=np.uint8)
+        self.row = row if row is not None else np.full(n, -1, dtype=np.int32)
+        self.num_rows = num_rows if num_rows is not None else np.zeros(n, dtype=np.int32)
+        self.accepting = accepting if accepting is not None else np.zeros(n, dtype=bool)
+        self.steps = steps if steps is not None else np.zeros(n, dtype=np.int64)
+        self._details = details or {}
+        self._forced = forced or {}
+
+    @property
+    def seqs(self) -> dict[str, SeqResult]:
+        if self._seqs is None:
+            out: dict[str, SeqResult] = {}
+            statuses = self.status.tolist()
+            rows, nums, acc, steps = self.row.tolist(), self.num_rows.tolist(), self.accepting.tolist(), \
+                self.steps.tolist()
+            for i, sid in enumerate(self.ids):
+                d = self._details.get(sid)
+                out[sid] = d if d is not None else SeqResult(sid, steps[i], SeqStatus(statuses[i]), rows[i], nums[i],
+                                                              list(self._forced.get(sid, ())), accepting=acc[i])
+            self._seqs = out
+        return self._seqs
 
     def row_index(self, seq_id: str) -> int:
         return self.seqs[seq_id].row
@@ -77,3 +123,7 @@ class StepResult:
         import torch
         t = torch.from_numpy(self.bitmask)
         return t if device is None else t.to(device, non_blocking=True)
+
+    def __repr__(self) -> str:
+        return (f"StepResult({len(self.ids)} sequences, bitmask {self.bitmask.shape}, "
+                f"server {self.server_seconds * 1e3:.3f} ms)")

@@ -15,7 +15,8 @@ from typing import NoReturn
 import grpc
 
 import maskd
-from maskd.rowcodec import ALL_ENCODINGS, DEFAULT_DICT_SIZE, RowEncoder
+from maskd.rowcodec import ALL_ENCODINGS, DEFAULT_DICT_SIZE, RowBlockEncoder
+from maskd.server import columns
 from maskd.server.auth import Credentials
 from maskd.server.config import Limits
 from maskd.server.engines import Engine
@@ -63,7 +64,8 @@ class MaskService(pb_grpc.MaskServiceServicer):
             max_rows_per_step=lim.max_rows_per_step, row_encodings=list(self.row_encodings),
             row_dictionary_size=self.row_dict_size if RowEncoding.DICT_REF in self.row_encodings else 0,
             contract_revision=CONTRACT_REVISION, max_tokens_per_step=lim.max_tokens_per_step,
-            max_draft_tokens=lim.max_draft_tokens, max_sequences_per_session=lim.max_sequences_per_session)
+            max_draft_tokens=lim.max_draft_tokens, max_sequences_per_session=lim.max_sequences_per_session,
+            row_compression="zstd")
 
     def RegisterGrammar(self, request, context):
         tenant = self._tenant(context)
@@ -119,8 +121,8 @@ class MaskService(pb_grpc.MaskServiceServicer):
             raise
         session = attachment.session
         self.metrics.sessions.inc()
-        encoder = RowEncoder(self.engine.words_per_row, self.engine.width, dict_size=self.row_dict_size,
-                             encodings=self.row_encodings)
+        encoder = RowBlockEncoder(self.engine.words_per_row, self.engine.width, dict_size=self.row_dict_size,
+                                  encodings=self.row_encodings)
         try:
             for request in request_iterator:
                 t0 = time.perf_counter()
@@ -130,22 +132,25 @@ class MaskService(pb_grpc.MaskServiceServicer):
                 except Exception as exc:   # a bug no phase caught: the entries fail, the stream lives
                     log.exception("step of %d entries failed", len(request.seqs))
                     outcome = session.refuse_all(request, f"internal error: {type(exc).__name__}: {str(exc)[:200]}")
-                yield self._reply(outcome, encoder, t0)
+                yield self._reply(outcome, encoder, t0, request.want_forced_tokens)
                 attachment.last_active = time.monotonic()
         finally:
             self.metrics.sessions.dec()
             self.sessions.detach(attachment)
             self.quotas.close_stream(tenant)
 
-    def _reply(self, outcome: StepOutcome, encoder: RowEncoder, t0: float) -> pb.StepResponse:
-        """The one reply path: results and encoded rows into a StepResponse, timed and recorded."""
-        reply = pb.StepResponse(words_per_row=self.engine.words_per_row)
+    def _reply(self, outcome: StepOutcome, encoder: RowBlockEncoder, t0: float, want_forced: bool) -> pb.StepResponse:
+        """The one reply path: results, columnar answers and the encoded rows into a StepResponse,
+        timed and recorded."""
+        reply = pb.StepResponse(words_per_row=self.engine.words_per_row, num_rows=len(outcome.rows))
         reply.results.extend(outcome.results)
-        sizes = encoder.encode(outcome.rows, reply)
+        columns.answer(outcome.plain, reply, want_forced)
+        reply.row_block = encoder.encode(outcome.rows)
         seconds = time.perf_counter() - t0
         reply.server_seconds = seconds
-        self.metrics.observe_step(seconds=seconds, batch=len(outcome.results), fill_seconds=outcome.fill_seconds,
-                                  row_sizes=sizes, row_encodings=encoder.last_encodings, refusals=outcome.refusals)
+        self.metrics.observe_step(seconds=seconds, batch=len(outcome.results) + len(outcome.plain),
+                                  fill_seconds=outcome.fill_seconds, row_sizes=encoder.last_sizes,
+                                  row_encodings=encoder.last_kinds, refusals=outcome.refusals)
         if outcome.refusals and log.isEnabledFor(logging.DEBUG):
             log.debug("step of %d entries: refused or failed %s", len(outcome.results), dict(outcome.refusals))
         return reply

@@ -29,6 +29,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from maskd.server import columns
+from maskd.server.columns import PlainResult
 from maskd.server.config import Limits
 from maskd.server.engines import Engine, Matcher
 from maskd.server.grammar_cache import CacheEntry, GrammarCache, QueueFull
@@ -50,6 +52,7 @@ class SequenceState:
         "dead_reason",
         "entry",
         "finished",
+        "handle",
         "last_drafts",
         "last_rollback",
         "last_status",
@@ -61,8 +64,9 @@ class SequenceState:
         "step",
     )
 
-    def __init__(self, seq_id: str, entry: CacheEntry, step: int) -> None:
+    def __init__(self, seq_id: str, entry: CacheEntry, step: int, handle: int) -> None:
         self.seq_id = seq_id
+        self.handle = handle           # names it in columnar steps of its session
         self.entry = entry
         self.matcher: Matcher | None = None
         self.step = step               # last step applied
@@ -89,17 +93,19 @@ class SequenceState:
 
 @dataclasses.dataclass
 class StepOutcome:
-    """What one step produced: a result per entry (request order) and the rows they point into."""
+    """What one step produced: a result per entry (SeqStep entries in request order, then the
+    columnar ones) and the rows they point into (those of SeqStep entries first)."""
     results: list[pb.SeqResult]
     rows: np.ndarray
     refusals: collections.Counter      # error kind -> entries refused or failed this step
     fill_seconds: float = 0.0
+    plain: list[PlainResult] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(slots=True)
 class _Advance:
     """An entry that moves its sequence (or repeats its last step) and gets rows."""
-    res: pb.SeqResult
+    res: pb.SeqResult | PlainResult
     seq: SequenceState
     matcher: Matcher
     tokens: Sequence[int] = ()
@@ -116,6 +122,8 @@ class Session:
         self.cache = cache
         self.limits = limits
         self.seqs: dict[str, SequenceState] = {}
+        self.by_handle: dict[int, SequenceState] = {}
+        self._handles = 0
         self.lock = threading.Lock()
         self.streams = 0
         self.vocab_limit = engine.width
@@ -127,23 +135,31 @@ class Session:
         back as ERROR (the sequence unchanged), dead sequences as FAILED."""
         with self.lock:
             refusals: collections.Counter = collections.Counter()
-            results = [pb.SeqResult(seq_id=m.seq_id, step=m.step) for m in request.seqs]
-            admitted = self._admit(request, results, refusals)
+            rich = [(m, pb.SeqResult(seq_id=m.seq_id, step=m.step)) for m in request.seqs]
+            plain, problem = columns.parse(request, self.by_handle)
+            if problem:
+                for _, res in plain:
+                    _refuse(res, refusals, Code.INVALID_ARGUMENT, problem)
+            else:
+                refusals["not_found"] += sum(1 for _, res in plain if res.status == ERROR)
+            admitted = self._admit(rich + [e for e in plain if not e[1].status], refusals)
             moving, repeats = self._route(admitted, refusals)
             consume, fill = self._advance(moving, refusals)
             fill += repeats
             self._consume(consume, fill, refusals)
             t0 = time.perf_counter()
             rows = self._fill(fill, request.want_forced_tokens, refusals)
-            return StepOutcome(results, rows, refusals, time.perf_counter() - t0)
+            return StepOutcome([res for _, res in rich], rows, refusals, time.perf_counter() - t0,
+                               [res for _, res in plain])
 
     def refuse_all(self, request: pb.StepRequest, reason: str) -> StepOutcome:
         """Every entry refused with INTERNAL: the answer when a step failed in a way no phase caught."""
         refusals: collections.Counter = collections.Counter()
         results = [pb.SeqResult(seq_id=m.seq_id, step=m.step) for m in request.seqs]
-        for res in results:
+        plain = [PlainResult(i, "", 0) for i in range(len(request.handles) // 4)]
+        for res in [*results, *plain]:
             _refuse(res, refusals, Code.INTERNAL, reason, kind="internal")
-        return StepOutcome(results, self.engine.allocate(0), refusals)
+        return StepOutcome(results, self.engine.allocate(0), refusals, plain=plain)
 
     def close_all(self) -> int:
         with self.lock:
@@ -151,6 +167,7 @@ class Session:
             for seq in self.seqs.values():
                 seq.matcher = None
             self.seqs.clear()
+            self.by_handle.clear()
             if self.quotas is not None:
                 self.quotas.close_sequences(self.tenant, n)
             return n
@@ -159,8 +176,11 @@ class Session:
         return sum(1 for s in self.seqs.values() if s.waiting)
 
     # -- phase 1: admission -----------------------------------------------------------------------
-    def _admit(self, request: pb.StepRequest, results: list[pb.SeqResult], refusals) -> list:
-        entries = request.seqs
+    def _admit(self, pairs: list, refusals) -> list:
+        """The entries (SeqStep or columnar, with their results) that pass the request's and their
+        own limits; the others are refused."""
+        entries = [m for m, _ in pairs]
+        results = [r for _, r in pairs]
         n = len(entries)
         total_rows = n
         if n * (1 + self.limits.max_draft_tokens) > self.limits.max_rows_per_step:
@@ -180,7 +200,7 @@ class Session:
                 return []
         admitted = []
         seen: set[str] = set()
-        for msg, res in zip(entries, results):
+        for msg, res in pairs:
             sid = msg.seq_id
             if sid in seen:
                 _refuse(res, refusals, Code.INVALID_ARGUMENT, f"sequence {sid!r} appears twice in one step")
@@ -266,6 +286,7 @@ class Session:
             _refuse(res, refusals, Code.ALREADY_EXISTS,
                     f"sequence {msg.seq_id!r} is already open with grammar {seq.entry.grammar_id}")
             return
+        res.handle = seq.handle
         offset = msg.history_offset
         known = seq.parts.get(offset) if seq.parts is not None else None
         if known is not None:
@@ -301,9 +322,12 @@ class Session:
             if over:
                 _refuse(res, refusals, Code.RESOURCE_EXHAUSTED, over)
                 return None
-        seq = SequenceState(sid, entry, msg.step)
+        self._handles += 1
+        seq = SequenceState(sid, entry, msg.step, self._handles)
         seq.parts = {0: _digest(msg.tokens)}
         self.seqs[sid] = seq
+        self.by_handle[seq.handle] = seq
+        res.handle = seq.handle
         return seq
 
     def _open_grammar_id(self, msg: pb.SeqStep) -> str:
@@ -440,6 +464,11 @@ class Session:
 
     # -- phase 5: filling -------------------------------------------------------------------------
     def _fill(self, fill: list[_Advance], want_forced: bool, refusals) -> np.ndarray:
+        """Rows of SeqStep entries first, then those of columnar entries in entry order."""
+        plain = [a for a in fill if type(a.res) is PlainResult]
+        if plain:
+            plain.sort(key=lambda a: a.res.index)
+            fill = [a for a in fill if type(a.res) is not PlainResult] + plain
         n_rows = sum(1 + len(a.drafts) for a in fill)
         if n_rows > self._rows.shape[0]:
             self._rows = self.engine.allocate(max(n_rows, 2 * self._rows.shape[0]))
@@ -500,6 +529,7 @@ class Session:
         seq = self.seqs.pop(sid, None)
         if seq is not None:
             seq.matcher = None
+            self.by_handle.pop(seq.handle, None)
             if self.quotas is not None:
                 self.quotas.close_sequences(self.tenant)
 

@@ -16,7 +16,7 @@ AUTH_METADATA_KEY = "authorization"
 #: Scheme word before the token in auth_metadata_key's value.
 AUTH_SCHEME = "Bearer"
 #: Revision of this contract within v1; InfoResponse.contract_revision reports the server's.
-CONTRACT_REVISION = 2
+CONTRACT_REVISION = 3
 
 
 class Code(enum.IntEnum):
@@ -85,6 +85,10 @@ class SeqStatus(enum.IntEnum):
 class RowEncoding(enum.IntEnum):
     """How one row travels. Per row the server sends the smallest (ties go to the lower value).
 
+    Row block (StepResponse.row_block, after decompression): one kind byte per row (this enum), then
+    per row in order its body: DICT_REF a uint16 little-endian slot; DENSE the words, little-endian;
+    ALLOWED_IDS and REJECTED_IDS a varint byte length L, then L bytes of delta varints.
+
     Row dictionary: both ends of a stream keep D = InfoResponse.row_dictionary_size rows (0: none)
     and update them with this rule, applied to the rows of the stream in order (replies in the
     order sent, rows of a reply in index order):
@@ -146,6 +150,9 @@ class ServerInfo:
     max_draft_tokens: int = 0
     #: Most live sequences one session may hold.
     max_sequences_per_session: int = 0
+    #: How row blocks are compressed: "zstd" (one zstandard stream per Session stream, a flush per
+    #: reply; a new stream starts a new one) or "" (none).
+    row_compression: str = ""
 
     @classmethod
     def from_proto(cls, msg: Any) -> ServerInfo:
@@ -168,4 +175,5 @@ class ServerInfo:
             max_tokens_per_step=msg.max_tokens_per_step,
             max_draft_tokens=msg.max_draft_tokens,
             max_sequences_per_session=msg.max_sequences_per_session,
+            row_compression=msg.row_compression,
         )

@@ -75,7 +75,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("server_version", "backend", "backend_version", "tokenizer", "vocab_size", "logits_width", "words_per_row", "tokenizer_fingerprint", "eos_token_ids", "max_message_bytes", "max_rows_per_step", "row_encodings", "row_dictionary_size", "contract_revision", "max_tokens_per_step", "max_draft_tokens", "max_sequences_per_session")
+    __slots__ = ("server_version", "backend", "backend_version", "tokenizer", "vocab_size", "logits_width", "words_per_row", "tokenizer_fingerprint", "eos_token_ids", "max_message_bytes", "max_rows_per_step", "row_encodings", "row_dictionary_size", "contract_revision", "max_tokens_per_step", "max_draft_tokens", "max_sequences_per_session", "row_compression")
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     BACKEND_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,7 @@ class InfoResponse(_message.Message):
     MAX_TOKENS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
     MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQUENCES_PER_SESSION_FIELD_NUMBER: _ClassVar[int]
+    ROW_COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     server_version: str
     backend: str
     backend_version: str
@@ -110,7 +111,8 @@ class InfoResponse(_message.Message):
     max_tokens_per_step: int
     max_draft_tokens: int
     max_sequences_per_session: int
-    def __init__(self, server_version: _Optional[str] = ..., backend: _Optional[str] = ..., backend_version: _Optional[str] = ..., tokenizer: _Optional[str] = ..., vocab_size: _Optional[int] = ..., logits_width: _Optional[int] = ..., words_per_row: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_message_bytes: _Optional[int] = ..., max_rows_per_step: _Optional[int] = ..., row_encodings: _Optional[_Iterable[_Union[RowEncoding, str]]] = ..., row_dictionary_size: _Optional[int] = ..., contract_revision: _Optional[int] = ..., max_tokens_per_step: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., max_sequences_per_session: _Optional[int] = ...) -> None: ...
+    row_compression: str
+    def __init__(self, server_version: _Optional[str] = ..., backend: _Optional[str] = ..., backend_version: _Optional[str] = ..., tokenizer: _Optional[str] = ..., vocab_size: _Optional[int] = ..., logits_width: _Optional[int] = ..., words_per_row: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_message_bytes: _Optional[int] = ..., max_rows_per_step: _Optional[int] = ..., row_encodings: _Optional[_Iterable[_Union[RowEncoding, str]]] = ..., row_dictionary_size: _Optional[int] = ..., contract_revision: _Optional[int] = ..., max_tokens_per_step: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., max_sequences_per_session: _Optional[int] = ..., row_compression: _Optional[str] = ...) -> None: ...
 
 class GrammarOptions(_message.Message):
     __slots__ = ("whitespace", "reasoning_start", "reasoning_end")
@@ -193,15 +195,23 @@ class SeqStep(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., step: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., grammar_id: _Optional[str] = ..., spec: _Optional[_Union[GrammarSpec, _Mapping]] = ..., close: _Optional[bool] = ..., rollback: _Optional[int] = ..., history_offset: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("seqs", "want_forced_tokens")
+    __slots__ = ("seqs", "want_forced_tokens", "handles", "steps", "token_counts", "tokens")
     SEQS_FIELD_NUMBER: _ClassVar[int]
     WANT_FORCED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HANDLES_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
     seqs: _containers.RepeatedCompositeFieldContainer[SeqStep]
     want_forced_tokens: bool
-    def __init__(self, seqs: _Optional[_Iterable[_Union[SeqStep, _Mapping]]] = ..., want_forced_tokens: _Optional[bool] = ...) -> None: ...
+    handles: bytes
+    steps: bytes
+    token_counts: bytes
+    tokens: bytes
+    def __init__(self, seqs: _Optional[_Iterable[_Union[SeqStep, _Mapping]]] = ..., want_forced_tokens: _Optional[bool] = ..., handles: _Optional[bytes] = ..., steps: _Optional[bytes] = ..., token_counts: _Optional[bytes] = ..., tokens: _Optional[bytes] = ...) -> None: ...
 
 class SeqResult(_message.Message):
-    __slots__ = ("seq_id", "step", "status", "code", "reason", "forced_tokens", "first_row", "num_rows", "drafts_valid", "accepting")
+    __slots__ = ("seq_id", "step", "status", "code", "reason", "forced_tokens", "first_row", "num_rows", "drafts_valid", "accepting", "handle")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
@@ -212,6 +222,7 @@ class SeqResult(_message.Message):
     NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_VALID_FIELD_NUMBER: _ClassVar[int]
     ACCEPTING_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     step: int
     status: SeqStatus
@@ -222,26 +233,37 @@ class SeqResult(_message.Message):
     num_rows: int
     drafts_valid: int
     accepting: bool
-    def __init__(self, seq_id: _Optional[str] = ..., step: _Optional[int] = ..., status: _Optional[_Union[SeqStatus, str]] = ..., code: _Optional[int] = ..., reason: _Optional[str] = ..., forced_tokens: _Optional[_Iterable[int]] = ..., first_row: _Optional[int] = ..., num_rows: _Optional[int] = ..., drafts_valid: _Optional[int] = ..., accepting: _Optional[bool] = ...) -> None: ...
+    handle: int
+    def __init__(self, seq_id: _Optional[str] = ..., step: _Optional[int] = ..., status: _Optional[_Union[SeqStatus, str]] = ..., code: _Optional[int] = ..., reason: _Optional[str] = ..., forced_tokens: _Optional[_Iterable[int]] = ..., first_row: _Optional[int] = ..., num_rows: _Optional[int] = ..., drafts_valid: _Optional[int] = ..., accepting: _Optional[bool] = ..., handle: _Optional[int] = ...) -> None: ...
 
-class MaskRow(_message.Message):
-    __slots__ = ("encoding", "data", "ref")
-    ENCODING_FIELD_NUMBER: _ClassVar[int]
-    DATA_FIELD_NUMBER: _ClassVar[int]
-    REF_FIELD_NUMBER: _ClassVar[int]
-    encoding: RowEncoding
-    data: bytes
-    ref: int
-    def __init__(self, encoding: _Optional[_Union[RowEncoding, str]] = ..., data: _Optional[bytes] = ..., ref: _Optional[int] = ...) -> None: ...
+class EntryProblem(_message.Message):
+    __slots__ = ("index", "code", "reason")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    code: int
+    reason: str
+    def __init__(self, index: _Optional[int] = ..., code: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("results", "rows", "words_per_row", "server_seconds")
+    __slots__ = ("results", "words_per_row", "server_seconds", "statuses", "problems", "forced_counts", "forced_tokens", "num_rows", "row_block")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
-    ROWS_FIELD_NUMBER: _ClassVar[int]
     WORDS_PER_ROW_FIELD_NUMBER: _ClassVar[int]
     SERVER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
+    PROBLEMS_FIELD_NUMBER: _ClassVar[int]
+    FORCED_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    FORCED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
+    ROW_BLOCK_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[SeqResult]
-    rows: _containers.RepeatedCompositeFieldContainer[MaskRow]
     words_per_row: int
     server_seconds: float
-    def __init__(self, results: _Optional[_Iterable[_Union[SeqResult, _Mapping]]] = ..., rows: _Optional[_Iterable[_Union[MaskRow, _Mapping]]] = ..., words_per_row: _Optional[int] = ..., server_seconds: _Optional[float] = ...) -> None: ...
+    statuses: bytes
+    problems: _containers.RepeatedCompositeFieldContainer[EntryProblem]
+    forced_counts: bytes
+    forced_tokens: bytes
+    num_rows: int
+    row_block: bytes
+    def __init__(self, results: _Optional[_Iterable[_Union[SeqResult, _Mapping]]] = ..., words_per_row: _Optional[int] = ..., server_seconds: _Optional[float] = ..., statuses: _Optional[bytes] = ..., problems: _Optional[_Iterable[_Union[EntryProblem, _Mapping]]] = ..., forced_counts: _Optional[bytes] = ..., forced_tokens: _Optional[bytes] = ..., num_rows: _Optional[int] = ..., row_block: _Optional[bytes] = ...) -> None: ...

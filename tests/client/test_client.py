@@ -3,6 +3,7 @@ server, TLS and auth."""
 import json
 import shutil
 import subprocess
+import time
 
 import grpc
 import numpy as np
@@ -36,11 +37,16 @@ def generate(client, seq_ids, seed, budget=60, on_step=None):
     pending = {s: [] for s in seq_ids}
     live = set(seq_ids)
     n = 0
+    deadline = time.monotonic() + 120
     while live and n < budget:
         if on_step:
             on_step(n)
         res = client.step_async({s: pending[s] for s in sorted(live)}).result(30)
         n += 1
+        if (res.status == SeqStatus.WAITING).any():   # a grammar still compiling: not a step of the budget
+            assert time.monotonic() < deadline, "grammars did not compile in 120 s"
+            n -= 1
+            time.sleep(0.01)
         for s in sorted(live):
             r = res.seqs[s]
             assert r.status in (SeqStatus.READY, SeqStatus.FINISHED, SeqStatus.WAITING), r
@@ -70,6 +76,27 @@ def test_generation_and_tensor(server, cl100k):
             res = mc.step({"t": []})
         t = res.tensor()
         assert t.dtype.is_floating_point is False and tuple(t.shape) == res.bitmask.shape
+
+
+def test_result_arrays_follow_the_order_of_the_step(server, cl100k):
+    """Opens and drafts travel as SeqStep entries, plain steps as columns, and the server answers
+    the entries first: the result still lists the sequences in the order the step named them."""
+    digit, letter = {"regex": "[0-9]+"}, {"regex": "[a-z]+"}
+    with MaskClient(server.address, tokenizer=cl100k) as mc:
+        mc.register(digit)
+        mc.register(letter)
+        mc.open("d", digit)
+        mc.open("l", letter)
+        assert mc.step({"d": [], "l": []}).seqs["d"].status is SeqStatus.READY
+        mc.open("new-digit", digit)                   # a SeqStep entry, named last
+        res = mc.step({"l": [], "d": [], "new-digit": []})
+        assert res.ids == ["l", "d", "new-digit"]
+        assert (res.status == SeqStatus.READY).all()
+        seven, x = set(cl100k.encode("7")), set(cl100k.encode("x"))
+        for i, kind in enumerate(("letter", "digit", "digit")):
+            ids = allowed_ids(res.bitmask[res.row[i]])
+            assert (seven <= ids, x <= ids) == ((False, True) if kind == "letter" else (True, False)), (i, kind)
+            assert res.row[i] == res.seqs[res.ids[i]].row
 
 
 def test_fingerprint_mismatch_is_refused(server):
@@ -190,7 +217,7 @@ def test_lost_server_is_replaced_and_outputs_do_not_change(cl100k):
     state = {"server": first}
 
     def swap(n):
-        if n == 6:  # lose the server mid-generation, bring a fresh one up on the same port
+        if n == 6 and state["server"] is first:  # lose the server mid-generation, bring a fresh one up on the same port
             state["server"].stop(grace=0)
             state["server"] = MaskServer(ServerConfig(port=port, tokenizer="cl100k", threads=2)).start()
 

@@ -3,6 +3,7 @@ starts its own local Ray head, a later process finds the cluster through the sta
 directory address serves `maskd conformance`, and `down` leaves no Ray process behind."""
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -17,9 +18,24 @@ def _maskd(*args, env, timeout=300):
                           env=env, timeout=timeout)
 
 
-def _ray_processes() -> int:
-    out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
-    return sum(1 for line in out.splitlines() if "gcs_server" in line or "/raylet" in line)
+def _ray_processes(state_dir: pathlib.Path | None = None) -> int:
+    """Ray head processes on this machine (with ``state_dir``: only those started with that
+    MASKD_STATE_DIR in their environment, i.e. by this test)."""
+    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+    count = 0
+    for line in out.splitlines():
+        pid, _, args = line.strip().partition(" ")
+        if "gcs_server" not in args and "/raylet" not in args:
+            continue
+        if state_dir is not None:
+            try:
+                env = pathlib.Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if f"MASKD_STATE_DIR={state_dir}".encode() not in env:
+                continue
+        count += 1
+    return count
 
 
 def test_up_status_conformance_down_from_separate_processes(tmp_path):
@@ -56,7 +72,7 @@ def test_up_status_conformance_down_from_separate_processes(tmp_path):
     assert down.returncode == 0, down.stdout + down.stderr
     assert "drained and removed 1 workers" in down.stdout and "stopped the local Ray head" in down.stdout
     assert not (tmp_path / f"cluster-{ns}.json").exists()
-    assert _ray_processes() == 0
+    assert _ray_processes(tmp_path) == 0
     # with nothing left, status says so instead of hanging
     st = _maskd("cluster", "status", "--namespace", ns, env=env, timeout=120)
     assert st.returncode != 0 and "no maskd cluster found" in st.stderr
@@ -70,7 +86,6 @@ def test_up_status_conformance_down_from_separate_processes(tmp_path):
 ])
 def test_up_refuses_bad_flags_before_starting_anything(tmp_path, flags, message):
     env = {**os.environ, "MASKD_STATE_DIR": str(tmp_path), "RAY_USAGE_STATS_ENABLED": "0"}
-    before = _ray_processes()
     up = _maskd("cluster", "up", "--namespace", "maskd-test-bad", *flags, env=env, timeout=120)
     assert up.returncode != 0 and message in up.stderr, up.stderr
-    assert _ray_processes() == before and not list(tmp_path.iterdir())
+    assert _ray_processes(tmp_path) == 0 and not list(tmp_path.iterdir())

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from maskd.rowcodec import RowDecoder
+from maskd.rowcodec import RowBlockDecoder
 from maskd.server import Limits, MaskServer, ServerConfig
 from maskd.specs import GrammarSpec
 from maskd.v1 import maskd_pb2 as pb
@@ -28,6 +28,9 @@ GOOD_SPECS = [GrammarSpec.from_dict(d).to_proto() for d in (
     {"regex": "[0-9]{1,4}"}, {"choice": ["yes", "no"]}, {"json_schema": {"type": "boolean"}},
     {"lark": 'start: "a"+'}, {"ebnf": 'root ::= "x" | "y"'})]
 
+# Stands for the id of a grammar registered (compiled) before the fuzzer starts, so that entries
+# reach READY however slowly the fuzzed specs compile.
+REGISTERED = "registered-before-the-fuzzer"
 ints = st.one_of(st.integers(0, 200), st.integers(-5, VOCAB + 5), st.integers(-(2 ** 31), 2 ** 31 - 1))
 texts = st.text(max_size=40)
 
@@ -58,7 +61,7 @@ def seq_steps(draw):
     if which == "spec":
         e.spec.CopyFrom(draw(grammar_specs()))
     elif which == "id":
-        e.grammar_id = draw(st.sampled_from(["", "g-nope", "g-" + "0" * 32]))
+        e.grammar_id = draw(st.sampled_from(["", "g-nope", "g-" + "0" * 32, REGISTERED, REGISTERED]))
     return e
 
 
@@ -86,19 +89,24 @@ def test_fuzzed_step_messages_always_get_well_formed_answers(server, fuzz_second
     ch = grpc.insecure_channel(server.address)
     q: queue.SimpleQueue = queue.SimpleQueue()
     call = pb_grpc.MaskServiceStub(ch).Session(iter(q.get, None))
-    decoder = RowDecoder((VOCAB + 31) // 32, VOCAB)
+    decoder = RowBlockDecoder((VOCAB + 31) // 32, VOCAB)
     seen = {"messages": 0, "statuses": set()}
+    registered = pb_grpc.MaskServiceStub(ch).RegisterGrammar(
+        pb.RegisterGrammarRequest(spec=GOOD_SPECS[0], wait=True), timeout=120).grammar_id
 
     @SETTINGS
     @given(st.lists(seq_steps(), max_size=8), st.booleans())
     def one_message(entries, forced):
         if time.monotonic() > deadline:
             return
+        for e in entries:
+            if e.grammar_id == REGISTERED:
+                e.grammar_id = registered
         q.put(pb.StepRequest(seqs=entries, want_forced_tokens=forced))
         reply = next(call)
         seen["messages"] += 1
         assert len(reply.results) == len(entries)
-        rows = decoder.decode(reply)
+        rows = decoder.decode(reply.row_block, reply.num_rows)
         for e, r in zip(entries, reply.results):
             assert r.seq_id == e.seq_id and r.step == e.step
             seen["statuses"].add(r.status)

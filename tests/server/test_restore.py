@@ -4,7 +4,7 @@ import grpc
 import numpy as np
 import pytest
 
-from maskd.rowcodec import RowDecoder
+from maskd.rowcodec import RowBlockDecoder
 from maskd.server import Limits, MaskServer, ServerConfig
 from maskd.specs import GrammarSpec
 from maskd.v1 import maskd_pb2 as pb
@@ -43,8 +43,8 @@ class Stream:
         self.requests.append(pb.StepRequest(seqs=list(seqs)))
         reply = next(self.call)
         if self.decoder is None:
-            self.decoder = RowDecoder(reply.words_per_row, 100277)
-        return reply, self.decoder.decode(reply)
+            self.decoder = RowBlockDecoder(reply.words_per_row, 100277)
+        return reply, self.decoder.decode(reply.row_block, reply.num_rows)
 
     def close(self):
         self.requests.append(None)

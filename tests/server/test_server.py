@@ -9,7 +9,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import allowed_ids
-from maskd.rowcodec import RowDecoder
+from maskd.rowcodec import RowBlockDecoder
 from maskd.server import Limits, MaskServer, ServerConfig
 from maskd.v1.contract import SESSION_METADATA_KEY
 from maskd.specs import GrammarSpec
@@ -73,8 +73,8 @@ class Stream:
             self._cv.notify()
         reply = next(self.call)
         if self.decoder is None:
-            self.decoder = RowDecoder(reply.words_per_row, 100277)
-        return Reply(reply, self.decoder.decode(reply))
+            self.decoder = RowBlockDecoder(reply.words_per_row, 100277)
+        return Reply(reply, self.decoder.decode(reply.row_block, reply.num_rows))
 
     def close(self):
         with self._cv:
@@ -197,7 +197,7 @@ def test_rejected_token_fails_only_that_sequence(stub, cl100k):
     nb = wait_ready(s, "bad", {"regex": "[a-z]+"})
     r = s.send(step("good", na + 1, cl100k.encode("abc")), step("bad", nb + 1, cl100k.encode("123")))
     good, bad = r.results
-    assert good.status == pb.SEQ_STATUS_READY and len(r.rows) == 1 and good.first_row == 0
+    assert good.status == pb.SEQ_STATUS_READY and r.num_rows == 1 and good.first_row == 0
     assert bad.status == pb.SEQ_STATUS_FAILED and "token rejected" in bad.reason
     # The failed sequence keeps answering FAILED; the good one carries on.
     r = s.send(step("good", na + 2, cl100k.encode("d")), step("bad", nb + 2, cl100k.encode("x")))
@@ -250,7 +250,7 @@ def test_close_frees_and_closed_is_unknown(stub, server):
     s = Stream(stub)
     n = wait_ready(s, "c", {"regex": "[0-9]+"})
     r = s.send(pb.SeqStep(seq_id="c", step=n, close=True))
-    assert r.results[0].status == pb.SEQ_STATUS_CLOSED and len(r.rows) == 0
+    assert r.results[0].status == pb.SEQ_STATUS_CLOSED and r.num_rows == 0
     r = s.send(step("c", n + 1, [15]))
     assert r.results[0].code == C.NOT_FOUND.value[0]
     r = s.send(pb.SeqStep(seq_id="c", step=n, close=True))
@@ -305,10 +305,10 @@ def test_waiting_while_compiling_then_ready(server, stub, cl100k):
         s = Stream(stub)
         spec = {"regex": "w[0-9]{3}"}
         r = s.send(step("w", 0, spec=spec))
-        assert r.results[0].status == pb.SEQ_STATUS_WAITING and len(r.rows) == 0
+        assert r.results[0].status == pb.SEQ_STATUS_WAITING and r.num_rows == 0
         w = cl100k.encode("w")
         r = s.send(step("w", 1, w))  # tokens while waiting (a restored history) queue; no rows
-        assert r.results[0].status == pb.SEQ_STATUS_WAITING and len(r.rows) == 0
+        assert r.results[0].status == pb.SEQ_STATUS_WAITING and r.num_rows == 0
     finally:
         gate.set()
         server.cache._compile = compile_now
@@ -347,7 +347,7 @@ def test_speculative_draft_rows(stub, cl100k):
     d = cl100k.encode("1") + cl100k.encode("2") + cl100k.encode("x")
     r = s.send(step("sp", n + 1, draft_tokens=d))
     res = r.results[0]
-    assert res.num_rows == 4 and res.drafts_valid == 2 and len(r.rows) == 4
+    assert res.num_rows == 4 and res.drafts_valid == 2 and r.num_rows == 4
     assert not r.dense[3].any()
     r2 = s.send(step("sp", n + 2, cl100k.encode("1") + cl100k.encode("2")))
     assert np.array_equal(r2.dense[0], r.dense[2])  # matcher was left where accepted tokens put it

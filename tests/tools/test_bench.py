@@ -102,16 +102,22 @@ def test_serve(tmp_path):
 def test_wire(tmp_path):
     report, out = _run("wire", tmp_path, "--batch-sizes", "1,4")
     assert report["dense_row_bytes"] == 16160
-    assert report["bytes_per_row_sent_mean"] > 0
-    for enc in ("dense", "allowed_ids", "rejected_ids", "smallest_of_three"):
-        assert report[f"bytes_per_row_{enc}_mean"] > 0
     assert report["bytes_per_row_dense_mean"] == 16160
-    assert report["token_violations"] == 0
+    for alt in ("sent", "dense_zstd", "adaptive", "adaptive_zstd", "block", "message"):
+        assert report[f"bytes_per_row_{alt}_mean"] > 0
+    assert report["token_violations"] == 0 and report["shadow_mismatched_steps"] == 0
+    assert not report["failed"]
     for b in report["batches"]:
         assert b["rows"] > 0 and b["steps"] > 0
-        assert b["bytes_per_row_sent_mean"] <= b["bytes_per_row_message_mean"]
-        assert sum(b["sent_share"].values()) == pytest.approx(1.0)
+        # zstd on top of the block only helps; the row block is part of the reply
+        assert b["bytes_per_row_sent_mean"] <= b["bytes_per_row_block_mean"]
+        assert b["bytes_per_row_sent_mean"] < b["bytes_per_row_message_mean"]
+        assert b["bytes_per_row_adaptive_mean"] < b["bytes_per_row_dense_mean"]
+        assert sum(b["block_share"].values()) == pytest.approx(1.0, abs=1e-3)
+        server_d = next(x for x in b["dictionary_sizes"] if x["dict_size"] == b["dict_size"])
+        assert server_d["bytes_per_row_mean"] == b["bytes_per_row_sent_mean"]
     assert (out / "wire.png").stat().st_size > 1000
+    assert "Row dictionary size" in (out / "wire.md").read_text()
 
 
 def test_profile_parse():

@@ -8,7 +8,7 @@ replies step by step (one context per stream, as on a real stream) and decodes i
 row and microseconds per row on each end (one thread) are reported, and every decoded reply is
 checked against the original. Codecs:
 
-- ``hand``: maskd.rowcodec as of the house (per row: dense, allowed or rejected id lists, or a
+- ``hand``: the codec of contract revision 2 (legacy_rowcodec.py, maskd.rowcodec until it was replaced) (per row: dense, allowed or rejected id lists, or a
   reference into a 256-row dictionary);
 - ``zstd-dense``: the dense rows of each reply, one zstd stream per stream (level 1, 64 MiB
   window with long-distance matching), a flush per reply;
@@ -29,6 +29,7 @@ import numpy as np
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))   # legacy_rowcodec: the codec of revision 2
 
 
 def capture(batch: int, steps: int, limit: int) -> tuple[list[np.ndarray], int]:
@@ -79,8 +80,7 @@ class Hand:
     name = "hand"
 
     def __init__(self, words, width):
-        from maskd.rowcodec import RowDecoder, RowEncoder
-        from maskd.v1 import maskd_pb2 as pb
+        from legacy_rowcodec import RowDecoder, RowEncoder, pb
         self.pb = pb
         self.enc, self.dec = RowEncoder(words, width), RowDecoder(words, width)
 
@@ -112,7 +112,7 @@ class ZstdDense:
 
 def _ids(rows, full):
     """Per row the smaller list (allowed or rejected ids), as (kind flags, varint payloads)."""
-    from maskd.rowcodec import _bit_ids, _ids_to_deltas, _popcount, varint_encode
+    from legacy_rowcodec import _bit_ids, _ids_to_deltas, _popcount, varint_encode
     kinds, parts = [], []
     width = int(full.view(np.uint32).sum())  # unused
     del width
@@ -134,7 +134,7 @@ class ZstdIds:
 
     def __init__(self, words, width):
         import zstandard as zstd
-        from maskd.rowcodec import _full_row
+        from legacy_rowcodec import _full_row
         self.full = _full_row(words, width)
         self.c = zstd.ZstdCompressor(level=1).compressobj()
         self.d = zstd.ZstdDecompressor().decompressobj()
@@ -147,7 +147,7 @@ class ZstdIds:
         return self.c.compress(raw) + self.c.flush(self.zstd.COMPRESSOBJ_FLUSH_BLOCK)
 
     def decode(self, data, n):
-        from maskd.rowcodec import _deltas_to_ids, _set_ids, varint_decode
+        from legacy_rowcodec import _deltas_to_ids, _set_ids, varint_decode
         raw = self.d.decompress(data)
         kinds = raw[:n]
         lens = np.frombuffer(raw[n:5 * n], dtype=np.uint32)
@@ -198,7 +198,7 @@ class DictZstd(ZstdIds):
         return self.c.compress(raw) + self.c.flush(self.zstd.COMPRESSOBJ_FLUSH_BLOCK)
 
     def decode(self, data, n):
-        from maskd.rowcodec import _deltas_to_ids, _set_ids, varint_decode
+        from legacy_rowcodec import _deltas_to_ids, _set_ids, varint_decode
         raw = self.d.decompress(data)
         refs = np.frombuffer(raw[:4 * n], dtype=np.int32)
         new = np.flatnonzero(refs < 0)

@@ -3,7 +3,7 @@
     .venv/bin/python docs/benchmarks/scripts/step_breakdown.py 64
 
 Needs ../shared/maskbench-dev (120 files). Timers wrap the client's step build, the server's
-Session.step (consume + fill + session work), the RowEncoder, the reply's arrival on the client's
+Session.step (consume + fill + session work), the RowBlockEncoder, the reply's arrival on the client's
 reader thread, the row decode and the result's hand-over to the caller.
 """
 import random, statistics, sys, time, types
@@ -20,7 +20,7 @@ schemas = [s for s in common.load_schemas(common.pathlib.Path("../shared/maskben
 srv = common.open_server("embedded", "deepseek-v4", 2, None, log_path=common.pathlib.Path("/tmp/probe.log"))
 LAST = [0.0]
 T = {k: [] for k in ("encode", "session", "decode", "arrive", "resolve_total", "step_build", "wake")}
-orig_enc, orig_dec, orig_step, orig_res = rc.RowEncoder.encode, rc.RowDecoder.decode, ss.Session.step, cs.StepStream._resolve
+orig_enc, orig_dec, orig_step, orig_res = rc.RowBlockEncoder.encode, rc.RowBlockDecoder.decode, ss.Session.step, cs.StepStream._resolve
 def enc(self, *a, **k):
     t = time.perf_counter(); r = orig_enc(self, *a, **k); T["encode"].append(time.perf_counter() - t); return r
 def dec(self, *a, **k):
@@ -30,7 +30,7 @@ def step(self, *a, **k):
 def res(self, item, reply):
     t = time.perf_counter(); T["arrive"].append(t - item.sent_at); orig_res(self, item, reply)
     T["resolve_total"].append(time.perf_counter() - t); LAST[0] = time.perf_counter()
-rc.RowEncoder.encode, rc.RowDecoder.decode, ss.Session.step, cs.StepStream._resolve = enc, dec, step, res
+rc.RowBlockEncoder.encode, rc.RowBlockDecoder.decode, ss.Session.step, cs.StepStream._resolve = enc, dec, step, res
 try:
     mc0 = serve._client(srv.address)
     with mc0 as mc:

@@ -121,27 +121,31 @@ class _Batch:
         return req, plan
 
     def sample(self, result, rows_np: np.ndarray) -> None:
-        """Checks each sequence's next token (or EOS) against its row; sets what the next step sends."""
+        """Checks each sequence's next token (or EOS) against its row; sets what the next step sends.
+        The result's arrays follow the request's order, which is the slots' order."""
         from maskd_client import SeqStatus
 
+        status = result.status
+        waiting = status == SeqStatus.WAITING
+        has_rows = (status == SeqStatus.READY) | (status == SeqStatus.FINISHED)
+        self.waiting += int(waiting.sum())
         check_slots, check_rows, check_tokens = [], [], []
-        for i, s in enumerate(self.slots):
-            r = result.seqs[s.sid]
-            if r.status is SeqStatus.WAITING:
-                self.waiting += 1
+        rows = result.row.tolist()
+        for i, (s, w, h) in enumerate(zip(self.slots, waiting.tolist(), has_rows.tolist())):
+            if w:
                 s.send = ()
                 continue
-            if not r.has_rows:
+            if not h:
                 self.failed += 1
                 self._refill(i)
                 continue
             s.applied += len(s.send)
             check_slots.append(i)
-            check_rows.append(r.row)
+            check_rows.append(rows[i])
             check_tokens.append(s.inst.tokens[s.applied] if s.applied < len(s.inst.tokens) else self.eos)
         ok = common.allowed(rows_np, np.asarray(check_rows), np.asarray(check_tokens))
         self.masks_checked += len(check_slots)
-        for i, tok, good in zip(check_slots, check_tokens, ok):
+        for i, tok, good in zip(check_slots, check_tokens, ok.tolist()):
             s = self.slots[i]
             at_end = s.applied >= len(s.inst.tokens)
             if at_end or not good:
@@ -160,8 +164,9 @@ class _Batch:
         self.mc.close(self.slots[i].sid)
         self.slots[i] = self._new_slot()
 
-    def rows_of(self, result) -> np.ndarray:
-        return np.asarray([result.seqs[s.sid].row for s in self.slots], dtype=np.int64)
+    @staticmethod
+    def rows_of(result) -> np.ndarray:
+        return result.row.astype(np.int64)
 
     def counts(self) -> dict:
         return {"masks_checked": self.masks_checked, "token_violations": self.violations,
