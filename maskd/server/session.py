@@ -53,6 +53,7 @@ class SequenceState:
         "matcher",
         "parts",
         "pending",
+        "recent",
         "seq_id",
         "step",
     )
@@ -72,6 +73,9 @@ class SequenceState:
         self.finished = False
         # Opening parts received at the current step: history offset -> hash of their tokens.
         self.parts: dict[int, int] | None = None
+        # The answers of the last RECENT_STEPS steps (step -> _Answer), so that a rank that lags
+        # behind the others, or retries, gets the answer every rank got.
+        self.recent: dict[int, _Answer] = {}
 
     @property
     def history_length(self) -> int:
@@ -89,6 +93,25 @@ class StepOutcome:
     rows: np.ndarray
     refusals: collections.Counter      # error kind -> entries refused or failed this step
     fill_seconds: float = 0.0
+
+
+# Answers kept per sequence for repeats of older steps (a tensor-parallel rank that lags behind
+# the others by a step or two, or retries one), and closed sequences kept with their last answers
+# so that a rank whose last steps arrive after another rank's close still gets them.
+RECENT_STEPS = 4
+CLOSED_KEPT = 1024
+CLOSED_STEPS = 2
+
+
+@dataclasses.dataclass(slots=True)
+class _Answer:
+    """What one (sequence, step) was answered: its inputs, the result and its rows (a view of that
+    step's output, or a copy once the sequence is closed)."""
+    tokens: tuple
+    drafts: tuple
+    rollback: int
+    result: pb.SeqResult
+    rows: np.ndarray | None
 
 
 @dataclasses.dataclass(slots=True)
@@ -111,7 +134,7 @@ class Session:
         self.lock = threading.Lock()
         self.streams = 0
         self.vocab_limit = engine.width
-        self._rows = engine.allocate(64)
+        self.closed: collections.OrderedDict[str, SequenceState] = collections.OrderedDict()
 
     # -- public -----------------------------------------------------------------------------------
     def step(self, request: pb.StepRequest) -> StepOutcome:
@@ -121,12 +144,13 @@ class Session:
             refusals: collections.Counter = collections.Counter()
             results = [pb.SeqResult(seq_id=m.seq_id, step=m.step) for m in request.seqs]
             admitted = self._admit(request, results, refusals)
-            moving, repeats = self._route(admitted, refusals)
+            replays: list[tuple[pb.SeqResult, _Answer]] = []
+            moving, repeats = self._route(admitted, refusals, replays)
             consume, fill = self._advance(moving, refusals)
             fill += repeats
             self._consume(consume, fill, refusals)
             t0 = time.perf_counter()
-            rows = self._fill(fill, request.want_forced_tokens)
+            rows = self._fill(fill, request.want_forced_tokens, replays)
             return StepOutcome(results, rows, refusals, time.perf_counter() - t0)
 
     def close_all(self) -> int:
@@ -135,6 +159,7 @@ class Session:
             for seq in self.seqs.values():
                 seq.matcher = None
             self.seqs.clear()
+            self.closed.clear()
             return n
 
     def waiting_count(self) -> int:
@@ -188,15 +213,38 @@ class Session:
         return ""
 
     # -- phase 2: routing -------------------------------------------------------------------------
-    def _route(self, admitted: list, refusals) -> tuple[list, list[_Advance]]:
+    def _route(self, admitted: list, refusals, replays: list) -> tuple[list, list[_Advance]]:
         """Closes, repeats, opens and order checks. Returns the entries that move their sequence
-        ((msg, res, seq, tokens)) and the repeats that are answered from the unchanged state."""
+        ((msg, res, seq, tokens)) and the repeats that are answered from the unchanged state;
+        repeats of older steps go to ``replays`` with the answer they had."""
         moving: list = []
         repeats: list[_Advance] = []
         for msg, res in admitted:
             sid = msg.seq_id
             seq = self.seqs.get(sid)
             opening = msg.WhichOneof("open") is not None
+            if seq is None and sid in self.closed:
+                if opening:
+                    del self.closed[sid]        # the id opens anew (a rank that lags re-derives the rows)
+                else:
+                    if msg.close:
+                        res.status = CLOSED     # another rank closed it already
+                    elif not self._replay(msg, res, self.closed[sid], replays, refusals):
+                        _refuse(res, refusals, Code.NOT_FOUND,
+                                f"sequence {sid!r} is closed; its step {msg.step} was not among its last "
+                                f"{CLOSED_STEPS} steps")
+                    continue
+            if seq is not None and msg.step < seq.step and not msg.close and msg.history_offset == 0:
+                if not self._replay(msg, res, seq, replays, refusals):
+                    if opening:
+                        _refuse(res, refusals, Code.ALREADY_EXISTS,
+                                f"sequence {sid!r} is already open (at step {seq.step}); close it first")
+                    else:
+                        _refuse(res, refusals, Code.FAILED_PRECONDITION,
+                                f"step {msg.step} of sequence {sid!r} is out of order: the last applied step "
+                                f"is {seq.step}, so the next is {seq.step + 1} (repeats are answered for the "
+                                f"last {RECENT_STEPS} steps)")
+                continue
             if msg.close:
                 if seq is None:
                     _refuse(res, refusals, Code.NOT_FOUND, f"cannot close unknown sequence {sid!r}")
@@ -232,6 +280,22 @@ class Session:
             else:
                 moving.append((msg, res, seq, msg.tokens))
         return moving, repeats
+
+    def _replay(self, msg: pb.SeqStep, res: pb.SeqResult, seq: SequenceState, replays: list, refusals) -> bool:
+        """A repeat of an older step (a rank that lags, a retry): the answer it had, or a divergence
+        when its inputs differ. False when that step's answer is no longer kept."""
+        answer = seq.recent.get(msg.step)
+        if answer is None:
+            return False
+        if msg.WhichOneof("open") is not None and seq.entry.grammar_id != self._open_grammar_id(msg):
+            _refuse(res, refusals, Code.ALREADY_EXISTS,
+                    f"sequence {msg.seq_id!r} is already open with grammar {seq.entry.grammar_id}")
+        elif (tuple(msg.tokens) != answer.tokens or tuple(msg.draft_tokens) != answer.drafts
+              or msg.rollback != answer.rollback):
+            self._divergence(res, seq, refusals)
+        else:
+            replays.append((res, answer))
+        return True
 
     def _route_reopen(self, msg, res, seq: SequenceState, moving: list, repeats: list, refusals) -> None:
         """An opening entry at the step the sequence is at: a repeat of the open (another rank, a
@@ -329,7 +393,7 @@ class Session:
         fill: list[_Advance] = []
         for msg, res, seq, tokens in moving:
             if seq.dead_reason:
-                _record(seq, msg)
+                _record(seq, msg, res)
                 _fail(res, seq, seq.dead_reason)
                 continue
             entry = seq.entry
@@ -345,11 +409,11 @@ class Session:
                 if msg.rollback:
                     del seq.pending[-msg.rollback:]
                 seq.pending.extend(tokens)
-                _record(seq, msg)
+                _record(seq, msg, res)
                 seq.last_status = res.status = WAITING
                 continue
             if entry.state is GrammarState.FAILED:
-                _record(seq, msg)
+                _record(seq, msg, res)
                 seq.dead_reason = f"grammar {entry.grammar_id} does not compile: {entry.error}"
                 _fail(res, seq, seq.dead_reason)
                 refusals["grammar_failed"] += 1
@@ -369,7 +433,7 @@ class Session:
                 matcher.rollback(msg.rollback)
                 seq.accepted -= msg.rollback
                 seq.finished = False
-            _record(seq, msg)
+            _record(seq, msg, res)
             (consume if tokens else fill).append(_Advance(res, seq, matcher, tokens, seq.last_drafts))
         return consume, fill
 
@@ -390,15 +454,23 @@ class Session:
                 _fail(adv.res, seq, seq.dead_reason)
 
     # -- phase 5: filling -------------------------------------------------------------------------
-    def _fill(self, fill: list[_Advance], want_forced: bool) -> np.ndarray:
-        n_rows = sum(1 + len(a.drafts) for a in fill)
-        if n_rows > self._rows.shape[0]:
-            self._rows = self.engine.allocate(max(n_rows, 2 * self._rows.shape[0]))
-        out = self._rows[:n_rows]
+    def _fill(self, fill: list[_Advance], want_forced: bool, replays: list) -> np.ndarray:
+        n_rows = sum(1 + len(a.drafts) for a in fill) + sum(
+            a.rows.shape[0] for _, a in replays if a.rows is not None)
+        # A new array per step: the reply encodes it after the lock is released (while another
+        # rank's stream may step this session), and answers kept for repeats refer to it.
+        out = np.empty((n_rows, self.engine.words_per_row), dtype=np.int32)
+        row = 0
+        for res, answer in replays:
+            res.CopyFrom(answer.result)
+            if answer.rows is not None:
+                n = answer.rows.shape[0]
+                res.first_row = row
+                out[row:row + n] = answer.rows
+                row += n
         if not fill:
             return out
         matchers, first_rows, drafts = [], [], []
-        row = 0
         any_drafts = False
         for adv in fill:
             res, seq, d, m = adv.res, adv.seq, adv.drafts, adv.matcher
@@ -413,6 +485,9 @@ class Session:
                 res.drafts_valid = m.validate(d)
             if want_forced and not stopped:
                 res.forced_tokens.extend(m.forced_tokens())
+            answer = seq.recent.get(seq.step)
+            if answer is not None and answer.result is res:
+                answer.rows = out[row:row + 1 + len(d)]
             matchers.append(m)
             first_rows.append(row)
             drafts.append(d)
@@ -421,9 +496,19 @@ class Session:
         return out
 
     def _forget(self, sid: str) -> None:
+        """Closes a sequence; its last answers stay (copied) for ranks whose last steps come later."""
         seq = self.seqs.pop(sid, None)
         if seq is not None:
             seq.matcher = None
+            seq.pending = []
+            kept = sorted(seq.recent)[-CLOSED_STEPS:]
+            seq.recent = {step: seq.recent[step] for step in kept}
+            for answer in seq.recent.values():
+                if answer.rows is not None:
+                    answer.rows = answer.rows.copy()   # not a view keeping a whole step's rows alive
+            self.closed[sid] = seq
+            while len(self.closed) > CLOSED_KEPT:
+                self.closed.popitem(last=False)
 
 
 # -- per-entry results ---------------------------------------------------------------------------
@@ -431,13 +516,20 @@ def _digest(tokens) -> int:
     return hash(tuple(tokens))
 
 
-def _record(seq: SequenceState, msg: pb.SeqStep) -> None:
+def _record(seq: SequenceState, msg: pb.SeqStep, res: pb.SeqResult) -> None:
     if msg.step != seq.step:
         seq.parts = None          # restore parts are remembered only at the step they restored
     seq.step = msg.step
     seq.last_tokens = tuple(msg.tokens)
     seq.last_drafts = tuple(msg.draft_tokens)
     seq.last_rollback = msg.rollback
+    # The answer of this step (its rows are set by _fill); older ones beyond the window go, except
+    # WAITING ones: steps that poll a compiling grammar come as fast as a rank sends them, so the
+    # ranks' lag in steps is not bounded there (those answers are small, and end with the compile).
+    seq.recent[msg.step] = _Answer(seq.last_tokens, seq.last_drafts, msg.rollback, res, None)
+    old = seq.recent.get(msg.step - RECENT_STEPS)
+    if old is not None and old.result.status != WAITING:
+        del seq.recent[msg.step - RECENT_STEPS]
 
 
 def _refuse(res: pb.SeqResult, refusals, code: Code, message: str, kind: str | None = None) -> None:
