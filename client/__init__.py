@@ -18,7 +18,8 @@ __all__ = ["BitmaskBuffers", "ClusterClient", "MaskClient", "MaskClientError", "
 
 
 def __getattr__(name: str):
-    if name in ("apply_token_bitmask_inplace", "apply_packed_token_bitmask_inplace", "BitmaskBuffers"):   # needs torch: imported on use
+    if name in ("apply_token_bitmask_inplace", "apply_packed_token_bitmask_inplace", "BitmaskBuffers"):
+        # needs torch: imported on use
         from maskd_client import apply
         return getattr(apply, name)
     if name in ("MaskdLogitsProcessor", "MaskdSequenceFailed"):      # needs transformers: imported on use

@@ -4,8 +4,9 @@
 
 A request asks for a grammar in ``extra_args["maskd"]``, in any shape ``GrammarSpec.from_request``
 takes (maskd's dict, vLLM's ``structured_outputs`` keys, OpenAI's ``response_format``, SGLang's
-keys). ``validate_params`` parses it at admission, so a malformed spec fails that request with
-HTTP 400 and the engine never sees it.
+keys), or that object's JSON text (the OpenAI server's ``vllm_xargs`` carry no objects).
+``validate_params`` parses it at admission, so a malformed spec fails that request with HTTP 400
+and the engine never sees it.
 
 * :class:`MaskdLogitsProcessor` implements Model Runner V2's interface (vLLM's default) and is the
   ``vllm.logits_processors`` entry point of this package. Built V1-style (``vllm_config, device,
@@ -39,6 +40,7 @@ What the processor interfaces cannot express, and what this adapter does instead
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import logging
 import threading
 import time
@@ -47,15 +49,10 @@ from typing import Any
 
 import numpy as np
 import torch
-
-try:   # Model Runner V2's interface (vLLM >= 0.3x)
-    from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsContext
-    from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsProcessor as V2LogitsProcessor
-except ImportError:   # an older vLLM: the V1 class alone
-    V2LogitsProcessor = object   # type: ignore[assignment,misc]
-    LogitsContext = Any          # type: ignore[assignment,misc]
 from vllm.v1.sample.logits_processor.interface import BatchUpdate
 from vllm.v1.sample.logits_processor.interface import LogitsProcessor as V1LogitsProcessor
+from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsContext
+from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsProcessor as V2LogitsProcessor
 
 from maskd.specs import GrammarSpec, SpecError
 from maskd_client.apply import BitmaskBuffers, apply_token_bitmask_inplace
@@ -72,10 +69,16 @@ _HAS_ROWS = (SeqStatus.READY, SeqStatus.FINISHED)
 def spec_of(sampling_params: Any) -> GrammarSpec | None:
     """The request's grammar from ``extra_args["maskd"]`` (None: not constrained by maskd)."""
     extra = getattr(sampling_params, "extra_args", None) or {}
-    if EXTRA_ARGS_KEY not in extra or extra[EXTRA_ARGS_KEY] is None:
+    value = extra.get(EXTRA_ARGS_KEY)
+    if value is None:
         return None
     try:
-        return GrammarSpec.from_request(extra[EXTRA_ARGS_KEY])
+        if isinstance(value, str):   # over HTTP (vllm_xargs take no objects): the spec's JSON text
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise SpecError(f"a string is the JSON text of a spec: {exc}") from None
+        return GrammarSpec.from_request(value)
     except SpecError as exc:
         raise ValueError(f'extra_args["{EXTRA_ARGS_KEY}"]: {exc}') from None
 

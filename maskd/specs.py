@@ -314,7 +314,8 @@ def _closed_objects(node: Any) -> Any:
             out[key] = [_closed_objects(sub) for sub in out[key]]
     for key in _SCHEMA_ONE:
         if key in out:
-            out[key] = [_closed_objects(x) for x in out[key]] if isinstance(out[key], list) else _closed_objects(out[key])
+            sub = out[key]
+            out[key] = [_closed_objects(x) for x in sub] if isinstance(sub, list) else _closed_objects(sub)
     types = out.get("type")
     if (types == "object" or (isinstance(types, list) and "object" in types) or "properties" in out) \
             and "additionalProperties" not in out:

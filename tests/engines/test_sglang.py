@@ -9,13 +9,13 @@ import torch
 from sglang.srt.arg_groups.choices import GRAMMAR_BACKEND_CHOICES
 from sglang.srt.constrained.base_grammar_backend import GRAMMAR_BACKEND_REGISTRY, InvalidGrammarObject
 from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, load_plugins_by_group
+from sglang_drive import allowed, backend_from_registry, compile, llguidance_rows, masks, run_conformance
 
 from conftest import MASKBENCH, needs_maskbench
 from maskd.server import MaskServer, ServerConfig
 from maskd.server.tokenizers import load_tokenizer
 from maskd.tools import conformance
 from maskd_client import sglang as maskd_sglang
-from sglang_drive import allowed, backend_from_registry, compile, llguidance_rows, masks, run_conformance
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
           "required": ["name", "n"], "additionalProperties": False}
@@ -71,7 +71,7 @@ def test_rows_equal_in_process_llguidance_on_builtin_samples(backend, tok):
     """Every row SGLang's batch mask gets from maskd equals llguidance's in process."""
     suite = conformance.load_suite(conformance.SAMPLE_DIR)
     cases = []
-    for name, schema, tests in suite:
+    for _name, schema, tests in suite:
         text = json.dumps(schema, ensure_ascii=False)
         for t in tests:
             if t["valid"]:

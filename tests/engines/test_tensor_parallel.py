@@ -10,8 +10,8 @@ import time
 
 import pytest
 import torch.multiprocessing as mp
-
 import tp_rank
+
 from maskd.server import MaskServer, ServerConfig
 
 DOCS = [({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}, '{"ok": true}'),

@@ -11,26 +11,26 @@ import threading
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")   # vLLM's platform on a machine without a GPU
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from vllm.config import VllmConfig  # noqa: E402
-from vllm.exceptions import VLLMValidationError  # noqa: E402
-from vllm.sampling_params import SamplingParams  # noqa: E402
-from vllm.v1.sample.logits_processor import build_logitsprocs  # noqa: E402
-from vllm.v1.sample.logits_processor.state import BatchUpdateBuilder  # noqa: E402
-from vllm.v1.worker.gpu.sample.logits_processor import (  # noqa: E402
+import numpy as np
+import pytest
+import torch
+from sglang_drive import llguidance_rows
+from vllm.config import VllmConfig
+from vllm.exceptions import VLLMValidationError
+from vllm.sampling_params import SamplingParams
+from vllm.v1.sample.logits_processor import build_logitsprocs
+from vllm.v1.sample.logits_processor.state import BatchUpdateBuilder
+from vllm.v1.worker.gpu import buffer_utils
+from vllm.v1.worker.gpu.sample.logits_processor import (
     LogitsContext,
     build_custom_logits_processors,
     build_custom_logits_processors_params_validator,
 )
-from vllm.v1.worker.gpu import buffer_utils  # noqa: E402
-from vllm.v1.worker.gpu.states import RequestState  # noqa: E402
+from vllm.v1.worker.gpu.states import RequestState
 
-from maskd.server import MaskServer, ServerConfig  # noqa: E402
-from maskd.server.tokenizers import load_tokenizer  # noqa: E402
-from maskd_client.vllm import MaskdLogitsProcessor, MaskdV1LogitsProcessor  # noqa: E402
-from sglang_drive import llguidance_rows  # noqa: E402
+from maskd.server import MaskServer, ServerConfig
+from maskd.server.tokenizers import load_tokenizer
+from maskd_client.vllm import MaskdLogitsProcessor, MaskdV1LogitsProcessor
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
           "additionalProperties": False}
@@ -129,10 +129,12 @@ def test_v1_loader_gets_the_v1_class_from_the_same_entry_point(vllm_config):
 def test_validate_params_at_admission(vllm_config, target, monkeypatch):
     validate = build_custom_logits_processors_params_validator(())
     validate(SamplingParams(extra_args={"maskd": {"json": SCHEMA}}))
-    validate(SamplingParams(extra_args={"maskd": {"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}}}))
+    openai = {"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}}
+    validate(SamplingParams(extra_args={"maskd": openai}))
+    validate(SamplingParams(extra_args={"maskd": json.dumps(openai)}))          # vllm_xargs over HTTP: JSON text
     validate(SamplingParams())                                            # not a maskd request
     for bad in ({"json": SCHEMA, "regex": "a"}, {"json_schema": {"name": "r", "strict": True}}, "regex", 7,
-                {"type": "yaml"}):
+                {"type": "yaml"}, "{not json", json.dumps({"type": "json_schema", "json_schema": {"name": "r"}})):
         with pytest.raises(VLLMValidationError, match='extra_args\\["maskd"\\]'):
             validate(SamplingParams(extra_args={"maskd": bad}))
     monkeypatch.delenv("MASKD_TARGET")

@@ -20,10 +20,10 @@ def run(rank: int, world: int, target: str, port: int, workdir: str, docs: list,
     os.environ["MASKD_WAIT_TIMEOUT_S"] = "30"
     import torch
     import torch.distributed as dist
+    from sglang_drive import backend_from_registry, compile, masks
 
     from maskd.server.tokenizers import load_tokenizer
     from maskd_client.sglang import GrammarSpec, MaskdGrammar
-    from sglang_drive import backend_from_registry, compile, masks
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     work = pathlib.Path(workdir)
