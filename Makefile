@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-stamp
 
-.PHONY: setup run test lint proto clean
+.PHONY: setup engines-setup run test test-engines lint proto clean
 
 setup: $(STAMP)
 
@@ -16,11 +16,42 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
+# The serving engines' interfaces, for the adapter tests (tests/engines): vLLM and SGLang installed
+# --no-deps next to the CPU torch (their pins want torch 2.14 and CUDA builds), with maskd's server
+# side (an embedded server, in-process llguidance) and the pure-Python packages their interface
+# modules import (found by trying the imports; versions pinned so a run does not drift).
+ENGINES_VENV := .venv-engines
+ENGINES_PY := $(ENGINES_VENV)/bin/python
+ENGINES_STAMP := $(ENGINES_VENV)/.setup-stamp
+ENGINES := vllm==0.33.0 sglang==0.5.23
+ENGINES_IMPORT_DEPS := aiohappyeyeballs==2.7.1 aiohttp==3.14.5 aiosignal==1.4.0 cachetools==8.0.1 cbor2==6.3.0 \
+	cloudpickle==3.1.2 dill==0.4.1 fastapi==0.165.0 frozenlist==1.8.0 ipython==9.18.1 msgspec==0.22.0 \
+	multidict==7.2.1 openai==3.54.0 openai-harmony==0.0.8 opentelemetry-api==1.45.2 orjson==3.13.0 \
+	partial-json-parser==0.2.1.1.post7 pillow==13.0.0 propcache==0.5.4 py-cpuinfo==9.0.0 pybase64==1.5.1 \
+	pyzmq==27.3.0 sniffio==1.3.1 starlette==1.10.0 traitlets==5.16.1 uvloop==0.23.0 yarl==1.25.1
+
+engines-setup: $(ENGINES_STAMP)
+
+$(ENGINES_STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(ENGINES_VENV)
+	$(ENGINES_PY) -m pip install -q --upgrade pip
+	$(ENGINES_PY) -m pip install -q torch==2.13.0
+	$(ENGINES_PY) -m pip install -q -e '.[server]' pytest pytest-timeout
+	$(ENGINES_PY) -m pip install -q --no-deps $(ENGINES) $(ENGINES_IMPORT_DEPS)
+	VLLM_TARGET_DEVICE=cpu $(ENGINES_PY) -c "import maskd_client.sglang, maskd_client.vllm, sglang.srt.sampling.sampling_batch_info, vllm.config"
+	touch $(ENGINES_STAMP)
+
 run: setup
 	$(VENV)/bin/maskd demo
 
-test: setup lint
+# The main suite, then the engine adapters' tests in their own venv (tests/engines is not
+# collected by the main venv, which has no engines).
+test: setup engines-setup lint
 	$(PY) -m pytest -q -ra
+	$(MAKE) test-engines
+
+test-engines: engines-setup
+	VLLM_TARGET_DEVICE=cpu $(ENGINES_PY) -m pytest -q -ra tests/engines
 
 # ruff and mypy over the runtime packages, and the import contracts (pyproject.toml)
 lint: setup
@@ -32,4 +63,4 @@ proto: setup
 	$(PY) -m maskd.tools.protogen
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(ENGINES_VENV) build *.egg-info

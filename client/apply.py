@@ -5,14 +5,18 @@ of word ``i // 32`` set means token ``i`` is allowed. Words are signed int32, so
 bit 31 is set is negative; every shift below is an arithmetic shift followed by ``& 1``, which is
 exact for negative words too.
 
-Two differences from xgrammar's function of the same name, both deliberate:
+Two functions, one meaning per name:
 
-* ``indices[k]`` names the logits row that bitmask row ``k`` applies to (the bitmask holds only
-  the rows of sequences that have a grammar, packed); xgrammar indexes both tensors with
-  ``indices[k]``.
-* Logits columns past ``32 * words`` are set to ``-inf`` (padding past the vocabulary is never
-  allowed, as the wire format's rows are sized to the logits width with bits past the vocabulary
-  at 0); xgrammar leaves them untouched.
+* :func:`apply_token_bitmask_inplace` ``(logits, bitmask, *, vocab_size=None, indices=None)`` has
+  the arguments and the meaning of xgrammar's and llguidance's function of that name: bitmask row
+  ``i`` masks logits row ``i``; with ``indices``, only the listed rows of both are used
+  (``logits[i]`` with ``bitmask[i]`` for ``i`` in indices); with ``vocab_size``, only
+  ``logits[:, :vocab_size]`` is touched. One choice where the two libraries differ: logits columns
+  past ``32 * words`` are set to ``-inf`` (llguidance's behaviour; xgrammar leaves them and warns
+  that out-of-grammar tokens can then be sampled).
+* :func:`apply_packed_token_bitmask_inplace` ``(logits, bitmask, logits_rows)``: maskd's packed
+  mapping, for a bitmask that holds only the rows of the sequences that have a grammar: bitmask
+  row ``k`` masks logits row ``logits_rows[k]``.
 
 On CUDA the work is one Triton kernel when ``triton`` can be imported; elsewhere (CPU, or CUDA
 without Triton) it is a few vectorized torch ops. Triton is imported lazily, only on the first
@@ -31,6 +35,7 @@ import torch
 
 __all__ = [
     "BitmaskBuffers",
+    "apply_packed_token_bitmask_inplace",
     "apply_token_bitmask_inplace",
     "apply_token_bitmask_reference",
     "triton_available",
@@ -137,14 +142,14 @@ def _validate(
         if n_mask_rows != n_logit_rows:
             raise ValueError(
                 f"bitmask has {n_mask_rows} rows but logits have {n_logit_rows}; "
-                "pass indices to mask a subset of the logits rows"
+                "pass indices (or use apply_packed_token_bitmask_inplace) to mask a subset of the logits rows"
             )
         return logits2d, bitmask2d, None
     idx = _indices_to_numpy(indices, logits2d.device)
     if idx.shape[0] != n_mask_rows:
         raise ValueError(
             f"{idx.shape[0]} indices for {n_mask_rows} bitmask rows; "
-            "indices[k] names the logits row masked by bitmask row k"
+            "logits_rows[k] names the logits row masked by bitmask row k"
         )
     if idx.size:
         lo, hi = int(idx.min()), int(idx.max())
@@ -312,27 +317,91 @@ def _apply_triton(
 def apply_token_bitmask_inplace(
     logits: torch.Tensor,
     bitmask: torch.Tensor,
+    *,
+    vocab_size: int | None = None,
     indices: Sequence[int] | np.ndarray | torch.Tensor | None = None,
 ) -> None:
-    """Set disallowed logits to ``-inf`` in place.
+    """Set disallowed logits to ``-inf`` in place (xgrammar's and llguidance's arguments).
 
     logits: (batch, vocab) or (vocab,), float32/float16/bfloat16, on any device.
-    bitmask: (rows, words) or (words,), int32, on the logits' device; bit ``i % 32`` of word
-        ``i // 32`` set means token ``i`` is allowed. Logits columns past ``32 * words`` are
-        masked; bits past ``vocab`` are ignored.
-    indices: optional 1-D ints, unique, one per bitmask row: logits row ``indices[k]`` is masked
-        with bitmask row ``k`` and logits rows not listed are left untouched. Without indices the
-        bitmask has one row per logits row. A list or CPU tensor costs no device synchronization;
-        a device tensor is copied to the host once for the range check.
+    bitmask: (batch, words) or (words,), int32, on the logits' device; bit ``i % 32`` of word
+        ``i // 32`` set means token ``i`` is allowed. Row ``i`` masks logits row ``i``.
+    vocab_size: only ``logits[:, :vocab_size]`` is masked (padding past it is left as it is);
+        None: the whole logits width. Logits columns below ``vocab_size`` and past
+        ``32 * words`` are masked.
+    indices: optional 1-D ints, unique: only logits row ``i`` with bitmask row ``i`` for each
+        listed ``i`` (the batch sizes may then differ); other rows are left untouched. A list or a
+        CPU tensor costs no device synchronization; a device tensor is copied to the host once for
+        the range check.
 
     Raises ValueError on inputs of the wrong type, dtype, rank, device or row count, and on
     indices out of range or repeated.
     """
-    logits2d, bitmask2d, idx = _validate(logits, bitmask, indices)
+    logits2d = _as_2d_logits(logits)
+    if vocab_size is not None:
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, (int, np.integer)):
+            raise ValueError(f"vocab_size must be an int, got {type(vocab_size).__name__}")
+        if not 0 <= int(vocab_size) <= logits2d.shape[1]:
+            raise ValueError(f"vocab_size {vocab_size} is outside the logits width {logits2d.shape[1]}")
+        logits2d = logits2d[:, : int(vocab_size)]
+    if indices is None:
+        _apply(logits2d, bitmask, None, None)
+        return
+    bitmask2d = _as_2d_bitmask(bitmask)
+    idx = _indices_to_numpy(indices, logits2d.device)
+    if idx.size:
+        lo, hi = int(idx.min()), int(idx.max())
+        limit = min(logits2d.shape[0], bitmask2d.shape[0])
+        if lo < 0 or hi >= limit:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"index {bad} out of range for logits with {logits2d.shape[0]} rows and a bitmask "
+                             f"with {bitmask2d.shape[0]} rows")
+        if np.unique(idx).size != idx.size:
+            raise ValueError("indices must be unique")
+    if bitmask2d.device != logits2d.device:
+        raise ValueError(f"logits are on {logits2d.device} but bitmask is on {bitmask2d.device}; "
+                         "copy the bitmask to the logits' device first")
+    rows = torch.from_numpy(idx).to(bitmask2d.device, non_blocking=True)
+    _apply(logits2d, bitmask2d.index_select(0, rows), idx, indices)
+
+
+def apply_packed_token_bitmask_inplace(
+    logits: torch.Tensor,
+    bitmask: torch.Tensor,
+    logits_rows: Sequence[int] | np.ndarray | torch.Tensor,
+) -> None:
+    """Set disallowed logits to ``-inf`` in place, with maskd's packed row mapping.
+
+    bitmask: (rows, words) int32, only the rows of the sequences that have a grammar: bitmask row
+        ``k`` masks logits row ``logits_rows[k]``; logits rows not listed are left untouched.
+    logits_rows: 1-D ints, unique, one per bitmask row. A list or CPU tensor costs no device
+        synchronization; a device tensor is copied to the host once for the range check.
+
+    Logits columns past ``32 * words`` are set to ``-inf``; bits past the logits width are ignored.
+    Raises ValueError as :func:`apply_token_bitmask_inplace` does.
+    """
+    if logits_rows is None:
+        raise ValueError("logits_rows names the logits row of every bitmask row; use "
+                         "apply_token_bitmask_inplace for a bitmask with one row per logits row")
+    _apply(_as_2d_logits(logits), bitmask, _MISSING, logits_rows)
+
+
+_MISSING = object()
+
+
+def _apply(logits2d: torch.Tensor, bitmask: Any, idx: Any, indices: Any) -> None:
+    """Masks ``logits2d`` rows: all of them (idx None), or row ``idx[k]`` with bitmask row ``k``
+    (idx an int64 array; ``_MISSING``: validate ``indices`` first)."""
+    if idx is _MISSING:
+        logits2d, bitmask2d, idx = _validate(logits2d, bitmask, indices)
+    elif idx is None:
+        logits2d, bitmask2d, _ = _validate(logits2d, bitmask, None)
+    else:
+        bitmask2d = bitmask
     if bitmask2d.shape[0] == 0 or logits2d.shape[1] == 0:
         return
     if logits2d.device.type == "cuda" and _load_triton():
-        if isinstance(indices, torch.Tensor) and indices.device == logits2d.device:
+        if isinstance(indices, torch.Tensor) and indices.device == logits2d.device and idx is not None:
             _apply_triton(logits2d, bitmask2d, indices)  # already on the device: no copy
         else:
             _apply_triton(logits2d, bitmask2d, idx)
@@ -343,12 +412,14 @@ def apply_token_bitmask_inplace(
 def apply_token_bitmask_reference(
     logits: torch.Tensor,
     bitmask: torch.Tensor,
-    indices: Sequence[int] | np.ndarray | torch.Tensor | None = None,
+    logits_rows: Sequence[int] | np.ndarray | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Slow, obviously correct version of :func:`apply_token_bitmask_inplace`, for tests.
+    """Slow, obviously correct version of :func:`apply_packed_token_bitmask_inplace` (bitmask row
+    ``k`` on logits row ``logits_rows[k]``; one row per logits row when None), for tests.
 
     Masks ``logits`` in place and returns it. Does no validation beyond what it needs.
     """
+    indices = logits_rows
     one_d = logits.dim() == 1
     rows = logits.unsqueeze(0) if one_d else logits
     masks = bitmask.detach().cpu().numpy()

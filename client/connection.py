@@ -7,7 +7,7 @@ from typing import Any
 
 import grpc
 
-from maskd.specs import GrammarSpec
+from maskd.specs import GrammarSpec, SpecError
 from maskd.v1 import maskd_pb2 as pb
 from maskd.v1 import maskd_pb2_grpc as pb_grpc
 from maskd.v1.contract import AUTH_METADATA_KEY, AUTH_SCHEME, SESSION_METADATA_KEY, ServerInfo
@@ -38,12 +38,16 @@ def fingerprint_of(tokenizer: Any) -> str | None:
 
 
 def spec_proto(spec: Any) -> pb.GrammarSpec:
-    """A grammar spec (dict, GrammarSpec or proto) as the wire message; SpecError when malformed."""
+    """A grammar spec as the wire message: a proto, a GrammarSpec, or any request shape
+    ``GrammarSpec.from_request`` takes (maskd's dict, vLLM structured_outputs, OpenAI
+    response_format, SGLang keys, a pydantic model class); SpecError when malformed."""
     if isinstance(spec, pb.GrammarSpec):
         return spec
-    if isinstance(spec, GrammarSpec):
-        return spec.to_proto()
-    return GrammarSpec.from_dict(spec).to_proto()
+    parsed = GrammarSpec.from_request(spec)
+    if parsed is None:
+        raise SpecError("this request asks for no constraint (response_format type 'text'): "
+                        "there is no grammar to open")
+    return parsed.to_proto()
 
 
 class Connection:

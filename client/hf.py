@@ -8,7 +8,8 @@
 
 One maskd sequence per batch row. The grammar starts after the prompt: the prompt is never
 sent; each step sends only the token generated last for each live row. Rows are masked in place
-with :func:`maskd_client.apply.apply_token_bitmask_inplace` (mask row ``i`` on logits row ``i``).
+with :func:`maskd_client.apply.apply_token_bitmask_inplace` (mask row ``i`` on logits row ``i``,
+as in xgrammar and llguidance).
 
 * A row whose sequence is FINISHED has a mask that allows only EOS; once EOS is generated the row
   is done: it is closed on the server and never sent again (transformers keeps feeding pad tokens

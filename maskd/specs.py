@@ -1,6 +1,8 @@
 """Grammar specs: kinds, options, canonical form and the content-hash grammar id.
 
-Import-light (no engine): the client builds the same specs from dicts.
+Import-light (no engine): the client builds the same specs from dicts. ``GrammarSpec.from_dict``
+takes maskd's own shape; ``GrammarSpec.from_request`` also takes the shapes users already send
+to vLLM, SGLang and OpenAI-compatible servers (one meaning per name; ambiguity is an error).
 """
 from __future__ import annotations
 
@@ -63,6 +65,14 @@ class GrammarSpec:
             raise SpecError("reasoning is a [start, end] pair such as ['<think>', '</think>']")
         return cls.create(kinds[0], spec[kinds[0]], whitespace=spec.get("whitespace", "flexible"),
                           reasoning=tuple(reasoning) if reasoning else None)
+
+    @classmethod
+    def from_request(cls, request: Any) -> GrammarSpec | None:
+        """A spec from any shape users already send (see :func:`spec_from_request`): maskd's own
+        dict, vLLM ``structured_outputs``, OpenAI ``response_format``, SGLang's keys, a pydantic
+        model class. None where the request asks for no constraint (``{"type": "text"}``).
+        Ambiguous or unknown shapes raise SpecError."""
+        return spec_from_request(request)
 
     @classmethod
     def from_proto(cls, msg: pb.GrammarSpec) -> GrammarSpec:
@@ -141,6 +151,8 @@ def _canonical_text(kind: str, source: Any) -> str:
                 raise SpecError(f"{kind} is not valid JSON: {exc}") from exc
         if kind == "json_schema" and not isinstance(source, (dict, bool)):
             raise SpecError(f"json_schema must be a JSON object or boolean, not {type(source).__name__}")
+        if kind == "json_schema" and isinstance(source, dict):
+            source = unwrap_openai_json_schema(source)
         if kind == "structural_tag" and not isinstance(source, dict):
             raise SpecError("structural_tag must be a JSON object")
         # Key order is kept: property order matters to the engines.
@@ -157,3 +169,185 @@ def _canonical_text(kind: str, source: Any) -> str:
     if not source.strip():
         raise SpecError(f"{kind} grammar is empty")
     return source
+
+
+# OpenAI's ``response_format.json_schema`` object: the schema sits under "schema", next to these.
+OPENAI_WRAPPER_KEYS = frozenset(("name", "schema", "strict", "description"))
+
+
+def unwrap_openai_json_schema(schema: dict) -> Any:
+    """The schema inside OpenAI's ``{"name", "schema", "strict"}`` wrapper; other dicts as they are.
+
+    A wrapper taken as a schema would allow any JSON ("name", "schema" and "strict" are no JSON
+    Schema keywords), so it is unwrapped; a dict that mixes the wrapper's keys with schema keywords
+    is ambiguous and refused."""
+    if "schema" not in schema:
+        if "name" in schema and "strict" in schema and not set(schema) - OPENAI_WRAPPER_KEYS:
+            raise SpecError("json_schema looks like OpenAI's {'name', 'strict'} wrapper but has no 'schema': "
+                            "put the JSON schema under 'schema'")
+        return schema
+    extra = sorted(set(schema) - OPENAI_WRAPPER_KEYS)
+    if extra:
+        raise SpecError(f"json_schema has a 'schema' key next to {extra}: is it OpenAI's "
+                        "{'name', 'schema', 'strict'} wrapper or a schema? Send the schema itself, or the "
+                        "wrapper with only name/schema/strict/description")
+    inner = schema["schema"]
+    if isinstance(inner, str):
+        try:
+            inner = json.loads(inner)
+        except ValueError as exc:
+            raise SpecError(f"json_schema.schema is not valid JSON: {exc}") from exc
+    if not isinstance(inner, (dict, bool)):
+        raise SpecError(f"json_schema.schema must be a JSON object or boolean, not {type(inner).__name__}")
+    return inner
+
+
+# -- the request shapes users already send --------------------------------------------------------
+# Every name has one meaning, whichever engine's vocabulary it comes from:
+#   json_schema (maskd, SGLang), json (vLLM): a JSON schema (object, boolean or its JSON text)
+#   regex (all), choice (maskd, vLLM), lark (maskd), structural_tag (all)
+#   ebnf (maskd, SGLang), grammar (vLLM): a GBNF/EBNF grammar
+#   json_object (vLLM): true means "a JSON object"
+# Options: whitespace ("flexible"/"compact", maskd), disable_any_whitespace (vLLM: compact),
+# disable_additional_properties (vLLM: every object schema closed), reasoning (maskd).
+_CONSTRAINTS = {"json_schema": "json_schema", "json": "json_schema", "regex": "regex", "choice": "choice",
+                "lark": "lark", "ebnf": "ebnf", "grammar": "ebnf", "structural_tag": "structural_tag",
+                "json_object": "json_object"}
+_OPTIONS = ("whitespace", "disable_any_whitespace", "disable_additional_properties", "whitespace_pattern",
+            "reasoning")
+_WRAPPERS = ("structured_outputs", "response_format")
+_RESPONSE_FORMAT_TYPES = ("json_schema", "json_object", "text", "structural_tag")
+
+
+def spec_from_request(request: Any) -> GrammarSpec | None:
+    """A GrammarSpec from the shapes users already send; None for "no constraint" (OpenAI's
+    ``{"type": "text"}``). Accepted:
+
+    * a GrammarSpec (as is), or a pydantic model class (its JSON schema);
+    * maskd's dict (``{"json_schema": ...}``, ``{"regex": ...}``, ... plus whitespace/reasoning);
+    * vLLM's ``structured_outputs`` (a dict or a ``StructuredOutputsParams``: json, regex, choice,
+      grammar, json_object, structural_tag, disable_any_whitespace, disable_additional_properties);
+    * OpenAI's ``response_format`` (``{"type": "json_schema", "json_schema": {"name", "schema",
+      "strict"}}``, ``{"type": "json_object"}``, ``{"type": "text"}``) and SGLang's
+      ``{"type": "structural_tag", ...}``;
+    * SGLang's sampling keys (json_schema as JSON text, regex, ebnf, structural_tag);
+    * a request body holding exactly one of ``structured_outputs`` / ``response_format``.
+
+    Exactly one constraint must be named; a second one, an unknown key, or an option maskd cannot
+    honour is a SpecError that says so, never a silent "any JSON".
+    """
+    if isinstance(request, GrammarSpec):
+        return request
+    if isinstance(request, type) and hasattr(request, "model_json_schema"):
+        return GrammarSpec.create("json_schema", request.model_json_schema())
+    if not isinstance(request, Mapping):
+        request = _fields_of(request)
+    wrappers = [k for k in _WRAPPERS if request.get(k) is not None]
+    if wrappers:
+        rest = sorted(k for k, v in request.items() if v is not None and k not in _WRAPPERS)
+        if len(wrappers) > 1 or any(k in _CONSTRAINTS for k in rest):
+            raise SpecError(f"the request names its constraint twice ({wrappers + rest}); send one")
+        return spec_from_request(request[wrappers[0]])
+    if "type" in request:
+        return _from_response_format(request)
+    return _from_keys(request)
+
+
+def _fields_of(obj: Any) -> Mapping[str, Any]:
+    """The constraint and option fields of an object such as vLLM's StructuredOutputsParams."""
+    names = [n for n in (*_CONSTRAINTS, *_OPTIONS, *_WRAPPERS) if hasattr(obj, n)]
+    if not names:
+        raise SpecError(f"a grammar spec is a dict such as {{'regex': '[0-9]+'}}, a pydantic model class or a "
+                        f"structured-outputs object, not {type(obj).__name__}")
+    return {n: getattr(obj, n) for n in names}
+
+
+def _from_response_format(fmt: Mapping[str, Any]) -> GrammarSpec | None:
+    kind = fmt.get("type")
+    if kind not in _RESPONSE_FORMAT_TYPES:
+        raise SpecError(f"response_format type {kind!r} is not one of {', '.join(_RESPONSE_FORMAT_TYPES)}")
+    rest = {k: v for k, v in fmt.items() if k != "type"}
+    if kind == "text":
+        if rest:
+            raise SpecError(f"response_format type 'text' takes no other keys, got {sorted(rest)}")
+        return None
+    if kind == "json_object":
+        if rest:
+            raise SpecError(f"response_format type 'json_object' takes no other keys, got {sorted(rest)}")
+        return GrammarSpec.create("json_schema", {"type": "object"})
+    if kind == "structural_tag":
+        return GrammarSpec.create("structural_tag", dict(fmt))
+    inner, schema = rest.pop("json_schema", None), rest.pop("schema", None)
+    if rest:
+        raise SpecError(f"response_format type 'json_schema' has unknown keys {sorted(rest)}")
+    if (inner is None) == (schema is None):
+        raise SpecError("response_format type 'json_schema' needs exactly one of json_schema "
+                        "({'name', 'schema', 'strict'}) or schema")
+    if inner is None:
+        return GrammarSpec.create("json_schema", schema)
+    if not isinstance(inner, Mapping) or "schema" not in inner:
+        raise SpecError("response_format.json_schema is OpenAI's {'name', 'schema', 'strict'} object; "
+                        "it has no 'schema', and a missing schema would allow any JSON")
+    return GrammarSpec.create("json_schema", dict(inner))
+
+
+def _from_keys(request: Mapping[str, Any]) -> GrammarSpec:
+    unknown = sorted(k for k in request if k not in _CONSTRAINTS and k not in _OPTIONS)
+    if unknown:
+        raise SpecError(f"unknown grammar spec keys {unknown}; constraints are {', '.join(_CONSTRAINTS)} "
+                        f"and options {', '.join(_OPTIONS)}")
+    named = [k for k in _CONSTRAINTS if request.get(k) is not None]
+    if len(named) != 1:
+        raise SpecError(f"a grammar spec names exactly one constraint of {', '.join(_CONSTRAINTS)}; got {named}")
+    name = named[0]
+    kind, source = _CONSTRAINTS[name], request[name]
+    if request.get("whitespace_pattern") is not None:
+        raise SpecError("whitespace_pattern is not supported by maskd; use whitespace 'compact' or 'flexible'")
+    whitespace = request.get("whitespace")
+    if request.get("disable_any_whitespace"):
+        if whitespace not in (None, "compact"):
+            raise SpecError(f"disable_any_whitespace contradicts whitespace={whitespace!r}")
+        whitespace = "compact"
+    if kind == "json_object":
+        if source is not True:
+            raise SpecError(f"json_object is true (any JSON object) or absent, not {source!r}")
+        kind, source = "json_schema", {"type": "object"}
+    if request.get("disable_additional_properties"):
+        if kind != "json_schema":
+            raise SpecError("disable_additional_properties applies to JSON schemas only")
+        text = canonical_text(kind, source)
+        source = _closed_objects(json.loads(text))
+    reasoning = request.get("reasoning")
+    if reasoning is not None and (not isinstance(reasoning, (list, tuple)) or len(reasoning) != 2):
+        raise SpecError("reasoning is a [start, end] pair such as ['<think>', '</think>']")
+    return GrammarSpec.create(kind, source, whitespace=whitespace or "flexible",
+                              reasoning=tuple(reasoning) if reasoning else None)
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_ONE = ("items", "additionalItems", "additionalProperties", "not", "if", "then", "else", "contains",
+               "propertyNames", "unevaluatedProperties", "unevaluatedItems")
+
+
+def _closed_objects(node: Any) -> Any:
+    """vLLM's disable_additional_properties: every object schema without additionalProperties
+    gets ``"additionalProperties": false`` (walking the subschema keywords only)."""
+    if not isinstance(node, dict):
+        return node
+    out = dict(node)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: _closed_objects(sub) for name, sub in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_closed_objects(sub) for sub in out[key]]
+    for key in _SCHEMA_ONE:
+        if key in out:
+            sub = out[key]
+            out[key] = [_closed_objects(x) for x in sub] if isinstance(sub, list) else _closed_objects(sub)
+    types = out.get("type")
+    if (types == "object" or (isinstance(types, list) and "object" in types) or "properties" in out) \
+            and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out

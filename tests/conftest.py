@@ -1,9 +1,14 @@
+import importlib.util
 import pathlib
 
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 MASKBENCH = (REPO / ".." / "shared" / "maskbench-dev").resolve()
+# tests/engines/ drive vLLM's and SGLang's own classes: they run in .venv-engines (make test runs them
+# there with its own pytest); a venv without the engines does not collect them.
+collect_ignore = [] if all(importlib.util.find_spec(m) for m in ("vllm", "sglang")) else ["engines"]
+
 needs_maskbench = pytest.mark.skipif(
     not MASKBENCH.is_dir(), reason=f"needs ../shared/maskbench-dev (MaskBench-dev files) at {MASKBENCH}")
 
@@ -37,3 +42,15 @@ def fuzz_seconds(request):
     import os
     value = request.config.getoption("--fuzz-seconds")
     return float(value if value is not None else os.environ.get("MASKD_FUZZ_SECONDS", 20))
+
+
+def hold_compiles(cache, gate):
+    """Compiles that start from now on wait for ``gate`` (as if every compile thread were busy);
+    once it is set they run as usual."""
+    original = cache._compile
+
+    def held(entry):
+        gate.wait()
+        original(entry)
+
+    cache._compile = held

@@ -19,15 +19,15 @@ ACCEPTING_BIT = 0x10
 
 
 class PlainStep:
-    """One columnar entry, as the phases read a SeqStep."""
-    __slots__ = ("seq_id", "step", "tokens")
+    """One columnar entry, as the phases read a SeqStep (and the sequence its handle names)."""
+    __slots__ = ("seq", "seq_id", "step", "tokens")
     draft_tokens: tuple = ()
     rollback = 0
     close = False
     history_offset = 0
 
-    def __init__(self, seq_id: str, step: int, tokens: list[int]) -> None:
-        self.seq_id, self.step, self.tokens = seq_id, step, tokens
+    def __init__(self, seq: Any, seq_id: str, step: int, tokens: list[int]) -> None:
+        self.seq, self.seq_id, self.step, self.tokens = seq, seq_id, step, tokens
 
     def WhichOneof(self, name: str) -> None:
         return None
@@ -70,7 +70,7 @@ def parse(request: pb.StepRequest, by_handle: dict[int, Any]) -> tuple[list[tupl
     except ValueError as exc:   # a byte length that is not a multiple of 4
         problem = f"columnar arrays are not packed 32-bit values: {exc}"
     if problem:
-        return [(PlainStep("", 0, []), PlainResult(i, "", 0)) for i in range(n)], problem
+        return [(PlainStep(None, "", 0, []), PlainResult(i, "", 0)) for i in range(n)], problem
     step_list = steps.tolist()
     if (counts == 1).all():
         token_lists = [[t] for t in tokens.tolist()]
@@ -87,7 +87,7 @@ def parse(request: pb.StepRequest, by_handle: dict[int, Any]) -> tuple[list[tupl
             res.status, res.code = SeqStatus.ERROR, Code.NOT_FOUND
             res.reason = (f"unknown sequence handle {h}: never given on this session, or its sequence was "
                           "closed or dropped with its stream; open it with a SeqStep")
-        out.append((PlainStep(sid, step, toks), res))
+        out.append((PlainStep(seq, sid, step, toks), res))
     return out, ""
 
 

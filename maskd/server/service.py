@@ -145,7 +145,11 @@ class MaskService(pb_grpc.MaskServiceServicer):
         reply = pb.StepResponse(words_per_row=self.engine.words_per_row, num_rows=len(outcome.rows))
         reply.results.extend(outcome.results)
         columns.answer(outcome.plain, reply, want_forced)
-        reply.row_block = encoder.encode(outcome.rows)
+        try:
+            reply.row_block = encoder.encode(outcome.rows)
+        finally:
+            if outcome.release is not None:
+                outcome.release()     # the rows may sit in a buffer the session reuses
         seconds = time.perf_counter() - t0
         reply.server_seconds = seconds
         self.metrics.observe_step(seconds=seconds, batch=len(outcome.results) + len(outcome.plain),

@@ -15,8 +15,14 @@ A step runs in phases, each a method below:
 4. ``_consume``: every matcher's tokens in one batched engine call.
 5. ``_fill``: every row of the reply in one batched engine call.
 
-The rules (idempotency, restores in parts, readiness once per step) are the contract's: see
-proto/maskd/v1/maskd.proto.
+The rules (idempotency, restores in parts, readiness once per step, answers kept for ranks that
+lag) are the contract's: see proto/maskd/v1/maskd.proto.
+
+Rows live in a small ring of per-session buffers: a step that fills rows takes the next buffer
+that no reply is still encoding, and the answers kept for repeats point into it (with the
+buffer's generation, so a reused buffer never answers for an older step). A repeat of a kept
+answer copies its rows instead of filling them again: tensor-parallel ranks cost one fill per
+step, not one per rank.
 """
 from __future__ import annotations
 
@@ -25,12 +31,12 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from maskd.server import columns
-from maskd.server.columns import PlainResult
+from maskd.server.columns import PlainResult, PlainStep
 from maskd.server.config import Limits
 from maskd.server.engines import Engine, Matcher
 from maskd.server.grammar_cache import CacheEntry, GrammarCache, QueueFull
@@ -40,6 +46,18 @@ from maskd.v1 import maskd_pb2 as pb
 from maskd.v1.contract import Code, GrammarState, SeqStatus
 
 log = logging.getLogger("maskd.server.session")
+
+# Answers kept per sequence for repeats of older steps (a tensor-parallel rank that lags behind
+# the others by a step or two, or retries one), and closed sequences kept with their last answers
+# so that a rank whose last steps arrive after another rank's close still gets them.
+RECENT_STEPS = 4
+CLOSED_KEPT = 1024
+CLOSED_STEPS = 2
+# Row buffers per session: the steps whose rows kept answers can still point to, plus room for
+# replies still being encoded.
+ROW_BUFFERS = RECENT_STEPS + 2
+# WAITING answers are kept while a grammar compiles; this bounds them per sequence.
+MAX_KEPT_ANSWERS = 4096
 READY, WAITING, FAILED, FINISHED, CLOSED, ERROR = (
     SeqStatus.READY, SeqStatus.WAITING, SeqStatus.FAILED, SeqStatus.FINISHED, SeqStatus.CLOSED, SeqStatus.ERROR)
 
@@ -48,6 +66,7 @@ class SequenceState:
     """Server-side state of one sequence; a pure function of (grammar, accepted tokens)."""
     __slots__ = (
         "accepted",
+        "closed",
         "dead_code",
         "dead_reason",
         "entry",
@@ -60,6 +79,7 @@ class SequenceState:
         "matcher",
         "parts",
         "pending",
+        "recent",
         "seq_id",
         "step",
     )
@@ -81,6 +101,10 @@ class SequenceState:
         self.finished = False
         # Opening parts received at the current step: history offset -> hash of their tokens.
         self.parts: dict[int, int] | None = None
+        # The answers of the last RECENT_STEPS steps and of every step answered WAITING, so that a
+        # rank that lags behind the others, or retries, gets the answer every rank got.
+        self.recent: dict[int, _Answer] = {}
+        self.closed = False
 
     @property
     def history_length(self) -> int:
@@ -94,12 +118,26 @@ class SequenceState:
 @dataclasses.dataclass
 class StepOutcome:
     """What one step produced: a result per entry (SeqStep entries in request order, then the
-    columnar ones) and the rows they point into (those of SeqStep entries first)."""
+    columnar ones) and the rows they point into (those of SeqStep entries first). ``release`` is
+    called once the rows are encoded (they may sit in a buffer the session reuses)."""
     results: list[pb.SeqResult]
     rows: np.ndarray
     refusals: collections.Counter      # error kind -> entries refused or failed this step
     fill_seconds: float = 0.0
     plain: list[PlainResult] = dataclasses.field(default_factory=list)
+    release: Callable[[], None] | None = None
+
+
+class _Answer:
+    """What one (sequence, step) was answered: its inputs, the result, and where its rows are (a
+    row buffer and its generation then, or a copy once the sequence is closed)."""
+    __slots__ = ("buffer", "drafts", "generation", "result", "rollback", "rows", "tokens")
+
+    def __init__(self, tokens: tuple, drafts: tuple, rollback: int, result: pb.SeqResult | PlainResult) -> None:
+        self.tokens, self.drafts, self.rollback, self.result = tokens, drafts, rollback, result
+        self.buffer = -1
+        self.generation = 0
+        self.rows: np.ndarray | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -127,7 +165,12 @@ class Session:
         self.lock = threading.Lock()
         self.streams = 0
         self.vocab_limit = engine.width
-        self._rows = engine.allocate(64)
+        # Closed sequences whose last answers are kept (id -> state), oldest first.
+        self.closed: collections.OrderedDict[str, SequenceState] = collections.OrderedDict()
+        self._buffers: list[np.ndarray | None] = [None] * ROW_BUFFERS
+        self._generations = [0] * ROW_BUFFERS
+        self._encoding = [False] * ROW_BUFFERS   # a reply is still encoding rows of this buffer
+        self._next_buffer = 0
 
     # -- public -----------------------------------------------------------------------------------
     def step(self, request: pb.StepRequest) -> StepOutcome:
@@ -143,14 +186,15 @@ class Session:
             else:
                 refusals["not_found"] += sum(1 for _, res in plain if res.status == ERROR)
             admitted = self._admit(rich + [e for e in plain if not e[1].status], refusals)
-            moving, repeats = self._route(admitted, refusals)
+            replays: list[tuple[pb.SeqResult | PlainResult, _Answer]] = []
+            moving, repeats = self._route(admitted, refusals, replays)
             consume, fill = self._advance(moving, refusals)
             fill += repeats
             self._consume(consume, fill, refusals)
             t0 = time.perf_counter()
-            rows = self._fill(fill, request.want_forced_tokens, refusals)
+            rows, release = self._fill(fill, replays, request.want_forced_tokens, refusals)
             return StepOutcome([res for _, res in rich], rows, refusals, time.perf_counter() - t0,
-                               [res for _, res in plain])
+                               [res for _, res in plain], release)
 
     def refuse_all(self, request: pb.StepRequest, reason: str) -> StepOutcome:
         """Every entry refused with INTERNAL: the answer when a step failed in a way no phase caught."""
@@ -168,6 +212,7 @@ class Session:
                 seq.matcher = None
             self.seqs.clear()
             self.by_handle.clear()
+            self.closed.clear()
             if self.quotas is not None:
                 self.quotas.close_sequences(self.tenant, n)
             return n
@@ -234,15 +279,41 @@ class Session:
         return ""
 
     # -- phase 2: routing -------------------------------------------------------------------------
-    def _route(self, admitted: list, refusals) -> tuple[list, list[_Advance]]:
+    def _route(self, admitted: list, refusals, replays: list) -> tuple[list, list[_Advance]]:
         """Closes, repeats, opens and order checks. Returns the entries that move their sequence
-        ((msg, res, seq, tokens)) and the repeats that are answered from the unchanged state."""
+        ((msg, res, seq, tokens)) and the repeats that are answered from the unchanged state;
+        repeats with a kept answer go to ``replays``."""
         moving: list = []
         repeats: list[_Advance] = []
         for msg, res in admitted:
             sid = msg.seq_id
-            seq = self.seqs.get(sid)
+            # A columnar entry names its sequence by handle (which outlives a reuse of the id).
+            seq: SequenceState | None = msg.seq if type(msg) is PlainStep else self.seqs.get(sid)
             opening = msg.WhichOneof("open") is not None
+            if seq is None and sid in self.closed:
+                if opening:
+                    self._drop_closed(sid)          # the id opens anew (a rank that lags re-derives the rows)
+                else:
+                    seq = self.closed[sid]
+            if seq is not None and seq.closed:
+                if msg.close:
+                    res.status = CLOSED             # another rank closed it already
+                elif not self._replay(msg, res, seq, replays, refusals):
+                    _refuse(res, refusals, Code.NOT_FOUND,
+                            f"sequence {sid!r} is closed; its step {msg.step} was not among its last "
+                            f"{CLOSED_STEPS} steps")
+                continue
+            if seq is not None and msg.step < seq.step and not msg.close and not msg.history_offset:
+                if not self._replay(msg, res, seq, replays, refusals):
+                    if opening:
+                        _refuse(res, refusals, Code.ALREADY_EXISTS,
+                                f"sequence {sid!r} is already open (at step {seq.step}); close it first")
+                    else:
+                        _refuse(res, refusals, Code.FAILED_PRECONDITION,
+                                f"step {msg.step} of sequence {sid!r} is out of order: the last applied step "
+                                f"is {seq.step}, so the next is {seq.step + 1} (repeats are answered for the "
+                                f"last {RECENT_STEPS} steps)")
+                continue
             if msg.close:
                 if seq is None:
                     _refuse(res, refusals, Code.NOT_FOUND, f"cannot close unknown sequence {sid!r}")
@@ -252,9 +323,9 @@ class Session:
                 continue
             if seq is not None and msg.step == seq.step:
                 if opening:
-                    self._route_reopen(msg, res, seq, moving, repeats, refusals)
+                    self._route_reopen(msg, res, seq, moving, repeats, replays, refusals)
                 elif self._same_inputs(msg, seq):
-                    self._answer_repeat(res, seq, repeats)
+                    self._answer_repeat(res, seq, repeats, replays)
                 else:
                     self._divergence(res, seq, refusals)
                 continue
@@ -279,7 +350,8 @@ class Session:
                 moving.append((msg, res, seq, msg.tokens))
         return moving, repeats
 
-    def _route_reopen(self, msg, res, seq: SequenceState, moving: list, repeats: list, refusals) -> None:
+    def _route_reopen(self, msg, res, seq: SequenceState, moving: list, repeats: list, replays: list,
+                      refusals) -> None:
         """An opening entry at the step the sequence is at: a repeat of the open (another rank, a
         retry) or the next part of a restore (history_offset)."""
         if seq.entry.grammar_id != self._open_grammar_id(msg):
@@ -291,7 +363,7 @@ class Session:
         known = seq.parts.get(offset) if seq.parts is not None else None
         if known is not None:
             if known == _digest(msg.tokens) and tuple(msg.draft_tokens) == seq.last_drafts:
-                self._answer_repeat(res, seq, repeats)
+                self._answer_repeat(res, seq, repeats, replays)
             else:
                 self._divergence(res, seq, refusals)
         elif seq.parts is not None and offset == seq.history_length and offset > 0 and msg.tokens:
@@ -362,11 +434,38 @@ class Session:
         return (tuple(msg.tokens) == seq.last_tokens and tuple(msg.draft_tokens) == seq.last_drafts
                 and msg.rollback == seq.last_rollback)
 
-    @staticmethod
-    def _answer_repeat(res: pb.SeqResult, seq: SequenceState, repeats: list[_Advance]) -> None:
-        """A repeat is answered from the unchanged state; readiness is the one decided before."""
+    def _replay(self, msg, res, seq: SequenceState, replays: list, refusals) -> bool:
+        """A repeat of an older step (a rank that lags, a retry, a step of a closed sequence): the
+        answer it had, or a divergence when its inputs differ. False when that answer is gone."""
+        answer = seq.recent.get(msg.step)
+        if answer is None or not self._rows_kept(answer):
+            return False
+        if msg.WhichOneof("open") is not None and seq.entry.grammar_id != self._open_grammar_id(msg):
+            _refuse(res, refusals, Code.ALREADY_EXISTS,
+                    f"sequence {msg.seq_id!r} is already open with grammar {seq.entry.grammar_id}")
+        elif (tuple(msg.tokens) != answer.tokens or tuple(msg.draft_tokens) != answer.drafts
+              or msg.rollback != answer.rollback):
+            self._divergence(res, seq, refusals)
+        else:
+            replays.append((res, answer))
+        return True
+
+    def _rows_kept(self, answer: _Answer) -> bool:
+        """Whether an answer's rows (if it has any) can still be given."""
+        if answer.rows is not None or answer.result.num_rows == 0:
+            return True
+        b = answer.buffer
+        return b >= 0 and self._generations[b] == answer.generation
+
+    def _answer_repeat(self, res, seq: SequenceState, repeats: list[_Advance], replays: list) -> None:
+        """A repeat is answered from the unchanged state; readiness is the one decided before. The
+        rows come from the kept answer when they are still there (no second fill)."""
         status = seq.last_status
-        if status == FAILED:
+        answer = seq.recent.get(seq.step)
+        if status in (READY, FINISHED) and answer is not None and answer.result.num_rows \
+                and self._rows_kept(answer):
+            replays.append((res, answer))
+        elif status == FAILED:
             _fail(res, seq, seq.dead_reason, seq.dead_code)
         elif status == WAITING or seq.matcher is None:
             res.status = WAITING
@@ -387,7 +486,7 @@ class Session:
         fill: list[_Advance] = []
         for msg, res, seq, tokens in moving:
             if seq.dead_reason:
-                _record(seq, msg)
+                _record(seq, msg, res)
                 _fail(res, seq, seq.dead_reason, seq.dead_code)
                 continue
             entry = seq.entry
@@ -403,11 +502,11 @@ class Session:
                 if msg.rollback:
                     del seq.pending[-msg.rollback:]
                 seq.pending.extend(tokens)
-                _record(seq, msg)
+                _record(seq, msg, res)
                 seq.last_status = res.status = WAITING
                 continue
             if entry.state is GrammarState.FAILED:
-                _record(seq, msg)
+                _record(seq, msg, res)
                 seq.dead_reason = f"grammar {entry.grammar_id} does not compile: {entry.error}"
                 _fail(res, seq, seq.dead_reason, entry.error_code)
                 refusals["grammar_failed"] += 1
@@ -429,10 +528,10 @@ class Session:
                     seq.accepted -= msg.rollback
                     seq.finished = False
             except Exception as exc:   # an engine fault costs this sequence only
-                _record(seq, msg)
+                _record(seq, msg, res)
                 self._internal(res, seq, "advancing", exc, refusals)
                 continue
-            _record(seq, msg)
+            _record(seq, msg, res)
             (consume if tokens else fill).append(_Advance(res, seq, matcher, tokens, seq.last_drafts))
         return consume, fill
 
@@ -463,30 +562,39 @@ class Session:
                 _fail(adv.res, seq, seq.dead_reason)
 
     # -- phase 5: filling -------------------------------------------------------------------------
-    def _fill(self, fill: list[_Advance], want_forced: bool, refusals) -> np.ndarray:
-        """Rows of SeqStep entries first, then those of columnar entries in entry order."""
-        plain = [a for a in fill if type(a.res) is PlainResult]
-        if plain:
-            plain.sort(key=lambda a: a.res.index)
-            fill = [a for a in fill if type(a.res) is not PlainResult] + plain
-        n_rows = sum(1 + len(a.drafts) for a in fill)
-        if n_rows > self._rows.shape[0]:
-            self._rows = self.engine.allocate(max(n_rows, 2 * self._rows.shape[0]))
-        out = self._rows[:n_rows]
-        if not fill:
-            return out
+    def _fill(self, fill: list[_Advance], replays: list, want_forced: bool,
+              refusals) -> tuple[np.ndarray, Callable[[], None] | None]:
+        """Rows of SeqStep entries first, then those of columnar entries in entry order: filled by
+        the engine, or copied from the kept answer of a repeat."""
+        jobs: list = [*fill, *replays]
+        if any(type(j[0] if type(j) is tuple else j.res) is PlainResult for j in jobs):
+            jobs.sort(key=_row_order)
+        n_rows = sum(1 + len(j.drafts) if type(j) is _Advance else j[1].result.num_rows for j in jobs)
+        buffer, out = self._take_buffer(n_rows) if fill else (-1, self.engine.allocate(n_rows))
+        generation = self._generations[buffer] if buffer >= 0 else 0
         filled: list[_Advance] = []
         first_rows, drafts = [], []
         row = 0
         any_drafts = False
-        for adv in fill:
-            res, seq, d, m = adv.res, adv.seq, adv.drafts, adv.matcher
+        for job in jobs:
+            if type(job) is tuple:                  # a repeat with a kept answer
+                res, answer = job
+                src = answer.result
+                _copy_result(res, src)
+                n = src.num_rows
+                if n:
+                    res.first_row = row
+                    kept = answer.rows if answer.rows is not None else self._buffers[answer.buffer]
+                    out[row:row + n] = kept[src.first_row:src.first_row + n]
+                    row += n
+                continue
+            res, seq, d, m = job.res, job.seq, job.drafts, job.matcher
             try:
                 stopped = m.is_stopped()
                 accepting = stopped or m.is_accepting()
                 drafts_valid = m.validate(d) if d else 0
                 forced = m.forced_tokens() if want_forced and not stopped else ()
-            except Exception as exc:   # an engine fault costs this sequence only
+            except Exception as exc:   # an engine fault costs this sequence only (and gets no rows)
                 self._internal(res, seq, "reading the grammar state", exc, refusals)
                 continue
             seq.finished = stopped
@@ -499,22 +607,55 @@ class Session:
                 res.drafts_valid = drafts_valid
             if forced:
                 res.forced_tokens.extend(forced)
-            filled.append(adv)
+            answer = seq.recent.get(seq.step)
+            if answer is not None:                  # its rows are these (a re-filled repeat too)
+                answer.result, answer.buffer, answer.generation, answer.rows = res, buffer, generation, None
+                if buffer < 0:
+                    answer.rows = out
+            filled.append(job)
             first_rows.append(row)
             drafts.append(d)
             row += 1 + len(d)
-        try:
-            self.engine.fill_batch([a.matcher for a in filled], first_rows, drafts if any_drafts else None, out)
-        except Exception:   # fill them one by one: only the sequences the engine chokes on fail
-            for adv, r, d in zip(filled, first_rows, drafts):
-                try:
-                    self.engine.fill_batch([adv.matcher], [r], [d] if d else None, out)
-                except Exception as exc:
-                    out[r: r + 1 + len(d)] = 0
-                    adv.res.ClearField("forced_tokens")
-                    adv.res.first_row = adv.res.num_rows = 0
-                    self._internal(adv.res, adv.seq, "filling its mask", exc, refusals)
-        return out
+        if filled:
+            try:
+                self.engine.fill_batch([a.matcher for a in filled], first_rows, drafts if any_drafts else None, out)
+            except Exception:   # fill them one by one: only the sequences the engine chokes on fail
+                failed = np.zeros(row, dtype=bool)
+                for adv, r, d in zip(filled, first_rows, drafts):
+                    try:
+                        self.engine.fill_batch([adv.matcher], [r], [d] if d else None, out)
+                    except Exception as exc:
+                        failed[r: r + 1 + len(d)] = True
+                        adv.res.ClearField("forced_tokens")
+                        adv.res.first_row = adv.res.num_rows = 0
+                        self._internal(adv.res, adv.seq, "filling its mask", exc, refusals)
+                if failed.any():   # the failed entries' rows go: the columnar rows must stay dense
+                    row = _drop_rows(out, failed, jobs)
+        out = out[:row]
+        if buffer < 0:
+            return out, None
+        encoding = self._encoding
+        encoding[buffer] = True
+
+        def release() -> None:
+            encoding[buffer] = False
+        return out, release
+
+    def _take_buffer(self, n_rows: int) -> tuple[int, np.ndarray]:
+        """The next row buffer no reply is encoding (its old answers stop counting), grown to
+        n_rows; (-1, a new array) when every buffer is still being encoded."""
+        for k in range(ROW_BUFFERS):
+            b = (self._next_buffer + k) % ROW_BUFFERS
+            if not self._encoding[b]:
+                break
+        else:
+            return -1, self.engine.allocate(n_rows)
+        self._next_buffer = (b + 1) % ROW_BUFFERS
+        self._generations[b] += 1
+        buf = self._buffers[b]
+        if buf is None or buf.shape[0] < n_rows:
+            buf = self._buffers[b] = self.engine.allocate(max(n_rows, 64, 2 * (0 if buf is None else buf.shape[0])))
+        return b, buf[:n_rows]
 
     @staticmethod
     def _internal(res: pb.SeqResult, seq: SequenceState, doing: str, exc: BaseException, refusals) -> None:
@@ -526,12 +667,26 @@ class Session:
         _fail(res, seq, seq.dead_reason, Code.INTERNAL)
 
     def _forget(self, sid: str) -> None:
+        """Closes a sequence. Its last answers stay (their rows while the buffers hold them) for
+        ranks whose last steps come after this close."""
         seq = self.seqs.pop(sid, None)
-        if seq is not None:
-            seq.matcher = None
-            self.by_handle.pop(seq.handle, None)
-            if self.quotas is not None:
-                self.quotas.close_sequences(self.tenant)
+        if seq is None:
+            return
+        seq.matcher = None
+        seq.pending = []
+        seq.closed = True
+        seq.recent = {step: seq.recent[step] for step in sorted(seq.recent)[-CLOSED_STEPS:]}
+        self._drop_closed(sid)
+        self.closed[sid] = seq
+        while len(self.closed) > CLOSED_KEPT:
+            self._drop_closed(next(iter(self.closed)))
+        if self.quotas is not None:
+            self.quotas.close_sequences(self.tenant)
+
+    def _drop_closed(self, sid: str) -> None:
+        seq = self.closed.pop(sid, None)
+        if seq is not None and self.by_handle.get(seq.handle) is seq:
+            del self.by_handle[seq.handle]
 
 
 def spec_problem(spec: GrammarSpec, limits: Limits) -> str:
@@ -550,13 +705,51 @@ def _digest(tokens) -> int:
     return hash(tuple(tokens))
 
 
-def _record(seq: SequenceState, msg: pb.SeqStep) -> None:
+def _drop_rows(out: np.ndarray, dropped: np.ndarray, jobs: list) -> int:
+    """Removes rows from the front of ``out`` (moving the others up, first_row fixed); returns how
+    many rows are left."""
+    before = np.cumsum(dropped) - dropped          # rows dropped before each row
+    for job in jobs:
+        res = job[0] if type(job) is tuple else job.res
+        if res.num_rows:
+            res.first_row -= int(before[res.first_row])
+    kept = out[:len(dropped)][~dropped]
+    out[:len(kept)] = kept
+    return len(kept)
+
+
+def _row_order(job) -> int:
+    """SeqStep entries first (in their order: a stable sort), then columnar ones by index."""
+    res = job[0] if type(job) is tuple else job.res
+    return res.index if type(res) is PlainResult else -1
+
+
+def _copy_result(dst, src) -> None:
+    """A kept answer into this entry's result (either kind; the entry's own index and row stay)."""
+    dst.status, dst.code, dst.reason = src.status, src.code, src.reason
+    dst.num_rows, dst.accepting = src.num_rows, src.accepting
+    dst.drafts_valid, dst.handle = src.drafts_valid, src.handle
+    if src.forced_tokens:
+        dst.forced_tokens.extend(src.forced_tokens)
+
+
+def _record(seq: SequenceState, msg: pb.SeqStep, res) -> None:
     if msg.step != seq.step:
         seq.parts = None          # restore parts are remembered only at the step they restored
     seq.step = msg.step
     seq.last_tokens = tuple(msg.tokens)
     seq.last_drafts = tuple(msg.draft_tokens)
     seq.last_rollback = msg.rollback
+    # The answer of this step (its rows are set by _fill); older ones beyond the window go, except
+    # WAITING ones: steps that poll a compiling grammar come as fast as a rank sends them, so the
+    # ranks' lag in steps is not bounded there (those answers are small, and end with the compile).
+    recent = seq.recent
+    recent[msg.step] = _Answer(seq.last_tokens, seq.last_drafts, msg.rollback, res)
+    old = recent.get(msg.step - RECENT_STEPS)
+    if old is not None and old.result.status != WAITING:
+        del recent[msg.step - RECENT_STEPS]
+    if len(recent) > MAX_KEPT_ANSWERS:
+        del recent[next(iter(recent))]
 
 
 def _refuse(res: pb.SeqResult, refusals, code: Code, message: str, kind: str | None = None) -> None:

@@ -18,6 +18,7 @@ import torch
 
 from maskd_client.apply import (
     BitmaskBuffers,
+    apply_packed_token_bitmask_inplace,
     apply_token_bitmask_inplace,
     apply_token_bitmask_reference,
 )
@@ -158,7 +159,7 @@ def test_matches_reference_with_indices(vocab, words, dtype, kind):
     logits = random_logits(gen, batch, vocab, dtype)
     ref = apply_token_bitmask_reference(logits.clone(), bm, idx.tolist())
     out = logits.clone()
-    apply_token_bitmask_inplace(out, bm, indices)
+    apply_packed_token_bitmask_inplace(out, bm, indices)
     assert_bit_equal(out, ref)
     untouched = sorted(set(range(batch)) - set(idx.tolist()))
     assert_bit_equal(out[untouched], logits[untouched])
@@ -176,7 +177,7 @@ def test_one_dimensional(vocab, words, dtype):
     assert_bit_equal(out, ref)
     # 1-D logits with a (1, words) bitmask, and with indices=[0]
     out2 = logits.clone()
-    apply_token_bitmask_inplace(out2, bm.unsqueeze(0), [0])
+    apply_packed_token_bitmask_inplace(out2, bm.unsqueeze(0), [0])
     assert_bit_equal(out2, ref)
 
 
@@ -185,7 +186,7 @@ def test_mask_1d_onto_row_of_batch_with_indices():
     bm = random_bitmask(gen, 1, 4)[0]
     logits = random_logits(gen, 3, 100, torch.float32)
     out = logits.clone()
-    apply_token_bitmask_inplace(out, bm, [2])
+    apply_packed_token_bitmask_inplace(out, bm, [2])
     ref = apply_token_bitmask_reference(logits.clone(), bm, [2])
     assert_bit_equal(out, ref)
     assert_bit_equal(out[:2], logits[:2])
@@ -227,15 +228,15 @@ def test_many_rows_cross_chunk_boundaries(monkeypatch):
     logits = random_logits(gen, 12, 170, torch.float32)
     idx = torch.randperm(12, generator=gen)[:10].tolist()
     ref = apply_token_bitmask_reference(logits.clone(), bm, idx)
-    apply_token_bitmask_inplace(logits, bm, idx)
+    apply_packed_token_bitmask_inplace(logits, bm, idx)
     assert_bit_equal(logits, ref)
 
 
 def test_empty_inputs_are_no_ops():
     logits = torch.randn(3, 40)
     before = logits.clone()
-    apply_token_bitmask_inplace(logits, torch.zeros(0, 2, dtype=torch.int32), [])
-    apply_token_bitmask_inplace(logits, torch.zeros(0, 2, dtype=torch.int32), torch.empty(0, dtype=torch.long))
+    apply_packed_token_bitmask_inplace(logits, torch.zeros(0, 2, dtype=torch.int32), [])
+    apply_packed_token_bitmask_inplace(logits, torch.zeros(0, 2, dtype=torch.int32), torch.empty(0, dtype=torch.long))
     assert_bit_equal(logits, before)
     apply_token_bitmask_inplace(torch.zeros(0, 40), torch.zeros(0, 2, dtype=torch.int32))
     apply_token_bitmask_inplace(torch.zeros(2, 0), torch.zeros(2, 2, dtype=torch.int32))
@@ -292,16 +293,85 @@ def test_garbage_raises_value_error(case):
         logits = logits.clone()
         before = logits.clone()
     with pytest.raises(ValueError):
-        apply_token_bitmask_inplace(logits, bitmask, indices)
+        apply_packed_token_bitmask_inplace(logits, bitmask, indices)
     if before is not None:
         assert_bit_equal(logits, before)  # nothing written before the error
+
+
+# -------------------------------------------------------------------------------------------
+# One meaning per name: xgrammar's and llguidance's apply_token_bitmask_inplace
+# -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("vocab,words", [(100, 4), (129280, 4040), (96, 3), (70, 3)])
+def test_same_as_xgrammar_and_llguidance(vocab, words):
+    """Same arguments, same meaning: rows i with i, the indices keyword (xgrammar) and vocab_size."""
+    xgr = pytest.importorskip("xgrammar")
+    llg_torch = pytest.importorskip("llguidance.torch")
+    gen = torch.Generator().manual_seed(vocab + words)
+    bm = random_bitmask(gen, 5, words)
+    logits = random_logits(gen, 5, vocab, torch.float32)
+    ours, theirs, ll = logits.clone(), logits.clone(), logits.clone()
+    apply_token_bitmask_inplace(ours, bm)
+    xgr.apply_token_bitmask_inplace(theirs, bm)
+    llg_torch.apply_token_bitmask_inplace(ll, bm)
+    assert_bit_equal(ours, theirs)
+    assert_bit_equal(ours, ll)
+    for kw in ({"indices": [3, 0]}, {"vocab_size": vocab - 5}, {"indices": [4, 1], "vocab_size": vocab // 2}):
+        ours, theirs = logits.clone(), logits.clone()
+        apply_token_bitmask_inplace(ours, bm, **kw)
+        xgr.apply_token_bitmask_inplace(theirs, bm, **kw)
+        assert_bit_equal(ours, theirs)
+
+
+def test_indices_name_rows_of_both_tensors():
+    """xgrammar's meaning: logits[i] with bitmask[i]; the batch sizes may differ."""
+    gen = torch.Generator().manual_seed(21)
+    bm = random_bitmask(gen, 6, 4)
+    logits = random_logits(gen, 4, 120, torch.float32)
+    out = logits.clone()
+    apply_token_bitmask_inplace(out, bm, indices=[3, 1])
+    ref = apply_token_bitmask_reference(logits.clone(), bm[[3, 1]], [3, 1])
+    assert_bit_equal(out, ref)
+    assert_bit_equal(out[[0, 2]], logits[[0, 2]])
+    out = logits.clone()
+    apply_token_bitmask_inplace(out, bm, indices=torch.tensor([2]))
+    assert_bit_equal(out, apply_token_bitmask_reference(logits.clone(), bm[[2]], [2]))
+
+
+def test_columns_past_the_bitmask_are_masked_and_vocab_size_leaves_padding():
+    gen = torch.Generator().manual_seed(22)
+    bm = torch.full((2, 2), -1, dtype=torch.int32)            # 64 tokens, all allowed
+    logits = random_logits(gen, 2, 80, torch.float32)
+    out = logits.clone()
+    apply_token_bitmask_inplace(out, bm)
+    assert torch.isneginf(out[:, 64:]).all() and torch.equal(out[:, :64], logits[:, :64])
+    out = logits.clone()
+    apply_token_bitmask_inplace(out, torch.zeros(2, 2, dtype=torch.int32), vocab_size=60)
+    assert torch.isneginf(out[:, :60]).all() and torch.equal(out[:, 60:], logits[:, 60:])
+
+
+@pytest.mark.parametrize("kw", [{"vocab_size": 101}, {"vocab_size": -1}, {"vocab_size": 2.5}, {"vocab_size": True},
+                                {"indices": [4]}, {"indices": [0, 0]}, {"indices": [-1]}, {"indices": "0"}])
+def test_keyword_garbage(kw):
+    logits = _L.clone()
+    with pytest.raises(ValueError):
+        apply_token_bitmask_inplace(logits, _B, **kw)
+    assert_bit_equal(logits, _L)
+
+
+def test_indices_are_keyword_only_and_packed_needs_rows():
+    with pytest.raises(TypeError):
+        apply_token_bitmask_inplace(_L.clone(), _B[:2], [0, 1])   # the old positional, packed meaning
+    with pytest.raises(ValueError, match="logits_rows"):
+        apply_packed_token_bitmask_inplace(_L.clone(), _B, None)
 
 
 def test_error_messages_say_what_is_wrong():
     with pytest.raises(ValueError, match="int32"):
         apply_token_bitmask_inplace(_L.clone(), _B.long())
     with pytest.raises(ValueError, match="out of range"):
-        apply_token_bitmask_inplace(_L.clone(), _B[:1], [7])
+        apply_packed_token_bitmask_inplace(_L.clone(), _B[:1], [7])
     with pytest.raises(ValueError, match="3 rows but logits have 4"):
         apply_token_bitmask_inplace(_L.clone(), _B[:3])
     with pytest.raises(ValueError, match="meta"):
@@ -339,7 +409,7 @@ def test_buffers_feed_apply():
     rows = random_bitmask(gen, 3, 4).numpy()
     logits = random_logits(gen, 5, 100, torch.float32)
     ref = apply_token_bitmask_reference(logits.clone(), torch.from_numpy(rows), [4, 0, 2])
-    apply_token_bitmask_inplace(logits, buf.upload(rows), [4, 0, 2])
+    apply_packed_token_bitmask_inplace(logits, buf.upload(rows), [4, 0, 2])
     assert_bit_equal(logits, ref)
 
 
@@ -416,12 +486,12 @@ def test_buffers_reject_bad_construction():
 
 _CPU_SMOKE = """
 import torch
-from maskd_client.apply import apply_token_bitmask_inplace, apply_token_bitmask_reference, BitmaskBuffers
+from maskd_client.apply import apply_packed_token_bitmask_inplace, apply_token_bitmask_reference, BitmaskBuffers
 g = torch.Generator().manual_seed(0)
 bm = torch.randint(-2**31, 2**31, (3, 4), dtype=torch.int32, generator=g)
 lg = torch.randn(5, 120, generator=g)
 ref = apply_token_bitmask_reference(lg.clone(), bm, [4, 1, 0])
-apply_token_bitmask_inplace(lg, BitmaskBuffers(3, 4, device="cpu").upload(bm.numpy()), [4, 1, 0])
+apply_packed_token_bitmask_inplace(lg, BitmaskBuffers(3, 4, device="cpu").upload(bm.numpy()), [4, 1, 0])
 assert torch.equal(lg, ref)
 """
 
@@ -582,7 +652,10 @@ def test_cuda_matches_reference(vocab, words, dtype, use_triton, monkeypatch):
         lg = logits[:4] if indices is None else logits
         ref = apply_token_bitmask_reference(lg.clone(), bm, None if indices is None else list(map(int, indices)))
         out = lg.cuda()
-        apply_token_bitmask_inplace(out, bm.cuda(), indices)
+        if indices is None:
+            apply_token_bitmask_inplace(out, bm.cuda())
+        else:
+            apply_packed_token_bitmask_inplace(out, bm.cuda(), indices)
         assert_bit_equal(out, ref)
 
 
@@ -602,7 +675,7 @@ def test_cuda_buffers_side_stream():
         assert buf.ready_event() is not None
         buf.wait()
         out = logits.cuda()
-        apply_token_bitmask_inplace(out, dev_rows, idx)
+        apply_packed_token_bitmask_inplace(out, dev_rows, idx)
         buf.mark_consumed()
         assert_bit_equal(out, ref)
     assert buf.max_rows >= 3

@@ -68,8 +68,11 @@ class Stream:
             yield item
 
     def send(self, *seqs, forced=False):
+        return self.send_request(pb.StepRequest(seqs=list(seqs), want_forced_tokens=forced))
+
+    def send_request(self, request):
         with self._cv:
-            self._q.append(pb.StepRequest(seqs=list(seqs), want_forced_tokens=forced))
+            self._q.append(request)
             self._cv.notify()
         reply = next(self.call)
         if self.decoder is None:
@@ -253,7 +256,9 @@ def test_close_frees_and_closed_is_unknown(stub, server):
     assert r.results[0].status == pb.SEQ_STATUS_CLOSED and r.num_rows == 0
     r = s.send(step("c", n + 1, [15]))
     assert r.results[0].code == C.NOT_FOUND.value[0]
-    r = s.send(pb.SeqStep(seq_id="c", step=n, close=True))
+    r = s.send(pb.SeqStep(seq_id="c", step=n, close=True))   # a second close (another rank's) is answered
+    assert r.results[0].status == pb.SEQ_STATUS_CLOSED
+    r = s.send(pb.SeqStep(seq_id="never-opened", step=0, close=True))
     assert r.results[0].code == C.NOT_FOUND.value[0]
     s.close()
 

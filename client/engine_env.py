@@ -1,0 +1,92 @@
+"""How engine adapters (SGLang, vLLM) reach maskd: settings from the environment.
+
+The engines create their grammar backends and logits processors themselves, in every
+tensor-parallel rank, so the adapters read where maskd is from the environment:
+
+* ``MASKD_TARGET``: ``HOST:PORT`` of a maskd server, or ``directory:HOST:PORT`` of a cluster.
+* ``MASKD_SESSION``: the session key every rank of one engine shares (default: derived from the
+  engine's launch, identical on its ranks).
+* ``MASKD_AUTH_TOKEN`` (or ``MASKD_AUTH_TOKEN_FILE``): a bearer token.
+* ``MASKD_TLS=1`` and ``MASKD_TLS_ROOT_CERTS=PATH``: TLS (with a private CA).
+* ``MASKD_TOKENIZER_FINGERPRINT``: refuse a server with another vocabulary.
+* ``MASKD_TIMEOUT_S`` (30): one step's reply; ``MASKD_WAIT_TIMEOUT_S`` (60): how long a sequence
+  whose grammar is still compiling may hold a batch before it is given up.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+from collections.abc import Mapping
+
+from maskd_client.client import MaskClient
+
+
+class EngineConfigError(ValueError):
+    """The environment does not say how to reach maskd (or says it wrongly)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSettings:
+    target: str
+    session: str | None = None
+    auth_token: str | None = None
+    tls: bool = False
+    tls_root_certs: bytes | None = None
+    tokenizer_fingerprint: str | None = None
+    timeout_s: float = 30.0
+    wait_timeout_s: float = 60.0
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> EngineSettings:
+        env = os.environ if env is None else env
+        target = env.get("MASKD_TARGET", "").strip()
+        if not target:
+            raise EngineConfigError("MASKD_TARGET is not set: export MASKD_TARGET=HOST:PORT of a maskd server "
+                                    "(or directory:HOST:PORT of a maskd cluster) before starting the engine")
+        token = env.get("MASKD_AUTH_TOKEN") or None
+        token_file = env.get("MASKD_AUTH_TOKEN_FILE")
+        if token is None and token_file:
+            token = _read(token_file, "MASKD_AUTH_TOKEN_FILE").decode().strip()
+        certs_path = env.get("MASKD_TLS_ROOT_CERTS")
+        certs = _read(certs_path, "MASKD_TLS_ROOT_CERTS") if certs_path else None
+        return cls(target=target, session=env.get("MASKD_SESSION") or None, auth_token=token,
+                   tls=_flag(env.get("MASKD_TLS", "")) or certs is not None, tls_root_certs=certs,
+                   tokenizer_fingerprint=env.get("MASKD_TOKENIZER_FINGERPRINT") or None,
+                   timeout_s=_seconds(env, "MASKD_TIMEOUT_S", 30.0),
+                   wait_timeout_s=_seconds(env, "MASKD_WAIT_TIMEOUT_S", 60.0))
+
+    def client(self, default_session: str) -> MaskClient:
+        """A client on the shared session (MASKD_SESSION, or the engine's default key)."""
+        return MaskClient(self.target, tokenizer=self.tokenizer_fingerprint, session=self.session or default_session,
+                          auth_token=self.auth_token, tls=self.tls, tls_root_certs=self.tls_root_certs,
+                          timeout_s=self.timeout_s)
+
+
+def _read(path: str, name: str) -> bytes:
+    try:
+        return pathlib.Path(path).read_bytes()
+    except OSError as exc:
+        raise EngineConfigError(f"{name}={path}: {exc.strerror or exc}") from None
+
+
+def _flag(value: str) -> bool:
+    v = value.strip().lower()
+    if v in ("", "0", "false", "no", "off"):
+        return False
+    if v in ("1", "true", "yes", "on"):
+        return True
+    raise EngineConfigError(f"MASKD_TLS={value!r}: use 1 or 0")
+
+
+def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise EngineConfigError(f"{name}={raw!r} is not a number of seconds") from None
+    if not value > 0:
+        raise EngineConfigError(f"{name}={raw!r} must be positive")
+    return value

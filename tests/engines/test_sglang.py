@@ -1,0 +1,219 @@
+"""maskd as SGLang's grammar backend, driven through SGLang's own classes against a real server."""
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from sglang.srt.arg_groups.choices import GRAMMAR_BACKEND_CHOICES
+from sglang.srt.constrained.base_grammar_backend import GRAMMAR_BACKEND_REGISTRY, InvalidGrammarObject
+from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, load_plugins_by_group
+from sglang_drive import allowed, backend_from_registry, compile, llguidance_rows, masks, run_conformance
+
+from conftest import MASKBENCH, needs_maskbench, hold_compiles
+from maskd.server import MaskServer, ServerConfig
+from maskd.server.tokenizers import load_tokenizer
+from maskd.tools import conformance
+from maskd_client import sglang as maskd_sglang
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
+          "required": ["name", "n"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = MaskServer(ServerConfig(port=0, tokenizer="cl100k", threads=2, compile_threads=1)).start()
+    yield srv
+    srv.stop(grace=0.5)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer("cl100k")
+
+
+@pytest.fixture
+def backend(server, tok, monkeypatch):
+    monkeypatch.setenv("MASKD_TARGET", server.address)
+    monkeypatch.setenv("MASKD_WAIT_TIMEOUT_S", "10")
+    be = backend_from_registry(tok.ll.vocab_size, tok.eos_token_ids)
+    yield be
+    be.shutdown()
+
+
+def test_registered_through_sglangs_registry_and_plugins():
+    assert GRAMMAR_BACKEND_REGISTRY["maskd"] is maskd_sglang.create_backend
+    assert "maskd" in GRAMMAR_BACKEND_CHOICES                     # --grammar-backend maskd parses
+    plugins = load_plugins_by_group(GENERAL_PLUGINS_GROUP)        # what every SGLang process loads
+    func, dist = plugins["maskd"]
+    assert func is maskd_sglang.register and dist == "maskd"
+
+
+def test_no_target_is_a_clear_error(monkeypatch, tok):
+    monkeypatch.delenv("MASKD_TARGET", raising=False)
+    with pytest.raises(ValueError, match="MASKD_TARGET is not set"):
+        backend_from_registry(tok.ll.vocab_size, tok.eos_token_ids)
+
+
+@pytest.mark.parametrize("env,message", [({"MASKD_TLS": "maybe"}, "MASKD_TLS"),
+                                         ({"MASKD_TIMEOUT_S": "-1"}, "positive"),
+                                         ({"MASKD_TLS_ROOT_CERTS": "/no/such/ca.pem"}, "MASKD_TLS_ROOT_CERTS")])
+def test_garbage_settings(monkeypatch, tok, server, env, message):
+    monkeypatch.setenv("MASKD_TARGET", server.address)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValueError, match=message):
+        backend_from_registry(tok.ll.vocab_size, tok.eos_token_ids)
+
+
+def test_rows_equal_in_process_llguidance_on_builtin_samples(backend, tok):
+    """Every row SGLang's batch mask gets from maskd equals llguidance's in process."""
+    suite = conformance.load_suite(conformance.SAMPLE_DIR)
+    cases = []
+    for _name, schema, tests in suite:
+        text = json.dumps(schema, ensure_ascii=False)
+        for t in tests:
+            if t["valid"]:
+                cases.append((text, tok.encode(json.dumps(t["data"], ensure_ascii=False))))
+    grammars = [compile(backend, ("json", text))[0] for text, _ in cases]
+    expected = [llguidance_rows(tok, text, toks) for text, toks in cases]
+    words = expected[0].shape[1]
+    pos = [0] * len(cases)
+    steps = 0
+    while any(p <= len(toks) for p, (_, toks) in zip(pos, cases)):
+        live = [i for i, (_, toks) in enumerate(cases) if pos[i] <= len(toks)]
+        batch = [grammars[i] if i in live else None for i in range(len(cases))]   # None: no grammar
+        mask = masks(batch, tok.ll.vocab_size)
+        steps += 1
+        for i in range(len(cases)):
+            row = mask[i].numpy()
+            if i not in live:
+                assert (row == -1).all()                  # requests without a grammar stay unconstrained
+                continue
+            assert np.array_equal(row[:words], expected[i][pos[i]]), (i, pos[i])
+            toks = cases[i][1]
+            if pos[i] < len(toks):
+                grammars[i].accept_token(toks[pos[i]])
+            else:
+                assert allowed(mask[i], tok.eos_token_ids[0])
+                grammars[i].accept_token(tok.eos_token_ids[0])
+                assert grammars[i].is_terminated()
+                grammars[i].finished = True
+            pos[i] += 1
+    assert backend.steps == steps            # one maskd step per scheduler step (nothing was compiling)
+
+
+def test_invalid_grammar_is_sglangs_invalid_object_with_the_engines_message(backend):
+    g, error = compile(backend, ("regex", "(unclosed"))
+    assert g is None and "does not compile" in error and "unclosed" in error
+    value, hit = backend.get_cached_or_future_value(("regex", "(unclosed"), False)
+    assert hit and isinstance(value, InvalidGrammarObject)       # cached like SGLang's own backends
+    for key in (("json", "{not json"), ("json", json.dumps({"name": "x", "strict": True})), ("ebnf", "")):
+        g, error = compile(backend, key)
+        assert g is None and error, key
+
+
+def test_accept_rollback_terminate_copy_and_jump_forward(backend, tok):
+    key = ("json", json.dumps(SCHEMA))
+    g, _ = compile(backend, key)
+    other = g.copy()
+    assert other is not g and other.seq_id is None            # a new sequence on the cached grammar
+    row = masks([g], tok.ll.vocab_size)[0]
+    brace = tok.encode("{")[0]
+    assert allowed(row, brace) and not allowed(row, tok.encode("[")[0])
+    with pytest.raises(ValueError, match="not allowed"):
+        g.accept_token(tok.encode("[")[0])                     # rejected at once, as SGLang's backends do
+    g.accept_token(brace)
+    masks([g], tok.ll.vocab_size)
+    assert g.try_jump_forward(None) is None            # flexible whitespace: nothing is forced after '{'
+    r, _ = compile(backend, ("regex", "hello world [0-9]"))
+    masks([r], tok.ll.vocab_size)
+    forced = r.try_jump_forward(None)
+    import llguidance
+    m = llguidance.LLMatcher(tok.ll, llguidance.LLMatcher.grammar_from_regex("hello world [0-9]"), log_level=0)
+    assert forced is not None and forced[0] == m.compute_ff_tokens() and tok.decode(forced[0]) == "hello world "
+    assert r.jump_forward_str_state(forced) == ("", -1)
+    for t in forced[0]:
+        r.accept_token(t)
+    assert r.try_jump_forward(None) is None            # tokens recorded since the last row
+    r.rollback(len(forced[0]))                         # taken back before they were sent
+    row = masks([r], tok.ll.vocab_size)[0]
+    assert allowed(row, forced[0][0])
+    g.rollback(1)                                              # the '{' the server has: rolled back there
+    row = masks([g], tok.ll.vocab_size)[0]
+    assert allowed(row, brace)
+    for t in tok.encode('{"name": "a", "n": 1}'):
+        g.accept_token(t)
+    row = masks([g], tok.ll.vocab_size)[0]
+    eos = tok.eos_token_ids[0]
+    assert allowed(row, eos)
+    g.accept_token(eos)
+    assert g.is_terminated()
+    g.rollback(1)
+    assert not g.is_terminated()
+    row = masks([g, other], tok.ll.vocab_size)
+    assert allowed(row[0], eos) and allowed(row[1], brace) and not allowed(row[1], eos)
+
+
+def test_a_sequence_whose_grammar_is_compiling_waits_and_never_gets_all_allowed(backend, server, tok):
+    spec = maskd_sglang.GrammarSpec.from_request({"regex": "w[0-9]{4}"})
+    g = maskd_sglang.MaskdGrammar(backend, spec, "not-registered")   # e.g. evicted from the server's cache
+    gate = threading.Event()
+    hold_compiles(server.cache, gate)                  # compiles wait for the gate
+    threading.Timer(0.3, gate.set).start()
+    polls = backend.polls
+    row = masks([g], tok.ll.vocab_size)[0]
+    assert backend.polls > polls
+    assert allowed(row, tok.encode("w")[0]) and not allowed(row, tok.encode("x")[0])
+
+
+def test_a_failed_sequence_gets_an_eos_only_row_and_its_neighbours_carry_on(backend, tok):
+    g, _ = compile(backend, ("regex", "[a-z]+"))
+    h = g.copy()
+    masks([g, h], tok.ll.vocab_size)
+    g.accept_token(tok.encode("ab")[0])
+    g.accept_token(tok.encode("7")[0])        # not checked locally (second token of the step): the server fails it
+    h.accept_token(tok.encode("cd")[0])
+    mask = masks([g, h], tok.ll.vocab_size)
+    assert "rejected" in g.failed
+    eos = tok.eos_token_ids[0]
+    assert allowed(mask[0], eos) and int(torch.count_nonzero(mask[0])) == 1
+    assert allowed(mask[1], tok.encode("e")[0])
+
+
+def test_finished_and_dropped_grammars_are_closed_on_the_server(backend, server, tok):
+    before = server.service.live_sequences()
+    g, _ = compile(backend, ("regex", "[0-9]+"))
+    grammars = [g] + [g.copy() for _ in range(3)]
+    masks(grammars, tok.ll.vocab_size)
+    assert server.service.live_sequences() == before + 4
+    grammars[0].finished = True
+    del grammars[1:]
+    masks([grammars[0].copy()], tok.ll.vocab_size)       # closes ride on the next step
+    backend.client.flush_closes()
+    deadline = time.time() + 5
+    while server.service.live_sequences() > before + 1 and time.time() < deadline:
+        time.sleep(0.02)
+    assert server.service.live_sequences() == before + 1
+
+
+@needs_maskbench
+def test_maskbench_slice_through_sglangs_registry_equals_in_process_llguidance(monkeypatch):
+    srv = MaskServer(ServerConfig(port=0, tokenizer="deepseek-v4", threads=2)).start()
+    try:
+        monkeypatch.setenv("MASKD_TARGET", srv.address)
+        tok = load_tokenizer("deepseek-v4")
+        be = backend_from_registry(tok.ll.vocab_size, tok.eos_token_ids)
+        suite = conformance.load_suite(MASKBENCH)[::28]          # 40 files spread over the whole set
+        got = run_conformance(be, tok, suite)
+        be.shutdown()
+    finally:
+        srv.stop(grace=0.5)
+    local = conformance.run_in_process("deepseek-v4", suite)
+    for key in ("schemas", "compiled", "compile_errors", "valid_total", "valid_accepted", "invalid_total",
+                "invalid_rejected"):
+        assert got[key] == local[key], (key, got[key], local[key])
+    assert got["compile_error_files"] == local["compile_error_files"]
+    assert got["false_accepts"] == local["false_accepts"] == []
+    assert got["masks"] > 1000
