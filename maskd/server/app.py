@@ -31,7 +31,8 @@ class MaskServer:
         limits = config.limits
         self.metrics = Metrics()
         tokenizer = load_tokenizer(config.tokenizer, config.logits_width)
-        self.engine = create_engine(config.backend, tokenizer, threads=config.fill_threads)
+        self.engine = create_engine(config.backend, tokenizer, threads=config.fill_threads,
+                                    json_schema_mode=config.json_schema_mode)
         self.cache = GrammarCache(self.engine, max_entries=config.cache_entries,
                                   compile_threads=config.compile_threads,
                                   compile_timeout_s=limits.compile_timeout_s, metrics=self.metrics,

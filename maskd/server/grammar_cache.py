@@ -60,7 +60,8 @@ class GrammarCache:
         self.compiles = 0  # compiles this cache ran itself
 
     def grammar_id(self, spec: GrammarSpec) -> str:
-        return spec.grammar_id(self.engine.tokenizer.fingerprint, self.engine.name, self.engine.version)
+        return spec.grammar_id(self.engine.tokenizer.fingerprint, self.engine.name, self.engine.version,
+                               json_schema_mode=self.engine.json_schema_mode)
 
     def lookup(self, spec: GrammarSpec) -> CacheEntry:
         """The entry for a spec, starting its compile if it is new. Never blocks on a compile."""

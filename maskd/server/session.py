@@ -29,6 +29,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from maskd.server.config import Limits
+from maskd.server.doc_checks import DocumentChecks
 from maskd.server.engines import Engine, Matcher
 from maskd.server.grammar_cache import CacheEntry, GrammarCache
 from maskd.specs import GrammarSpec, SpecError
@@ -44,6 +45,7 @@ class SequenceState:
     __slots__ = (
         "accepted",
         "dead_reason",
+        "doc",
         "entry",
         "finished",
         "last_drafts",
@@ -61,6 +63,7 @@ class SequenceState:
         self.seq_id = seq_id
         self.entry = entry
         self.matcher: Matcher | None = None
+        self.doc = None                # complete JSON-schema mode: the output the validator checks
         self.step = step               # last step applied
         self.accepted = 0              # tokens the matcher consumed (bounds rollback)
         self.pending: list[int] = []   # tokens received while the grammar compiled
@@ -112,6 +115,7 @@ class Session:
         self.streams = 0
         self.vocab_limit = engine.width
         self._rows = engine.allocate(64)
+        self.checks = DocumentChecks(engine, cache.metrics)   # complete-mode hooks (doc_checks.py)
 
     # -- public -----------------------------------------------------------------------------------
     def step(self, request: pb.StepRequest) -> StepOutcome:
@@ -126,7 +130,7 @@ class Session:
             fill += repeats
             self._consume(consume, fill, refusals)
             t0 = time.perf_counter()
-            rows = self._fill(fill, request.want_forced_tokens)
+            rows = self._fill(fill, request.want_forced_tokens, refusals)
             return StepOutcome(results, rows, refusals, time.perf_counter() - t0)
 
     def close_all(self) -> int:
@@ -362,11 +366,14 @@ class Session:
             matcher = seq.matcher
             if matcher is None:
                 matcher = seq.matcher = self.engine.new_matcher(entry.compiled)
+                seq.doc = self.checks.open_document(entry.compiled)
                 if seq.pending:  # tokens queued while the grammar compiled come first
                     tokens = seq.pending + list(tokens)
                     seq.pending = []
             if msg.rollback:
                 matcher.rollback(msg.rollback)
+                if seq.doc is not None:
+                    seq.doc.rollback(msg.rollback)
                 seq.accepted -= msg.rollback
                 seq.finished = False
             _record(seq, msg)
@@ -378,6 +385,8 @@ class Session:
         if not consume:
             return
         reasons = self.engine.consume_batch([a.matcher for a in consume], [a.tokens for a in consume])
+        if self.checks.live:
+            reasons = self.checks.consumed(consume, reasons)
         for adv, reason in zip(consume, reasons):
             seq = adv.seq
             if reason is None:
@@ -385,12 +394,12 @@ class Session:
                 fill.append(adv)
             else:
                 seq.dead_reason = f"token rejected: {reason}"
-                seq.matcher = None
+                seq.matcher = seq.doc = None
                 refusals["token_rejected"] += 1
                 _fail(adv.res, seq, seq.dead_reason)
 
     # -- phase 5: filling -------------------------------------------------------------------------
-    def _fill(self, fill: list[_Advance], want_forced: bool) -> np.ndarray:
+    def _fill(self, fill: list[_Advance], want_forced: bool, refusals) -> np.ndarray:
         n_rows = sum(1 + len(a.drafts) for a in fill)
         if n_rows > self._rows.shape[0]:
             self._rows = self.engine.allocate(max(n_rows, 2 * self._rows.shape[0]))
@@ -417,7 +426,10 @@ class Session:
             first_rows.append(row)
             drafts.append(d)
             row += 1 + len(d)
+        pending = self.checks.start(fill) if self.checks.live else None
         self.engine.fill_batch(matchers, first_rows, drafts if any_drafts else None, out)
+        if pending is not None:
+            self.checks.finish(pending, out, refusals)
         return out
 
     def _forget(self, sid: str) -> None:

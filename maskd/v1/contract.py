@@ -146,6 +146,12 @@ class ServerInfo:
     max_draft_tokens: int = 0
     #: Most live sequences one session may hold.
     max_sequences_per_session: int = 0
+    #: How JSON schemas (json_schema, and the JSON arguments of structural tags) are enforced, part
+    #: of every grammar id: "strict" (the grammar enforces the whole schema, or the schema is refused)
+    #: or "complete" (where the engine cannot enforce a keyword, the grammar is the closest
+    #: relaxation and each finished document is checked by a JSON Schema validator before EOS is
+    #: allowed; a document that cannot pass fails its sequence with the validator's message).
+    json_schema_mode: str = ""
 
     @classmethod
     def from_proto(cls, msg: Any) -> ServerInfo:
@@ -168,4 +174,5 @@ class ServerInfo:
             max_tokens_per_step=msg.max_tokens_per_step,
             max_draft_tokens=msg.max_draft_tokens,
             max_sequences_per_session=msg.max_sequences_per_session,
+            json_schema_mode=msg.json_schema_mode,
         )

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import descriptor_pb2 as google_dot_protobuf_dot_descriptor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14maskd/v1/maskd.proto\x12\x08maskd.v1\x1a google/protobuf/descriptor.proto\"j\n\x08\x43ontract\x12\x1c\n\x14session_metadata_key\x18\x01 \x01(\t\x12\x19\n\x11\x61uth_metadata_key\x18\x02 \x01(\t\x12\x13\n\x0b\x61uth_scheme\x18\x03 \x01(\t\x12\x10\n\x08revision\x18\x04 \x01(\r\"\r\n\x0bInfoRequest\"\xd0\x03\n\x0cInfoResponse\x12\x16\n\x0eserver_version\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x17\n\x0f\x62\x61\x63kend_version\x18\x03 \x01(\t\x12\x11\n\ttokenizer\x18\x04 \x01(\t\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x14\n\x0clogits_width\x18\x06 \x01(\r\x12\x15\n\rwords_per_row\x18\x07 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x08 \x01(\t\x12\x15\n\reos_token_ids\x18\t \x03(\x05\x12\x19\n\x11max_message_bytes\x18\n \x01(\x04\x12\x19\n\x11max_rows_per_step\x18\x0b \x01(\r\x12,\n\rrow_encodings\x18\x0c \x03(\x0e\x32\x15.maskd.v1.RowEncoding\x12\x1b\n\x13row_dictionary_size\x18\r \x01(\r\x12\x19\n\x11\x63ontract_revision\x18\x0e \x01(\r\x12\x1b\n\x13max_tokens_per_step\x18\x0f \x01(\r\x12\x18\n\x10max_draft_tokens\x18\x10 \x01(\r\x12!\n\x19max_sequences_per_session\x18\x11 \x01(\r\"j\n\x0eGrammarOptions\x12(\n\nwhitespace\x18\x01 \x01(\x0e\x32\x14.maskd.v1.Whitespace\x12\x17\n\x0freasoning_start\x18\x02 \x01(\t\x12\x15\n\rreasoning_end\x18\x03 \x01(\t\"\x1b\n\nChoiceList\x12\r\n\x05items\x18\x01 \x03(\t\"\xca\x01\n\x0bGrammarSpec\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12\x0e\n\x04lark\x18\x03 \x01(\tH\x00\x12\x0e\n\x04\x65\x62nf\x18\x04 \x01(\tH\x00\x12&\n\x06\x63hoice\x18\x05 \x01(\x0b\x32\x14.maskd.v1.ChoiceListH\x00\x12\x18\n\x0estructural_tag\x18\x06 \x01(\tH\x00\x12)\n\x07options\x18\n \x01(\x0b\x32\x18.maskd.v1.GrammarOptionsB\x06\n\x04kind\"{\n\x16RegisterGrammarRequest\x12#\n\x04spec\x18\x01 \x01(\x0b\x32\x15.maskd.v1.GrammarSpec\x12\x0c\n\x04wait\x18\x02 \x01(\x08\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x04 \x01(\t\"|\n\x17RegisterGrammarResponse\x12\x12\n\ngrammar_id\x18\x01 \x01(\t\x12%\n\x05state\x18\x02 \x01(\x0e\x32\x16.maskd.v1.GrammarState\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x17\n\x0f\x63ompile_seconds\x18\x04 \x01(\x01\"\xcb\x01\n\x07SeqStep\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x04 \x03(\x05\x12\x14\n\ngrammar_id\x18\x05 \x01(\tH\x00\x12%\n\x04spec\x18\x06 \x01(\x0b\x32\x15.maskd.v1.GrammarSpecH\x00\x12\r\n\x05\x63lose\x18\x07 \x01(\x08\x12\x10\n\x08rollback\x18\x08 \x01(\r\x12\x16\n\x0ehistory_offset\x18\t \x01(\rB\x06\n\x04open\"J\n\x0bStepRequest\x12\x1f\n\x04seqs\x18\x01 \x03(\x0b\x32\x11.maskd.v1.SeqStep\x12\x1a\n\x12want_forced_tokens\x18\x02 \x01(\x08\"\xd1\x01\n\tSeqResult\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\r\x12#\n\x06status\x18\x03 \x01(\x0e\x32\x13.maskd.v1.SeqStatus\x12\x0c\n\x04\x63ode\x18\x04 \x01(\x05\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x15\n\rforced_tokens\x18\x06 \x03(\x05\x12\x11\n\tfirst_row\x18\x07 \x01(\r\x12\x10\n\x08num_rows\x18\x08 \x01(\r\x12\x14\n\x0c\x64rafts_valid\x18\t \x01(\r\x12\x11\n\taccepting\x18\n \x01(\x08\"M\n\x07MaskRow\x12\'\n\x08\x65ncoding\x18\x01 \x01(\x0e\x32\x15.maskd.v1.RowEncoding\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0b\n\x03ref\x18\x03 \x01(\r\"\x84\x01\n\x0cStepResponse\x12$\n\x07results\x18\x01 \x03(\x0b\x32\x13.maskd.v1.SeqResult\x12\x1f\n\x04rows\x18\x02 \x03(\x0b\x32\x11.maskd.v1.MaskRow\x12\x15\n\rwords_per_row\x18\x03 \x01(\r\x12\x16\n\x0eserver_seconds\x18\x04 \x01(\x01*U\n\nWhitespace\x12\x16\n\x12WHITESPACE_DEFAULT\x10\x00\x12\x17\n\x13WHITESPACE_FLEXIBLE\x10\x01\x12\x16\n\x12WHITESPACE_COMPACT\x10\x02*}\n\x0cGrammarState\x12\x1d\n\x19GRAMMAR_STATE_UNSPECIFIED\x10\x00\x12\x1b\n\x17GRAMMAR_STATE_COMPILING\x10\x01\x12\x17\n\x13GRAMMAR_STATE_READY\x10\x02\x12\x18\n\x14GRAMMAR_STATE_FAILED\x10\x03*\xb2\x01\n\tSeqStatus\x12\x1a\n\x16SEQ_STATUS_UNSPECIFIED\x10\x00\x12\x14\n\x10SEQ_STATUS_READY\x10\x01\x12\x16\n\x12SEQ_STATUS_WAITING\x10\x02\x12\x15\n\x11SEQ_STATUS_FAILED\x10\x03\x12\x17\n\x13SEQ_STATUS_FINISHED\x10\x04\x12\x15\n\x11SEQ_STATUS_CLOSED\x10\x05\x12\x14\n\x10SEQ_STATUS_ERROR\x10\x06*}\n\x0bRowEncoding\x12\x16\n\x12ROW_ENCODING_DENSE\x10\x00\x12\x1c\n\x18ROW_ENCODING_ALLOWED_IDS\x10\x01\x12\x1d\n\x19ROW_ENCODING_REJECTED_IDS\x10\x02\x12\x19\n\x15ROW_ENCODING_DICT_REF\x10\x03\x32\xda\x01\n\x0bMaskService\x12\x35\n\x04Info\x12\x15.maskd.v1.InfoRequest\x1a\x16.maskd.v1.InfoResponse\x12V\n\x0fRegisterGrammar\x12 .maskd.v1.RegisterGrammarRequest\x1a!.maskd.v1.RegisterGrammarResponse\x12<\n\x07Session\x12\x15.maskd.v1.StepRequest\x1a\x16.maskd.v1.StepResponse(\x01\x30\x01:D\n\x08\x63ontract\x12\x1c.google.protobuf.FileOptions\x18\xab\x8c\x03 \x01(\x0b\x32\x12.maskd.v1.ContractB,\xda\xe2\x18(\n\rmaskd-session\x12\rauthorization\x1a\x06\x42\x65\x61rer \x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14maskd/v1/maskd.proto\x12\x08maskd.v1\x1a google/protobuf/descriptor.proto\"j\n\x08\x43ontract\x12\x1c\n\x14session_metadata_key\x18\x01 \x01(\t\x12\x19\n\x11\x61uth_metadata_key\x18\x02 \x01(\t\x12\x13\n\x0b\x61uth_scheme\x18\x03 \x01(\t\x12\x10\n\x08revision\x18\x04 \x01(\r\"\r\n\x0bInfoRequest\"\xea\x03\n\x0cInfoResponse\x12\x16\n\x0eserver_version\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x17\n\x0f\x62\x61\x63kend_version\x18\x03 \x01(\t\x12\x11\n\ttokenizer\x18\x04 \x01(\t\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x14\n\x0clogits_width\x18\x06 \x01(\r\x12\x15\n\rwords_per_row\x18\x07 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x08 \x01(\t\x12\x15\n\reos_token_ids\x18\t \x03(\x05\x12\x19\n\x11max_message_bytes\x18\n \x01(\x04\x12\x19\n\x11max_rows_per_step\x18\x0b \x01(\r\x12,\n\rrow_encodings\x18\x0c \x03(\x0e\x32\x15.maskd.v1.RowEncoding\x12\x1b\n\x13row_dictionary_size\x18\r \x01(\r\x12\x19\n\x11\x63ontract_revision\x18\x0e \x01(\r\x12\x1b\n\x13max_tokens_per_step\x18\x0f \x01(\r\x12\x18\n\x10max_draft_tokens\x18\x10 \x01(\r\x12!\n\x19max_sequences_per_session\x18\x11 \x01(\r\x12\x18\n\x10json_schema_mode\x18\x12 \x01(\t\"\x9a\x01\n\x0eGrammarOptions\x12(\n\nwhitespace\x18\x01 \x01(\x0e\x32\x14.maskd.v1.Whitespace\x12\x17\n\x0freasoning_start\x18\x02 \x01(\t\x12\x15\n\rreasoning_end\x18\x03 \x01(\t\x12\x1b\n\x0emax_whitespace\x18\x04 \x01(\rH\x00\x88\x01\x01\x42\x11\n\x0f_max_whitespace\"\x1b\n\nChoiceList\x12\r\n\x05items\x18\x01 \x03(\t\"\xca\x01\n\x0bGrammarSpec\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12\x0e\n\x04lark\x18\x03 \x01(\tH\x00\x12\x0e\n\x04\x65\x62nf\x18\x04 \x01(\tH\x00\x12&\n\x06\x63hoice\x18\x05 \x01(\x0b\x32\x14.maskd.v1.ChoiceListH\x00\x12\x18\n\x0estructural_tag\x18\x06 \x01(\tH\x00\x12)\n\x07options\x18\n \x01(\x0b\x32\x18.maskd.v1.GrammarOptionsB\x06\n\x04kind\"{\n\x16RegisterGrammarRequest\x12#\n\x04spec\x18\x01 \x01(\x0b\x32\x15.maskd.v1.GrammarSpec\x12\x0c\n\x04wait\x18\x02 \x01(\x08\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x04 \x01(\t\"|\n\x17RegisterGrammarResponse\x12\x12\n\ngrammar_id\x18\x01 \x01(\t\x12%\n\x05state\x18\x02 \x01(\x0e\x32\x16.maskd.v1.GrammarState\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x17\n\x0f\x63ompile_seconds\x18\x04 \x01(\x01\"\xcb\x01\n\x07SeqStep\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x04 \x03(\x05\x12\x14\n\ngrammar_id\x18\x05 \x01(\tH\x00\x12%\n\x04spec\x18\x06 \x01(\x0b\x32\x15.maskd.v1.GrammarSpecH\x00\x12\r\n\x05\x63lose\x18\x07 \x01(\x08\x12\x10\n\x08rollback\x18\x08 \x01(\r\x12\x16\n\x0ehistory_offset\x18\t \x01(\rB\x06\n\x04open\"J\n\x0bStepRequest\x12\x1f\n\x04seqs\x18\x01 \x03(\x0b\x32\x11.maskd.v1.SeqStep\x12\x1a\n\x12want_forced_tokens\x18\x02 \x01(\x08\"\xd1\x01\n\tSeqResult\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\r\x12#\n\x06status\x18\x03 \x01(\x0e\x32\x13.maskd.v1.SeqStatus\x12\x0c\n\x04\x63ode\x18\x04 \x01(\x05\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x15\n\rforced_tokens\x18\x06 \x03(\x05\x12\x11\n\tfirst_row\x18\x07 \x01(\r\x12\x10\n\x08num_rows\x18\x08 \x01(\r\x12\x14\n\x0c\x64rafts_valid\x18\t \x01(\r\x12\x11\n\taccepting\x18\n \x01(\x08\"M\n\x07MaskRow\x12\'\n\x08\x65ncoding\x18\x01 \x01(\x0e\x32\x15.maskd.v1.RowEncoding\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0b\n\x03ref\x18\x03 \x01(\r\"\x84\x01\n\x0cStepResponse\x12$\n\x07results\x18\x01 \x03(\x0b\x32\x13.maskd.v1.SeqResult\x12\x1f\n\x04rows\x18\x02 \x03(\x0b\x32\x11.maskd.v1.MaskRow\x12\x15\n\rwords_per_row\x18\x03 \x01(\r\x12\x16\n\x0eserver_seconds\x18\x04 \x01(\x01*U\n\nWhitespace\x12\x16\n\x12WHITESPACE_DEFAULT\x10\x00\x12\x17\n\x13WHITESPACE_FLEXIBLE\x10\x01\x12\x16\n\x12WHITESPACE_COMPACT\x10\x02*}\n\x0cGrammarState\x12\x1d\n\x19GRAMMAR_STATE_UNSPECIFIED\x10\x00\x12\x1b\n\x17GRAMMAR_STATE_COMPILING\x10\x01\x12\x17\n\x13GRAMMAR_STATE_READY\x10\x02\x12\x18\n\x14GRAMMAR_STATE_FAILED\x10\x03*\xb2\x01\n\tSeqStatus\x12\x1a\n\x16SEQ_STATUS_UNSPECIFIED\x10\x00\x12\x14\n\x10SEQ_STATUS_READY\x10\x01\x12\x16\n\x12SEQ_STATUS_WAITING\x10\x02\x12\x15\n\x11SEQ_STATUS_FAILED\x10\x03\x12\x17\n\x13SEQ_STATUS_FINISHED\x10\x04\x12\x15\n\x11SEQ_STATUS_CLOSED\x10\x05\x12\x14\n\x10SEQ_STATUS_ERROR\x10\x06*}\n\x0bRowEncoding\x12\x16\n\x12ROW_ENCODING_DENSE\x10\x00\x12\x1c\n\x18ROW_ENCODING_ALLOWED_IDS\x10\x01\x12\x1d\n\x19ROW_ENCODING_REJECTED_IDS\x10\x02\x12\x19\n\x15ROW_ENCODING_DICT_REF\x10\x03\x32\xda\x01\n\x0bMaskService\x12\x35\n\x04Info\x12\x15.maskd.v1.InfoRequest\x1a\x16.maskd.v1.InfoResponse\x12V\n\x0fRegisterGrammar\x12 .maskd.v1.RegisterGrammarRequest\x1a!.maskd.v1.RegisterGrammarResponse\x12<\n\x07Session\x12\x15.maskd.v1.StepRequest\x1a\x16.maskd.v1.StepResponse(\x01\x30\x01:D\n\x08\x63ontract\x12\x1c.google.protobuf.FileOptions\x18\xab\x8c\x03 \x01(\x0b\x32\x12.maskd.v1.ContractB,\xda\xe2\x18(\n\rmaskd-session\x12\rauthorization\x1a\x06\x42\x65\x61rer \x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,40 +33,40 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'maskd.v1.maskd_pb2', _globa
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\332\342\030(\n\rmaskd-session\022\rauthorization\032\006Bearer \002'
-  _globals['_WHITESPACE']._serialized_start=1959
-  _globals['_WHITESPACE']._serialized_end=2044
-  _globals['_GRAMMARSTATE']._serialized_start=2046
-  _globals['_GRAMMARSTATE']._serialized_end=2171
-  _globals['_SEQSTATUS']._serialized_start=2174
-  _globals['_SEQSTATUS']._serialized_end=2352
-  _globals['_ROWENCODING']._serialized_start=2354
-  _globals['_ROWENCODING']._serialized_end=2479
+  _globals['_WHITESPACE']._serialized_start=2034
+  _globals['_WHITESPACE']._serialized_end=2119
+  _globals['_GRAMMARSTATE']._serialized_start=2121
+  _globals['_GRAMMARSTATE']._serialized_end=2246
+  _globals['_SEQSTATUS']._serialized_start=2249
+  _globals['_SEQSTATUS']._serialized_end=2427
+  _globals['_ROWENCODING']._serialized_start=2429
+  _globals['_ROWENCODING']._serialized_end=2554
   _globals['_CONTRACT']._serialized_start=68
   _globals['_CONTRACT']._serialized_end=174
   _globals['_INFOREQUEST']._serialized_start=176
   _globals['_INFOREQUEST']._serialized_end=189
   _globals['_INFORESPONSE']._serialized_start=192
-  _globals['_INFORESPONSE']._serialized_end=656
-  _globals['_GRAMMAROPTIONS']._serialized_start=658
-  _globals['_GRAMMAROPTIONS']._serialized_end=764
-  _globals['_CHOICELIST']._serialized_start=766
-  _globals['_CHOICELIST']._serialized_end=793
-  _globals['_GRAMMARSPEC']._serialized_start=796
-  _globals['_GRAMMARSPEC']._serialized_end=998
-  _globals['_REGISTERGRAMMARREQUEST']._serialized_start=1000
-  _globals['_REGISTERGRAMMARREQUEST']._serialized_end=1123
-  _globals['_REGISTERGRAMMARRESPONSE']._serialized_start=1125
-  _globals['_REGISTERGRAMMARRESPONSE']._serialized_end=1249
-  _globals['_SEQSTEP']._serialized_start=1252
-  _globals['_SEQSTEP']._serialized_end=1455
-  _globals['_STEPREQUEST']._serialized_start=1457
-  _globals['_STEPREQUEST']._serialized_end=1531
-  _globals['_SEQRESULT']._serialized_start=1534
-  _globals['_SEQRESULT']._serialized_end=1743
-  _globals['_MASKROW']._serialized_start=1745
-  _globals['_MASKROW']._serialized_end=1822
-  _globals['_STEPRESPONSE']._serialized_start=1825
-  _globals['_STEPRESPONSE']._serialized_end=1957
-  _globals['_MASKSERVICE']._serialized_start=2482
-  _globals['_MASKSERVICE']._serialized_end=2700
+  _globals['_INFORESPONSE']._serialized_end=682
+  _globals['_GRAMMAROPTIONS']._serialized_start=685
+  _globals['_GRAMMAROPTIONS']._serialized_end=839
+  _globals['_CHOICELIST']._serialized_start=841
+  _globals['_CHOICELIST']._serialized_end=868
+  _globals['_GRAMMARSPEC']._serialized_start=871
+  _globals['_GRAMMARSPEC']._serialized_end=1073
+  _globals['_REGISTERGRAMMARREQUEST']._serialized_start=1075
+  _globals['_REGISTERGRAMMARREQUEST']._serialized_end=1198
+  _globals['_REGISTERGRAMMARRESPONSE']._serialized_start=1200
+  _globals['_REGISTERGRAMMARRESPONSE']._serialized_end=1324
+  _globals['_SEQSTEP']._serialized_start=1327
+  _globals['_SEQSTEP']._serialized_end=1530
+  _globals['_STEPREQUEST']._serialized_start=1532
+  _globals['_STEPREQUEST']._serialized_end=1606
+  _globals['_SEQRESULT']._serialized_start=1609
+  _globals['_SEQRESULT']._serialized_end=1818
+  _globals['_MASKROW']._serialized_start=1820
+  _globals['_MASKROW']._serialized_end=1897
+  _globals['_STEPRESPONSE']._serialized_start=1900
+  _globals['_STEPRESPONSE']._serialized_end=2032
+  _globals['_MASKSERVICE']._serialized_start=2557
+  _globals['_MASKSERVICE']._serialized_end=2775
 # @@protoc_insertion_point(module_scope)

@@ -280,9 +280,9 @@ class XGrammarEngine(Engine):
     name = "xgrammar"
     version = f"{_XGR_VERSION}+maskd.{_MAPPING_REVISION}"
 
-    def __init__(self, tokenizer, *, threads: int,
+    def __init__(self, tokenizer, *, threads: int, json_schema_mode: str = "strict",
                  vocab_source: str = "auto", cache_limit_bytes: int = 512 << 20) -> None:
-        super().__init__(tokenizer, threads=threads)
+        super().__init__(tokenizer, threads=threads, json_schema_mode=json_schema_mode)
         self.tokenizer_info = build_tokenizer_info(tokenizer, vocab_source)
         if self.tokenizer_info.vocab_size != self.width:
             raise ValueError(f"xgrammar vocabulary {self.tokenizer_info.vocab_size} != logits width {self.width}")
