@@ -6,8 +6,9 @@ one; what the relaxation lets through is caught by the exact check of maskd.serv
 which holds the original schema. The steps, in the order they are tried:
 
 1. llguidance's own ``lenient`` option: keywords it cannot enforce (``not``, ``if/then/else``,
-   ``dependencies``, ``uniqueItems``, ``contains``, ``propertyNames``, some
-   ``min/maxProperties``, unknown ``format``) are ignored, ``oneOf`` becomes ``anyOf``.
+   ``dependencies``, ``uniqueItems``, ``contains``, ``propertyNames``, unknown ``format``) are
+   ignored, ``oneOf`` becomes ``anyOf``. ``min/maxProperties`` beside optional properties are
+   dropped first: lenient would keep them in a form that rejects every object.
 2. Then, for what llguidance still refuses, a rewrite chosen by its message (each tried once):
    regexes it cannot parse are dropped (``pattern``; a ``patternProperties`` entry is folded into
    ``additionalProperties``); overlapping ``patternProperties`` are merged into one alternation
@@ -72,7 +73,9 @@ def relax(schema: Any, try_compile: TryCompile, try_regex: TryRegex, *, max_roun
         raise RelaxError("only an object schema can be relaxed")
     steps = ["lenient: unenforceable keywords left to the validator, oneOf as anyOf"]
     keywords = set(LENIENT_KEYWORDS)
-    current = schema
+    current = drop_property_counts(schema, try_regex)
+    if current != schema:
+        steps.append("min/maxProperties beside optional properties left to the validator")
     error = try_compile(current, True)
     tried: set[str] = set()
     for _ in range(max_rounds):
@@ -213,6 +216,21 @@ def drop_bad_regexes(schema: Any, try_regex: TryRegex) -> Any:
 
 def merge_pattern_properties(schema: Any, try_regex: TryRegex) -> Any:
     return map_schemas(schema, lambda node: _fold_pattern_properties(node, [], merged=True))
+
+
+def drop_property_counts(schema: Any, try_regex: TryRegex) -> Any:
+    """min/maxProperties where some listed property is optional: llguidance enforces them only when
+    every listed property is required, and its lenient option then rejects every object (narrower
+    than the schema), so they go to the validator before lenient is tried."""
+    def fix(node: dict) -> dict:
+        props = node.get("properties")
+        if not isinstance(props, dict) or not ("minProperties" in node or "maxProperties" in node):
+            return node
+        required = node.get("required") if isinstance(node.get("required"), list) else []
+        if all(k in required for k in props):
+            return node
+        return {k: v for k, v in node.items() if k not in ("minProperties", "maxProperties")}
+    return map_schemas(schema, fix)
 
 
 def drop_huge_bounds(schema: Any, try_regex: TryRegex) -> Any:
