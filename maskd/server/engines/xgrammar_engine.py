@@ -16,8 +16,9 @@ tokenizer's EOS ids.
 Semantics, against the llguidance backend (same tokenizer, same spec):
 
 - json_schema: ``strict_mode=False`` (JSON Schema semantics: additionalProperties default true,
-  as llguidance); whitespace "flexible" is ``any_whitespace=True``, "compact" is no whitespace
-  and separators ``(",", ":")``.
+  as llguidance); whitespace "flexible" is ``any_whitespace=True`` with ``max_whitespace_cnt`` the
+  spec's ``max_whitespace`` (0: unbounded), "compact" is no whitespace and separators ``(",", ":")``.
+  The JSON schema mode does not change what xgrammar compiles (it loosens by itself).
 - Where the grammar forces a literal, llguidance allows only the canonical token(s) of that text;
   xgrammar allows every token that is a prefix of it (e.g. ``h``, ``he`` ... ``hello``).
 - Regex ``.`` also matches newlines in xgrammar.
@@ -57,7 +58,7 @@ from maskd.server.engines.base import CompiledGrammar, Engine, GrammarCompileErr
 from maskd.specs import GrammarSpec
 
 # Bumped when maskd changes how a spec maps onto xgrammar (it is part of every grammar id).
-_MAPPING_REVISION = 1
+_MAPPING_REVISION = 2
 _FORCED_LIMIT = 32            # forced_tokens looks this many tokens ahead at most
 _ZMAGIC = b"XGZ1"             # serialized grammars: magic + zlib(serialize_json)
 _LOG_PREFIX = re.compile(r"^\[\d\d:\d\d:\d\d\] [^\s:]+:\d+: ")
@@ -356,7 +357,7 @@ class XGrammarEngine(Engine):
     def _json_options(spec: GrammarSpec) -> dict:
         compact = spec.whitespace == "compact"
         return {"any_whitespace": not compact, "separators": (",", ":") if compact else None,
-                "strict_mode": False}
+                "strict_mode": False, "max_whitespace_cnt": spec.bounded_whitespace or None}
 
     @staticmethod
     def _choice_ebnf(spec: GrammarSpec) -> str:
