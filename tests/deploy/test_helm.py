@@ -704,7 +704,7 @@ ALL_SERVER_VALUES = {"port": 7000, "metricsPort": 9100, "tokenizer": "cl100k", "
                      "compileThreads": 3, "maxMessageBytes": 134217728, "maxGrammarBytes": 2097152,
                      "compileTimeoutSeconds": 12.5, "maxStreams": 512, "cacheEntries": 4096, "rowDictSize": 512,
                      "maxTokensPerStep": 8192, "maxDraftTokens": 8, "maxRowsPerStep": 4096,
-                     "maxSequencesPerSession": 1000, "logLevel": "info"}
+                     "maxSequencesPerSession": 1000, "logLevel": "info", "jsonSchemaMode": "strict"}
 
 
 def test_server_values_cover_every_server_flag(chart):
@@ -726,3 +726,4 @@ def test_server_values_cover_every_server_flag(chart):
     assert (lim.max_tokens_per_step, lim.max_draft_tokens, lim.max_rows_per_step,
             lim.max_sequences_per_session, lim.compile_timeout_s) == (8192, 8, 4096, 1000, 12.5)
     assert _parse(parser, args).log_level == "info"
+    assert cfg.json_schema_mode == "strict"
