@@ -226,8 +226,8 @@ def drop_property_counts(schema: Any, try_regex: TryRegex) -> Any:
         props = node.get("properties")
         if not isinstance(props, dict) or not ("minProperties" in node or "maxProperties" in node):
             return node
-        required = node.get("required") if isinstance(node.get("required"), list) else []
-        if all(k in required for k in props):
+        required = node.get("required")
+        if isinstance(required, list) and all(k in required for k in props):
             return node
         return {k: v for k, v in node.items() if k not in ("minProperties", "maxProperties")}
     return map_schemas(schema, fix)

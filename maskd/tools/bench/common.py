@@ -38,6 +38,7 @@ class Schema:
     schema: Any                    # the JSON schema (parsed)
     text: str                      # canonical JSON text, as maskd's GrammarSpec keeps it
     instances: list[list[int]]     # token streams of the valid test instances
+    invalid: list[list[int]] = dataclasses.field(default_factory=list)   # ... of the invalid ones
 
     @property
     def spec(self) -> dict:
@@ -65,7 +66,8 @@ def load_schemas(data_dir: str | os.PathLike, tokenizer, limit: int | None = Non
     for name, schema, tests in spread(load_suite(data_dir), limit):
         text = GrammarSpec.from_dict({"json_schema": schema}).text
         streams = [tokenizer.encode(json.dumps(t["data"], ensure_ascii=False)) for t in tests if t.get("valid")]
-        out.append(Schema(name, schema, text, streams))
+        invalid = [tokenizer.encode(json.dumps(t["data"], ensure_ascii=False)) for t in tests if not t.get("valid")]
+        out.append(Schema(name, schema, text, streams, invalid))
     return out
 
 
