@@ -12,7 +12,8 @@ Only sequences whose grammar is a relaxation (``CompiledGrammar.checker`` set) h
   where EOS is grammatical) to a validation thread, which runs while the fill runs natively with
   the GIL released; ``finish`` waits for it and applies the verdicts: EOS is cleared from the rows
   of documents that do not pass, and a sequence whose document cannot pass any more (a failed
-  sub-document, or a grammar that allows nothing but EOS) fails with the validator's message.
+  sub-document, a grammar that allows nothing but EOS, or a root value that has ended so that only
+  whitespace could follow) fails with the validator's message.
   Both happen in the step that brought the tokens, so every rank and every replay sees the same.
 
 Metrics: ``maskd_validation_seconds`` (the checks of one step, off and on the fill's time) and
@@ -104,7 +105,9 @@ class DocumentChecks:
                 continue
             m = adv.matcher
             stopped = m.is_stopped()
-            jobs.append(_Job(adv, doc, stopped, stopped or m.is_accepting()))
+            final = stopped or m.is_accepting()
+            if final or doc.checker.scans or adv.drafts:   # else nothing to do until EOS is grammatical
+                jobs.append(_Job(adv, doc, stopped, final))
         if not jobs:
             return None
         return _pool().submit(_run, jobs), jobs
@@ -119,7 +122,7 @@ class DocumentChecks:
             res = adv.res
             if job.problem is not None:
                 final = job.want_final and job.doc.doomed is None
-                if not final or job.stopped:
+                if not final or job.stopped or job.doc.closed():
                     self._fail(adv, out, job.problem, refusals, "final" if final else "early")
                     continue
                 # EOS is grammatical but the document does not pass: more output may still make it pass.

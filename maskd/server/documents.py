@@ -86,6 +86,11 @@ class DocumentBuffer:
         self.verdict = (len(self.data), verdict)
         return verdict
 
+    def closed(self) -> bool:
+        """Whether the document is complete whatever follows (only whitespace could): a verdict on
+        it is final even where the grammar still allows more."""
+        return self.checker.closed(self.state, self.data)
+
     def final_with(self, extra) -> str | None:
         """The final check of this output plus ``extra`` tokens (draft positions), state untouched."""
         probe = DocumentBuffer(self.checker)
@@ -108,6 +113,14 @@ class DocumentChecker:
 
     def final(self, state: Any, data: bytearray) -> str | None:
         raise NotImplementedError
+
+    def closed(self, state: Any, data: bytearray) -> bool:
+        return False
+
+    @property
+    def scans(self) -> bool:
+        """Whether the output is scanned as it grows (early checks); if not, only the final check."""
+        return True
 
     def body_start(self, data: bytearray) -> int:
         """Where the output after the reasoning starts (-1: the reasoning has not ended yet)."""
@@ -133,6 +146,10 @@ class JsonDocumentChecker(DocumentChecker):
     def new_state(self) -> _DocState:
         return _DocState()
 
+    @property
+    def scans(self) -> bool:
+        return self.validator.root_ctx is not None
+
     def scan(self, state: _DocState, data: bytearray) -> str | None:
         if state.body < 0:
             state.body = self.body_start(data)
@@ -154,6 +171,12 @@ class JsonDocumentChecker(DocumentChecker):
         ptrs, where = ctx
         child = self.validator.watch(ptrs, key)
         return None if child is None else (child, f"{where}/{key}")
+
+    def closed(self, state: _DocState, data: bytearray) -> bool:
+        """An object, array, string or literal at the root that has ended (a number may still grow)."""
+        body = state.body if state.body >= 0 else self.body_start(data)
+        tail = bytes(data[body:]).rstrip() if body >= 0 else b""
+        return bool(tail) and tail[-1:] in (b"}", b"]", b'"', b"e", b"l") and parse(tail)[1] is None
 
     def final(self, state: _DocState, data: bytearray) -> str | None:
         body = state.body if state.body >= 0 else self.body_start(data)

@@ -252,3 +252,16 @@ def test_plain_grammars_have_no_document_checks(complete, mc, cl100k):
     entry = complete.cache.get(mc.register({"json_schema": schema}))
     assert entry.compiled.checker is None
     assert (complete.metrics.registry.get_sample_value("maskd_validation_seconds_count") or 0) == before
+
+
+def test_xgrammar_backend_checks_what_it_loosens(cl100k):
+    """xgrammar ignores uniqueItems (it accepts "[1, 1]" with EOS); in complete mode the validator
+    keeps EOS off it: the array has ended, so the sequence fails."""
+    schema = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
+    eos = cl100k.eos_token_ids[0]
+    with MaskServer(ServerConfig(port=0, tokenizer="cl100k", threads=1, compile_threads=1, backend="xgrammar")) as srv, \
+            MaskClient(srv.address) as mc:
+        n, r = drive(mc, "dup", {"json_schema": schema}, cl100k.encode("[1, 1]"))
+        assert r.seqs["dup"].status is FAILED and "non-unique" in r.seqs["dup"].reason
+        n, r = drive(mc, "ok", {"json_schema": schema}, cl100k.encode("[1, 2]"))
+        assert r.seqs["ok"].status in (READY, FINISHED) and bit(r, "ok", eos)

@@ -18,7 +18,9 @@ Semantics, against the llguidance backend (same tokenizer, same spec):
 - json_schema: ``strict_mode=False`` (JSON Schema semantics: additionalProperties default true,
   as llguidance); whitespace "flexible" is ``any_whitespace=True`` with ``max_whitespace_cnt`` the
   spec's ``max_whitespace`` (0: unbounded), "compact" is no whitespace and separators ``(",", ":")``.
-  The JSON schema mode does not change what xgrammar compiles (it loosens by itself).
+  The JSON schema mode does not change what xgrammar compiles (it loosens by itself: minItems,
+  maxItems, ...); in complete mode every finished JSON document is also checked by the validator
+  before EOS (maskd.server.documents), so no invalid document ends with EOS on this backend either.
 - Where the grammar forces a literal, llguidance allows only the canonical token(s) of that text;
   xgrammar allows every token that is a prefix of it (e.g. ``h``, ``he`` ... ``hello``).
 - Regex ``.`` also matches newlines in xgrammar.
@@ -54,7 +56,9 @@ import numpy as np
 import xgrammar as xgr
 from xgrammar._version import version as _XGR_VERSION
 
+from maskd.server.documents import JsonDocumentChecker
 from maskd.server.engines.base import CompiledGrammar, Engine, GrammarCompileError, Matcher
+from maskd.server.validation import SchemaValidator, ValidatorError
 from maskd.specs import GrammarSpec
 
 # Bumped when maskd changes how a spec maps onto xgrammar (it is part of every grammar id).
@@ -313,7 +317,19 @@ class XGrammarEngine(Engine):
             raise
         except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar's errors, pydantic's too
             raise GrammarCompileError(_message(exc)) from exc
-        return CompiledGrammar(spec, handle, time.perf_counter() - t0)
+        return CompiledGrammar(spec, handle, time.perf_counter() - t0, checker=self._checker(spec))
+
+    def _checker(self, spec: GrammarSpec):
+        """Complete mode: xgrammar loosens JSON schemas by itself (minItems, maxItems, ...), so every
+        finished JSON document is checked by the validator before EOS (no early checks)."""
+        if spec.kind != "json_schema" or self.json_schema_mode != "complete":
+            return None
+        try:
+            validator = SchemaValidator(json.loads(spec.text), frozenset())
+        except ValidatorError as exc:
+            raise GrammarCompileError(f"complete mode: {exc}") from exc
+        markers = (spec.reasoning_start.encode(), spec.reasoning_end.encode())   # markers are text here
+        return JsonDocumentChecker(validator, self.tokenizer, markers)
 
     def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         c = self.compiler
@@ -470,4 +486,4 @@ class XGrammarEngine(Engine):
             handle = xgr.CompiledGrammar.deserialize_json(text.decode(), self.tokenizer_info)
         except (RuntimeError, ValueError, zlib.error) as exc:
             raise GrammarCompileError(f"cannot load the serialized xgrammar grammar: {_message(exc)}") from exc
-        return CompiledGrammar(spec, handle, time.perf_counter() - t0)
+        return CompiledGrammar(spec, handle, time.perf_counter() - t0, checker=self._checker(spec))
