@@ -95,6 +95,8 @@ class DocumentChecks:
                 self._count("eos")
                 reasons[i] = f"EOS on a document that does not pass: {problem}"
                 adv.seq.doc = None
+            else:
+                doc.extend(tokens[eos_at:])   # kept so that a rollback takes back the same tokens
         return reasons
 
     def start(self, fill: Sequence[Any]) -> tuple[concurrent.futures.Future, list[_Job]] | None:

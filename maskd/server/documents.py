@@ -40,7 +40,7 @@ class DocumentBuffer:
 
     def __init__(self, checker: DocumentChecker) -> None:
         self.checker = checker
-        self.tokens: list[int] = []     # accepted tokens (EOS excluded)
+        self.tokens: list[int] = []     # accepted tokens (an EOS among them adds no bytes)
         self.decoded = 0                # how many of them are in ``data``
         self.data = bytearray()
         self.ends: list[int] = []       # len(data) after each decoded token
@@ -66,9 +66,10 @@ class DocumentBuffer:
     def advance(self) -> str | None:
         """Turns new tokens into bytes and runs the early checks; the failure, if any."""
         if self.decoded < len(self.tokens):
-            tok = self.checker.tokenizer
+            tok, eos = self.checker.tokenizer, self.checker.eos
             for t in self.tokens[self.decoded:]:
-                self.data += token_bytes(tok, t)
+                if t not in eos:
+                    self.data += token_bytes(tok, t)
                 self.ends.append(len(self.data))
             self.decoded = len(self.tokens)
         if self.doomed is None:
@@ -103,6 +104,7 @@ class DocumentChecker:
 
     def __init__(self, tokenizer, reasoning: tuple[bytes, bytes] = (b"", b"")) -> None:
         self.tokenizer = tokenizer
+        self.eos = frozenset(int(t) for t in tokenizer.eos_token_ids)
         self.reasoning_start, self.reasoning_end = reasoning
 
     def new_state(self) -> Any:

@@ -84,6 +84,7 @@ class SchemaValidator:
         self._map: Any = None
         self._pins: dict[str, bool] = {}
         self._nodes: dict[str, Any] = {}
+        self._by_node: dict[int, bool] = {}   # id(subschema) -> holds a relaxed keyword (the schema is kept alive)
         self.root_ctx = self._expand("") if isinstance(schema, dict) else None
         if self.root_ctx is not None and not any(self._subtree_relaxed(p) for p in self.root_ctx):
             self.root_ctx = None    # nothing below the root to check early
@@ -206,12 +207,18 @@ class SchemaValidator:
 def _contains_relaxed(node: Any, relaxed: frozenset[str], owner: SchemaValidator, depth: int = 0) -> bool:
     if not isinstance(node, dict) or depth > 64:
         return False
-    if any(k in relaxed for k in node):
-        return True
+    known = owner._by_node.get(id(node))
+    if known is not None:
+        return known
+    owner._by_node[id(node)] = False   # cycles count as nothing new
+    found = any(k in relaxed for k in node)
     ref = node.get("$ref")
-    if isinstance(ref, str) and ref.startswith("#") and owner._subtree_relaxed(ref[1:]):
-        return True
-    return any(_contains_relaxed(s, relaxed, owner, depth + 1) for s in subschemas(node))
+    if not found and isinstance(ref, str) and ref.startswith("#"):
+        found = owner._subtree_relaxed(ref[1:])
+    if not found:
+        found = any(_contains_relaxed(s, relaxed, owner, depth + 1) for s in subschemas(node))
+    owner._by_node[id(node)] = found
+    return found
 
 
 def _escape(key: str) -> str:

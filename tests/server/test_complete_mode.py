@@ -265,3 +265,12 @@ def test_xgrammar_backend_checks_what_it_loosens(cl100k):
         assert r.seqs["dup"].status is FAILED and "non-unique" in r.seqs["dup"].reason
         n, r = drive(mc, "ok", {"json_schema": schema}, cl100k.encode("[1, 2]"))
         assert r.seqs["ok"].status in (READY, FINISHED) and bit(r, "ok", eos)
+
+
+def test_rolling_back_an_eos_takes_back_only_the_eos(mc, cl100k):
+    eos = cl100k.eos_token_ids[0]
+    opened(mc, "rb-eos", {"json_schema": CASES["oneOf"][0]})
+    r = mc.step({"rb-eos": cl100k.encode("4") + [eos]})
+    assert r.seqs["rb-eos"].status is FINISHED
+    r = mc.step({"rb-eos": StepInput(tokens=cl100k.encode("2"), rollback=1)})   # "42": both branches
+    assert r.seqs["rb-eos"].status is READY and not bit(r, "rb-eos", eos) and not r.seqs["rb-eos"].accepting
