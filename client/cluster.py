@@ -82,7 +82,8 @@ class ClusterClient(ClientCore):
         info = self.info()
         try:
             key = GrammarSpec.from_proto(spec_pb).grammar_id(info.tokenizer_fingerprint, info.backend,
-                                                              info.backend_version)
+                                                              info.backend_version,
+                                                              json_schema_mode=info.json_schema_mode or "strict")
         except SpecError:
             key = ""   # any worker answers with the spec's error
         suspects: set[str] = set()

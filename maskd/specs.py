@@ -16,6 +16,14 @@ from typing import Any
 from maskd.v1 import maskd_pb2 as pb
 
 KINDS = ("json_schema", "regex", "lark", "ebnf", "choice", "structural_tag")
+OPTION_KEYS = ("whitespace", "reasoning", "max_whitespace")
+#: Flexible JSON whitespace: at most this many whitespace characters in a row (0: no bound).
+DEFAULT_MAX_WHITESPACE = 8
+MAX_WHITESPACE_LIMIT = 1 << 16
+#: How JSON schemas are enforced (the server's --json-schema-mode; part of every grammar id).
+JSON_SCHEMA_MODES = ("strict", "complete")
+# Kinds whose grammar depends on the JSON schema mode (JSON schemas, the arguments of tool calls).
+_MODE_KINDS = ("json_schema", "structural_tag")
 WHITESPACE = {"flexible": pb.WHITESPACE_FLEXIBLE, "compact": pb.WHITESPACE_COMPACT}
 _WHITESPACE_NAMES = {pb.WHITESPACE_DEFAULT: "flexible", pb.WHITESPACE_FLEXIBLE: "flexible",
                      pb.WHITESPACE_COMPACT: "compact"}
@@ -30,41 +38,48 @@ class GrammarSpec:
     kind: str
     text: str                     # canonical text (JSON kinds are re-serialized compactly)
     whitespace: str = "flexible"  # "flexible" | "compact"
-    reasoning_start: str = ""
-    reasoning_end: str = ""
+    reasoning_start: str = ""     # optional: the prompt may already have opened the reasoning
+    reasoning_end: str = ""       # free text up to this marker comes before the grammar
+    max_whitespace: int = DEFAULT_MAX_WHITESPACE  # flexible JSON: longest whitespace run (0: no bound)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise SpecError(f"unknown grammar kind {self.kind!r}; expected one of {', '.join(KINDS)}")
         if self.whitespace not in WHITESPACE:
             raise SpecError(f"unknown whitespace option {self.whitespace!r}; use 'flexible' or 'compact'")
-        if bool(self.reasoning_start) != bool(self.reasoning_end):
-            raise SpecError("reasoning_start and reasoning_end must be given together")
+        if not isinstance(self.reasoning_start, str) or not isinstance(self.reasoning_end, str):
+            raise SpecError("reasoning markers are strings such as '<think>' and '</think>'")
+        if self.reasoning_start and not self.reasoning_end:
+            raise SpecError("reasoning_start needs reasoning_end (the marker that ends the free text)")
+        if isinstance(self.max_whitespace, bool) or not isinstance(self.max_whitespace, int) \
+                or not 0 <= self.max_whitespace <= MAX_WHITESPACE_LIMIT:
+            raise SpecError(f"max_whitespace is an integer in [0, {MAX_WHITESPACE_LIMIT}] (0: no bound), "
+                            f"not {self.max_whitespace!r}")
 
     # -- construction -------------------------------------------------------------------------
     @classmethod
     def create(cls, kind: str, source: Any, *, whitespace: str = "flexible",
-               reasoning: tuple[str, str] | None = None) -> GrammarSpec:
-        start, end = reasoning or ("", "")
-        return cls(kind, canonical_text(kind, source), whitespace, start, end)
+               reasoning: tuple[str, str] | str | None = None,
+               max_whitespace: int = DEFAULT_MAX_WHITESPACE) -> GrammarSpec:
+        """``reasoning``: a ``(start, end)`` pair, or the end marker alone."""
+        start, end = ("", reasoning) if isinstance(reasoning, str) else (reasoning or ("", ""))
+        return cls(kind, canonical_text(kind, source), whitespace, start, end, max_whitespace)
 
     @classmethod
     def from_dict(cls, spec: Mapping[str, Any]) -> GrammarSpec:
         """``{"json_schema": {...}}``, ``{"regex": "..."}``, ``{"choice": [...]}`` ... plus
-        optional ``whitespace`` and ``reasoning`` (a ``[start, end]`` pair)."""
+        optional ``whitespace``, ``reasoning`` (a ``[start, end]`` pair, or the end marker alone
+        when the prompt already opened the reasoning) and ``max_whitespace``."""
         if not isinstance(spec, Mapping):
             raise SpecError(f"a grammar spec is a dict such as {{'regex': '[0-9]+'}}, not {type(spec).__name__}")
         kinds = [k for k in spec if k in KINDS]
-        unknown = [k for k in spec if k not in KINDS and k not in ("whitespace", "reasoning")]
+        unknown = [k for k in spec if k not in KINDS and k not in OPTION_KEYS]
         if unknown:
-            raise SpecError(f"unknown grammar spec keys {unknown}; kinds are {', '.join(KINDS)}")
+            raise SpecError(f"unknown grammar spec keys {unknown}; kinds are {', '.join(KINDS)}, "
+                            f"options {', '.join(OPTION_KEYS)}")
         if len(kinds) != 1:
             raise SpecError(f"a grammar spec names exactly one kind of {', '.join(KINDS)}; got {kinds}")
-        reasoning = spec.get("reasoning")
-        if reasoning is not None and (not isinstance(reasoning, (list, tuple)) or len(reasoning) != 2):
-            raise SpecError("reasoning is a [start, end] pair such as ['<think>', '</think>']")
-        return cls.create(kinds[0], spec[kinds[0]], whitespace=spec.get("whitespace", "flexible"),
-                          reasoning=tuple(reasoning) if reasoning else None)
+        return _from_keys(spec)
 
     @classmethod
     def from_request(cls, request: Any) -> GrammarSpec | None:
@@ -85,7 +100,8 @@ class GrammarSpec:
         if ws is None:
             raise SpecError(f"unknown whitespace option {opts.whitespace}")
         reasoning = (opts.reasoning_start, opts.reasoning_end) if (opts.reasoning_start or opts.reasoning_end) else None
-        return cls.create(kind, source, whitespace=ws, reasoning=reasoning)
+        max_ws = opts.max_whitespace if opts.HasField("max_whitespace") else DEFAULT_MAX_WHITESPACE
+        return cls.create(kind, source, whitespace=ws, reasoning=reasoning, max_whitespace=max_ws)
 
     def to_proto(self) -> pb.GrammarSpec:
         msg = pb.GrammarSpec()
@@ -96,21 +112,32 @@ class GrammarSpec:
         msg.options.whitespace = WHITESPACE[self.whitespace]
         msg.options.reasoning_start = self.reasoning_start
         msg.options.reasoning_end = self.reasoning_end
+        msg.options.max_whitespace = self.max_whitespace
         return msg
 
     # -- identity -----------------------------------------------------------------------------
-    def grammar_id(self, tokenizer_fingerprint: str, backend: str, backend_version: str) -> str:
-        """Content hash: the same grammar has the same id on every replica."""
-        payload = json.dumps({
+    def grammar_id(self, tokenizer_fingerprint: str, backend: str, backend_version: str, *,
+                   json_schema_mode: str = "complete") -> str:
+        """Content hash: the same grammar has the same id on every replica. The server's JSON
+        schema mode is part of it for the kinds it changes (json_schema, structural_tag)."""
+        payload = {
             "kind": self.kind, "text": self.text, "whitespace": self.whitespace,
-            "reasoning": [self.reasoning_start, self.reasoning_end],
+            "reasoning": [self.reasoning_start, self.reasoning_end], "max_whitespace": self.max_whitespace,
             "tokenizer": tokenizer_fingerprint, "backend": backend, "backend_version": backend_version,
-        }, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
-        return "g-" + hashlib.sha256(payload.encode()).hexdigest()[:32]
+        }
+        if self.kind in _MODE_KINDS:
+            payload["json_schema_mode"] = json_schema_mode
+        text = json.dumps(payload, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+        return "g-" + hashlib.sha256(text.encode()).hexdigest()[:32]
 
     @property
     def size(self) -> int:
         return len(self.text) + len(self.reasoning_start) + len(self.reasoning_end)
+
+    @property
+    def bounded_whitespace(self) -> int:
+        """The whitespace bound that applies: 0 when there is none (compact JSON has no whitespace)."""
+        return self.max_whitespace if self.whitespace == "flexible" else 0
 
     @functools.cached_property
     def depth(self) -> int:
@@ -209,12 +236,13 @@ def unwrap_openai_json_schema(schema: dict) -> Any:
 #   ebnf (maskd, SGLang), grammar (vLLM): a GBNF/EBNF grammar
 #   json_object (vLLM): true means "a JSON object"
 # Options: whitespace ("flexible"/"compact", maskd), disable_any_whitespace (vLLM: compact),
-# disable_additional_properties (vLLM: every object schema closed), reasoning (maskd).
+# disable_additional_properties (vLLM: every object schema closed), reasoning and max_whitespace
+# (maskd).
 _CONSTRAINTS = {"json_schema": "json_schema", "json": "json_schema", "regex": "regex", "choice": "choice",
                 "lark": "lark", "ebnf": "ebnf", "grammar": "ebnf", "structural_tag": "structural_tag",
                 "json_object": "json_object"}
 _OPTIONS = ("whitespace", "disable_any_whitespace", "disable_additional_properties", "whitespace_pattern",
-            "reasoning")
+            "reasoning", "max_whitespace")
 _WRAPPERS = ("structured_outputs", "response_format")
 _RESPONSE_FORMAT_TYPES = ("json_schema", "json_object", "text", "structural_tag")
 
@@ -318,10 +346,15 @@ def _from_keys(request: Mapping[str, Any]) -> GrammarSpec:
         text = canonical_text(kind, source)
         source = _closed_objects(json.loads(text))
     reasoning = request.get("reasoning")
-    if reasoning is not None and (not isinstance(reasoning, (list, tuple)) or len(reasoning) != 2):
-        raise SpecError("reasoning is a [start, end] pair such as ['<think>', '</think>']")
+    if reasoning is not None and not isinstance(reasoning, str) and (
+            not isinstance(reasoning, (list, tuple)) or len(reasoning) != 2):
+        raise SpecError("reasoning is a [start, end] pair such as ['<think>', '</think>'], "
+                        "or the end marker alone")
+    max_whitespace = request.get("max_whitespace")
     return GrammarSpec.create(kind, source, whitespace=whitespace or "flexible",
-                              reasoning=tuple(reasoning) if reasoning else None)
+                              reasoning=reasoning if isinstance(reasoning, str) else
+                              (tuple(reasoning) if reasoning else None),
+                              max_whitespace=DEFAULT_MAX_WHITESPACE if max_whitespace is None else max_whitespace)
 
 
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")

@@ -162,6 +162,15 @@ def build() -> dict:
        [(f'sum by (pod) (rate(maskd_row_bytes_sum{{{SEL}}}[{RI}]))', "{{pod}}")], "Bps", 12, stack=True)
     y[0] += 8
 
+    # ---------------------------------------------------------------- complete JSON-schema mode
+    row("JSON Schema validation (complete mode)")
+    ts("Document checks per step (p50 / p99)",
+       "maskd_validation_seconds: decoding, early checks of closed sub-documents and final checks before EOS, run beside the mask fill.",
+       [(q(0.5, "maskd_validation_seconds"), "p50"), (q(0.99, "maskd_validation_seconds"), "p99")], "s", 0)
+    ts("Sequences failed by the validator / s", "maskd_validation_failures_total by kind (final, early, eos, draft).",
+       [(f'sum by (kind) (rate(maskd_validation_failures_total{{{SEL}}}[{RI}]))', "{{kind}}")], "ops", 12, stack=True)
+    y[0] += 8
+
     # ---------------------------------------------------------------- errors
     row("Errors")
     ts("Errors by kind", "maskd_errors_total by kind: rejected tokens, divergence, limits, compile failures, shared-cache faults...",

@@ -82,6 +82,9 @@ SCHEMA = {
             "port": port, "metricsPort": port,
             "tokenizer": {"type": "string", "minLength": 1},
             "backend": {"type": "string", "enum": ["llguidance", "xgrammar"]},
+            "jsonSchemaMode": {"type": ["string", "null"], "enum": ["strict", "complete", None],
+                               "description": "--json-schema-mode: complete relaxes what the grammar cannot "
+                                              "enforce and validates each finished document; strict refuses it."},
             "threads": posint,
             "logitsWidth": opt_posint,
             "compileThreads": opt_posint,

@@ -47,9 +47,10 @@ class MaskServer:
             raise ConfigError(str(exc)) from exc
         self.metrics = Metrics()
         tokenizer = load_tokenizer(config.tokenizer, config.logits_width)
-        self.engine = create_engine(config.backend, tokenizer, threads=config.fill_threads)
+        self.engine = create_engine(config.backend, tokenizer, threads=config.fill_threads,
+                                    json_schema_mode=config.json_schema_mode)
         self._pool = (compile_pool.acquire(config.backend, config.tokenizer, config.logits_width,
-                                           config.compile_threads)
+                                           config.compile_threads, config.json_schema_mode)
                       if config.compile_isolation == "process" else None)
         self.cache = GrammarCache(self.engine, max_entries=config.cache_entries, max_bytes=config.cache_bytes,
                                   compile_threads=config.compile_threads, compile_timeout_s=limits.compile_timeout_s,

@@ -76,10 +76,10 @@ def read_exact(fd: int, n: int, deadline: float | None) -> bytes:
 class _Worker:
     """One worker process and its pipes."""
 
-    def __init__(self, key: tuple[str, str, int | None]) -> None:
-        backend, tokenizer, width = key
+    def __init__(self, key: tuple[str, str, int | None, str]) -> None:
+        backend, tokenizer, width, json_schema_mode = key
         cmd = [sys.executable, "-m", "maskd.server.compile_worker", backend, tokenizer, str(width or 0),
-               str(COMPILE_STACK_BYTES)]
+               str(COMPILE_STACK_BYTES), json_schema_mode]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
                                      start_new_session=True)   # ^C to the server does not reach it
@@ -113,8 +113,9 @@ class _Worker:
 
 
 class CompilePool:
-    def __init__(self, backend: str, tokenizer: str, logits_width: int | None, workers: int) -> None:
-        self.key = (backend, tokenizer, logits_width)
+    def __init__(self, backend: str, tokenizer: str, logits_width: int | None, workers: int,
+                 json_schema_mode: str = "strict") -> None:
+        self.key = (backend, tokenizer, logits_width, json_schema_mode)
         self.workers = workers
         self._idle: collections.deque[_Worker] = collections.deque()
         self._cond = threading.Condition()
@@ -219,16 +220,17 @@ _POOLS: dict[tuple, CompilePool] = {}
 _POOLS_LOCK = threading.Lock()
 
 
-def acquire(backend: str, tokenizer: str, logits_width: int | None, workers: int) -> CompilePool:
+def acquire(backend: str, tokenizer: str, logits_width: int | None, workers: int,
+            json_schema_mode: str = "strict") -> CompilePool:
     """The process's pool for this engine configuration (started on first use; a larger one replaces
     a smaller one that nobody uses)."""
-    key = (backend, tokenizer, logits_width)
+    key = (backend, tokenizer, logits_width, json_schema_mode)
     with _POOLS_LOCK:
         pool = _POOLS.get(key)
         if pool is None or (pool.workers < workers and pool.users == 0):
             if pool is not None:
                 pool.close()
-            pool = _POOLS[key] = CompilePool(backend, tokenizer, logits_width, workers)
+            pool = _POOLS[key] = CompilePool(backend, tokenizer, logits_width, workers, json_schema_mode)
         pool.users += 1
         return pool
 

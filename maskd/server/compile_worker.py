@@ -1,4 +1,5 @@
-"""A compile worker process: ``python -m maskd.server.compile_worker BACKEND TOKENIZER WIDTH STACK``.
+"""A compile worker process: ``python -m maskd.server.compile_worker BACKEND TOKENIZER WIDTH STACK MODE``
+(MODE: the server's JSON schema mode).
 
 Reads length-prefixed pickled requests on stdin and answers on stdout (see compile_pool):
 ``("warm", None)`` loads the engine; ``("compile", GrammarSpec)`` answers ``("ok", bytes)`` with the
@@ -24,6 +25,7 @@ from maskd.server.compile_pool import (
 
 def main(argv: list[str]) -> int:
     backend, tokenizer, width, stack = argv[0], argv[1], int(argv[2]) or None, int(argv[3])
+    json_schema_mode = argv[4] if len(argv) > 4 else "strict"
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     out = os.fdopen(os.dup(1), "wb")        # the answers' channel ...
     os.dup2(2, 1)                           # ... and stdout (prints of any library) goes to stderr
@@ -36,7 +38,8 @@ def main(argv: list[str]) -> int:
         if engine is None:
             from maskd.server.engines import create_engine
             from maskd.server.tokenizers import load_tokenizer
-            engine = create_engine(backend, load_tokenizer(tokenizer, width), threads=1)
+            engine = create_engine(backend, load_tokenizer(tokenizer, width), threads=1,
+                                   json_schema_mode=json_schema_mode)
         return engine
 
     while True:

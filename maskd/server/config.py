@@ -15,6 +15,7 @@ import typing
 from typing import Any, TypeVar
 
 from maskd.rowcodec import DEFAULT_DICT_SIZE
+from maskd.specs import JSON_SCHEMA_MODES
 
 BACKENDS = ("llguidance", "xgrammar")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -76,6 +77,10 @@ class ServerConfig:
     tokenizer: str = setting("deepseek-v4", help="deepseek-v4, qwen2.5, qwen3.6, cl100k, hf:PATH, tiktoken:PATH "
                                                  "or a Hugging Face model id")
     backend: str = setting("llguidance", help="grammar engine: llguidance or xgrammar")
+    json_schema_mode: str = setting("complete", choices=JSON_SCHEMA_MODES,
+                                    help="strict: a JSON schema the grammar cannot enforce whole is refused; "
+                                         "complete: the grammar is the closest relaxation and each finished "
+                                         "document is checked by a JSON Schema validator before EOS")
     logits_width: int | None = setting(None, help="the model's logits width when it exceeds the vocabulary")
     threads: int | None = setting(None, help="mask-fill threads (default: the CPUs of this machine, or of the "
                                              "worker actor)")
@@ -109,6 +114,9 @@ class ServerConfig:
         """Raises ConfigError naming the flag when a value cannot work."""
         if self.backend not in BACKENDS:
             raise ConfigError(f"unknown backend {self.backend!r}; available: {', '.join(BACKENDS)}")
+        if self.json_schema_mode not in JSON_SCHEMA_MODES:
+            raise ConfigError(f"--json-schema-mode must be one of {', '.join(JSON_SCHEMA_MODES)}, "
+                              f"not {self.json_schema_mode!r}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be in [0, 65535], not {self.port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:

@@ -93,7 +93,8 @@ class GrammarCache:
             threading.stack_size(old)
 
     def grammar_id(self, spec: GrammarSpec) -> str:
-        return spec.grammar_id(self.engine.tokenizer.fingerprint, self.engine.name, self.engine.version)
+        return spec.grammar_id(self.engine.tokenizer.fingerprint, self.engine.name, self.engine.version,
+                               json_schema_mode=self.engine.json_schema_mode)
 
     # -- lookups ----------------------------------------------------------------------------------
     def lookup(self, spec: GrammarSpec, tenant: str = "") -> CacheEntry:

@@ -41,6 +41,14 @@ class Metrics:
                                    buckets=_BYTES_BUCKETS, registry=r)
         self.rows_sent = Counter("maskd_rows_sent", "Mask rows sent", ["encoding"], registry=r)
         self.row_dict = Counter("maskd_row_dictionary_lookups", "Row dictionary lookups", ["result"], registry=r)
+        self.validation_seconds = Histogram(
+            "maskd_validation_seconds", "Complete JSON-schema mode: document checks per step (decoding, early "
+            "checks of closed sub-documents, final checks before EOS), run beside the mask fill",
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.validation_failures = Counter(
+            "maskd_validation_failures", "Complete JSON-schema mode: sequences failed by the JSON Schema validator "
+            "(final: the finished document; early: a closed sub-document; eos: an EOS token on a document that "
+            "does not pass; draft: a draft EOS on one)", ["kind"], registry=r)
         self.errors = Counter("maskd_errors", "Errors by kind (refused entries, failed sequences, "
                                               "compile failures, aborted calls)", ["kind"], registry=r)
 

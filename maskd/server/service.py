@@ -65,7 +65,7 @@ class MaskService(pb_grpc.MaskServiceServicer):
             row_dictionary_size=self.row_dict_size if RowEncoding.DICT_REF in self.row_encodings else 0,
             contract_revision=CONTRACT_REVISION, max_tokens_per_step=lim.max_tokens_per_step,
             max_draft_tokens=lim.max_draft_tokens, max_sequences_per_session=lim.max_sequences_per_session,
-            row_compression="zstd")
+            row_compression="zstd", json_schema_mode=self.engine.json_schema_mode)
 
     def RegisterGrammar(self, request, context):
         tenant = self._tenant(context)

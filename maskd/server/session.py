@@ -38,6 +38,7 @@ import numpy as np
 from maskd.server import columns
 from maskd.server.columns import PlainResult, PlainStep
 from maskd.server.config import Limits
+from maskd.server.doc_checks import DocumentChecks
 from maskd.server.engines import Engine, Matcher
 from maskd.server.grammar_cache import CacheEntry, GrammarCache, QueueFull
 from maskd.server.quotas import Quotas
@@ -69,6 +70,7 @@ class SequenceState:
         "closed",
         "dead_code",
         "dead_reason",
+        "doc",
         "entry",
         "finished",
         "handle",
@@ -89,6 +91,7 @@ class SequenceState:
         self.handle = handle           # names it in columnar steps of its session
         self.entry = entry
         self.matcher: Matcher | None = None
+        self.doc = None                # complete JSON-schema mode: the output the validator checks
         self.step = step               # last step applied
         self.accepted = 0              # tokens the matcher consumed (bounds rollback)
         self.pending: list[int] = []   # tokens received while the grammar compiled
@@ -171,6 +174,7 @@ class Session:
         self._generations = [0] * ROW_BUFFERS
         self._encoding = [False] * ROW_BUFFERS   # a reply is still encoding rows of this buffer
         self._next_buffer = 0
+        self.checks = DocumentChecks(engine, cache.metrics)   # complete-mode hooks (doc_checks.py)
 
     # -- public -----------------------------------------------------------------------------------
     def step(self, request: pb.StepRequest) -> StepOutcome:
@@ -520,11 +524,14 @@ class Session:
                 matcher = seq.matcher
                 if matcher is None:
                     matcher = seq.matcher = self.engine.new_matcher(entry.compiled)
+                    seq.doc = self.checks.open_document(entry.compiled)
                     if seq.pending:  # tokens queued while the grammar compiled come first
                         tokens = seq.pending + list(tokens)
                         seq.pending = []
                 if msg.rollback:
                     matcher.rollback(msg.rollback)
+                    if seq.doc is not None:
+                        seq.doc.rollback(msg.rollback)
                     seq.accepted -= msg.rollback
                     seq.finished = False
             except Exception as exc:   # an engine fault costs this sequence only
@@ -548,6 +555,8 @@ class Session:
                     reasons.append(adv.matcher.consume(adv.tokens))
                 except Exception as exc:
                     reasons.append(exc)
+        if self.checks.live:
+            reasons = self.checks.consumed(consume, reasons)
         for adv, reason in zip(consume, reasons):
             seq = adv.seq
             if isinstance(reason, Exception):
@@ -557,7 +566,7 @@ class Session:
                 fill.append(adv)
             else:
                 seq.dead_reason = f"token rejected: {reason}"
-                seq.matcher = None
+                seq.matcher = seq.doc = None
                 refusals["token_rejected"] += 1
                 _fail(adv.res, seq, seq.dead_reason)
 
@@ -617,6 +626,7 @@ class Session:
             drafts.append(d)
             row += 1 + len(d)
         if filled:
+            checking = self.checks.start(filled) if self.checks.live else None
             try:
                 self.engine.fill_batch([a.matcher for a in filled], first_rows, drafts if any_drafts else None, out)
             except Exception:   # fill them one by one: only the sequences the engine chokes on fail
@@ -630,6 +640,15 @@ class Session:
                         adv.res.first_row = adv.res.num_rows = 0
                         self._internal(adv.res, adv.seq, "filling its mask", exc, refusals)
                 if failed.any():   # the failed entries' rows go: the columnar rows must stay dense
+                    row = _drop_rows(out, failed, jobs)
+            if checking is not None:
+                had_rows = [(adv.res, adv.res.first_row, adv.res.num_rows) for adv in filled if adv.res.num_rows]
+                self.checks.finish(checking, out, refusals)
+                failed = np.zeros(row, dtype=bool)
+                for res, r, n in had_rows:
+                    if res.status == FAILED:         # the document cannot pass: its rows go too
+                        failed[r: r + n] = True
+                if failed.any():
                     row = _drop_rows(out, failed, jobs)
         out = out[:row]
         if buffer < 0:

@@ -6,6 +6,12 @@ registered through the server; every test instance is tokenized from
 instance passes when every token is allowed by the row the server returned and the
 end state allows EOS; an invalid one passes when some token is disallowed or the end
 does not allow EOS. Instances run as a continuously refilled batch of sequences.
+
+The report names the server's JSON schema mode (``--json-schema-mode``): in ``complete`` mode a
+schema the grammar cannot enforce whole is compiled relaxed and each finished document is checked
+by a JSON Schema validator, so an invalid instance may also be rejected by the sequence failing
+with the validator's message (counted as ``validator_rejects``). ``server_us_per_mask`` is the
+server's own time per mask row (``server_seconds`` of every step over its rows).
 """
 from __future__ import annotations
 
@@ -19,6 +25,8 @@ import time
 from collections.abc import Iterator
 
 import numpy as np
+
+from maskd.specs import JSON_SCHEMA_MODES
 
 SAMPLE_DIR = pathlib.Path(__file__).parent / "samples" / "maskbench"
 
@@ -67,10 +75,14 @@ class _Tally:
     def __init__(self) -> None:
         self.valid_total = self.valid_accepted = self.invalid_total = self.invalid_rejected = 0
         self.masks = 0
+        self.server_seconds = 0.0
+        self.validator_rejects = 0
         self.false_accepts: list[dict] = []
         self.false_rejects: list[dict] = []
 
     def verdict(self, inst: Instance, accepted: bool, why: str = "") -> None:
+        if not accepted and "JSON schema" in why:
+            self.validator_rejects += 1
         if inst.valid:
             self.valid_total += 1
             if accepted:
@@ -96,6 +108,7 @@ def run_through_server(target: str, tokenizer_spec: str, suite, *, batch: int = 
     compile_errors: dict[str, str] = {}
     with MaskClient(target, tokenizer=tok.fingerprint, want_forced_tokens=False, timeout_s=600) as mc:
         info = mc.info()
+        mode = info.json_schema_mode or "strict"
         eos = np.array(info.eos_token_ids[:1], dtype=np.int64)
 
         def register(item):
@@ -132,6 +145,7 @@ def run_through_server(target: str, tokenizer_spec: str, suite, *, batch: int = 
             for seq_id, (inst, sent) in active.items():
                 request[seq_id] = [] if sent < 0 else [inst.tokens[sent]]
             result = mc.step(request)
+            tally.server_seconds += result.server_seconds
             check_ids, check_rows, check_tokens = [], [], []
             for seq_id, (inst, sent) in list(active.items()):
                 r = result.seqs[seq_id]
@@ -160,7 +174,7 @@ def run_through_server(target: str, tokenizer_spec: str, suite, *, batch: int = 
                     tally.verdict(inst, bool(good), why)
                     del active[seq_id]
                     mc.close(seq_id)
-    return _report(suite, compile_errors, tally, time.perf_counter() - t0, target)
+    return _report(suite, compile_errors, tally, time.perf_counter() - t0, target, mode)
 
 
 def run_in_process(tokenizer_spec: str, suite) -> dict:
@@ -188,12 +202,13 @@ def run_in_process(tokenizer_spec: str, suite) -> dict:
             accepted = n == len(inst.tokens) and m.consume_tokens(inst.tokens) and m.is_accepting()
             tally.verdict(inst, bool(accepted), "" if accepted else
                           (f"stops at token {n}" if n < len(inst.tokens) else "EOS not allowed at the end"))
-    return _report(suite, compile_errors, tally, time.perf_counter() - t0, "in-process llguidance")
+    return _report(suite, compile_errors, tally, time.perf_counter() - t0, "in-process llguidance", "strict")
 
 
-def _report(suite, compile_errors: dict, tally: _Tally, seconds: float, target: str) -> dict:
+def _report(suite, compile_errors: dict, tally: _Tally, seconds: float, target: str, mode: str) -> dict:
     return {
         "target": target,
+        "json_schema_mode": mode,
         "schemas": len(suite),
         "compiled": len(suite) - len(compile_errors),
         "compile_errors": len(compile_errors),
@@ -204,6 +219,9 @@ def _report(suite, compile_errors: dict, tally: _Tally, seconds: float, target: 
         "false_accepts": tally.false_accepts,
         "false_rejects": tally.false_rejects,
         "masks": tally.masks,
+        "validator_rejects": tally.validator_rejects,
+        "server_us_per_mask": round(tally.server_seconds / tally.masks * 1e6, 2) if tally.server_seconds and tally.masks
+        else None,
         "seconds": round(seconds, 3),
         "compile_error_files": sorted(compile_errors),
         "compile_error_messages": dict(collections.OrderedDict(sorted(compile_errors.items()))),
@@ -211,11 +229,13 @@ def _report(suite, compile_errors: dict, tally: _Tally, seconds: float, target: 
 
 
 def summary_line(report: dict) -> str:
-    return (f"{report['target']}: schemas {report['schemas']}, compiled {report['compiled']}, "
+    return (f"{report['target']} ({report['json_schema_mode']} JSON schemas): schemas {report['schemas']}, "
+            f"compiled {report['compiled']}, "
             f"compile errors {report['compile_errors']}, valid accepted {report['valid_accepted']}/"
             f"{report['valid_total']}, invalid rejected {report['invalid_rejected']}/{report['invalid_total']}, "
             f"false accepts {len(report['false_accepts'])}, false rejects {len(report['false_rejects'])}, "
-            f"masks {report['masks']}, {report['seconds']} s")
+            f"masks {report['masks']}, validator rejects {report['validator_rejects']}, "
+            f"server {report['server_us_per_mask']} us/mask, {report['seconds']} s")
 
 
 # -- the command line ----------------------------------------------------------------------------
@@ -232,6 +252,9 @@ def add_parser(sub) -> None:
     p.add_argument("--limit", type=int, default=None, help="first N files only")
     p.add_argument("--batch", type=int, default=64, help="sequences per step")
     p.add_argument("--threads", type=int, default=None, help="embedded server's fill threads (default: CPUs)")
+    p.add_argument("--json-schema-mode", choices=JSON_SCHEMA_MODES, default=None,
+                   help="embedded server's JSON schema mode (default: the server's, complete); a --target "
+                        "server reports its own")
     p.add_argument("--json", dest="json_out", default=None, help="write the report here")
     p.set_defaults(func=cmd_conformance)
 
@@ -249,8 +272,10 @@ def cmd_conformance(args) -> int:
         if args.embedded:
             from maskd.server.app import start_or_exit
             from maskd.server.config import ServerConfig
-            server = start_or_exit(ServerConfig(port=0, tokenizer=args.tokenizer, threads=args.threads),
-                                   "maskd conformance")
+            config = ServerConfig(port=0, tokenizer=args.tokenizer, threads=args.threads)
+            if args.json_schema_mode:
+                config.json_schema_mode = args.json_schema_mode
+            server = start_or_exit(config, "maskd conformance")
             target = server.address
         else:
             from maskd_client.routing import is_directory

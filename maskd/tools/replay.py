@@ -75,7 +75,7 @@ class Replay:
     def _template(self, schema: common.Schema):
         t = self._templates.get(schema.name)
         if t is None:
-            grammar = self.llg.LLMatcher.grammar_from_json_schema(schema.text)
+            grammar = common.llguidance_grammar(schema.text)     # the server's grammar, whitespace bound included
             t = self._templates[schema.name] = self.llg.LLMatcher(self.tok.ll, grammar, log_level=0)
         return t
 

@@ -153,6 +153,12 @@ class ServerInfo:
     #: How row blocks are compressed: "zstd" (one zstandard stream per Session stream, a flush per
     #: reply; a new stream starts a new one) or "" (none).
     row_compression: str = ""
+    #: How JSON schemas (json_schema, and the JSON arguments of structural tags) are enforced, part
+    #: of every grammar id: "strict" (the grammar enforces the whole schema, or the schema is refused)
+    #: or "complete" (where the engine cannot enforce a keyword, the grammar is the closest
+    #: relaxation and each finished document is checked by a JSON Schema validator before EOS is
+    #: allowed; a document that cannot pass fails its sequence with the validator's message).
+    json_schema_mode: str = ""
 
     @classmethod
     def from_proto(cls, msg: Any) -> ServerInfo:
@@ -176,4 +182,5 @@ class ServerInfo:
             max_draft_tokens=msg.max_draft_tokens,
             max_sequences_per_session=msg.max_sequences_per_session,
             row_compression=msg.row_compression,
+            json_schema_mode=msg.json_schema_mode,
         )

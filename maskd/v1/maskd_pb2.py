@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import descriptor_pb2 as google_dot_protobuf_dot_descriptor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14maskd/v1/maskd.proto\x12\x08maskd.v1\x1a google/protobuf/descriptor.proto\"j\n\x08\x43ontract\x12\x1c\n\x14session_metadata_key\x18\x01 \x01(\t\x12\x19\n\x11\x61uth_metadata_key\x18\x02 \x01(\t\x12\x13\n\x0b\x61uth_scheme\x18\x03 \x01(\t\x12\x10\n\x08revision\x18\x04 \x01(\r\"\r\n\x0bInfoRequest\"\xe9\x03\n\x0cInfoResponse\x12\x16\n\x0eserver_version\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x17\n\x0f\x62\x61\x63kend_version\x18\x03 \x01(\t\x12\x11\n\ttokenizer\x18\x04 \x01(\t\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x14\n\x0clogits_width\x18\x06 \x01(\r\x12\x15\n\rwords_per_row\x18\x07 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x08 \x01(\t\x12\x15\n\reos_token_ids\x18\t \x03(\x05\x12\x19\n\x11max_message_bytes\x18\n \x01(\x04\x12\x19\n\x11max_rows_per_step\x18\x0b \x01(\r\x12,\n\rrow_encodings\x18\x0c \x03(\x0e\x32\x15.maskd.v1.RowEncoding\x12\x1b\n\x13row_dictionary_size\x18\r \x01(\r\x12\x19\n\x11\x63ontract_revision\x18\x0e \x01(\r\x12\x1b\n\x13max_tokens_per_step\x18\x0f \x01(\r\x12\x18\n\x10max_draft_tokens\x18\x10 \x01(\r\x12!\n\x19max_sequences_per_session\x18\x11 \x01(\r\x12\x17\n\x0frow_compression\x18\x12 \x01(\t\"j\n\x0eGrammarOptions\x12(\n\nwhitespace\x18\x01 \x01(\x0e\x32\x14.maskd.v1.Whitespace\x12\x17\n\x0freasoning_start\x18\x02 \x01(\t\x12\x15\n\rreasoning_end\x18\x03 \x01(\t\"\x1b\n\nChoiceList\x12\r\n\x05items\x18\x01 \x03(\t\"\xca\x01\n\x0bGrammarSpec\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12\x0e\n\x04lark\x18\x03 \x01(\tH\x00\x12\x0e\n\x04\x65\x62nf\x18\x04 \x01(\tH\x00\x12&\n\x06\x63hoice\x18\x05 \x01(\x0b\x32\x14.maskd.v1.ChoiceListH\x00\x12\x18\n\x0estructural_tag\x18\x06 \x01(\tH\x00\x12)\n\x07options\x18\n \x01(\x0b\x32\x18.maskd.v1.GrammarOptionsB\x06\n\x04kind\"{\n\x16RegisterGrammarRequest\x12#\n\x04spec\x18\x01 \x01(\x0b\x32\x15.maskd.v1.GrammarSpec\x12\x0c\n\x04wait\x18\x02 \x01(\x08\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x04 \x01(\t\"|\n\x17RegisterGrammarResponse\x12\x12\n\ngrammar_id\x18\x01 \x01(\t\x12%\n\x05state\x18\x02 \x01(\x0e\x32\x16.maskd.v1.GrammarState\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x17\n\x0f\x63ompile_seconds\x18\x04 \x01(\x01\"\xcb\x01\n\x07SeqStep\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x04 \x03(\x05\x12\x14\n\ngrammar_id\x18\x05 \x01(\tH\x00\x12%\n\x04spec\x18\x06 \x01(\x0b\x32\x15.maskd.v1.GrammarSpecH\x00\x12\r\n\x05\x63lose\x18\x07 \x01(\x08\x12\x10\n\x08rollback\x18\x08 \x01(\r\x12\x16\n\x0ehistory_offset\x18\t \x01(\rB\x06\n\x04open\"\x90\x01\n\x0bStepRequest\x12\x1f\n\x04seqs\x18\x01 \x03(\x0b\x32\x11.maskd.v1.SeqStep\x12\x1a\n\x12want_forced_tokens\x18\x02 \x01(\x08\x12\x0f\n\x07handles\x18\x03 \x01(\x0c\x12\r\n\x05steps\x18\x04 \x01(\x0c\x12\x14\n\x0ctoken_counts\x18\x05 \x01(\x0c\x12\x0e\n\x06tokens\x18\x06 \x01(\x0c\"\xe1\x01\n\tSeqResult\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\r\x12#\n\x06status\x18\x03 \x01(\x0e\x32\x13.maskd.v1.SeqStatus\x12\x0c\n\x04\x63ode\x18\x04 \x01(\x05\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x15\n\rforced_tokens\x18\x06 \x03(\x05\x12\x11\n\tfirst_row\x18\x07 \x01(\r\x12\x10\n\x08num_rows\x18\x08 \x01(\r\x12\x14\n\x0c\x64rafts_valid\x18\t \x01(\r\x12\x11\n\taccepting\x18\n \x01(\x08\x12\x0e\n\x06handle\x18\x0b \x01(\r\";\n\x0c\x45ntryProblem\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\xf8\x01\n\x0cStepResponse\x12$\n\x07results\x18\x01 \x03(\x0b\x32\x13.maskd.v1.SeqResult\x12\x15\n\rwords_per_row\x18\x03 \x01(\r\x12\x16\n\x0eserver_seconds\x18\x04 \x01(\x01\x12\x10\n\x08statuses\x18\x05 \x01(\x0c\x12(\n\x08problems\x18\x06 \x03(\x0b\x32\x16.maskd.v1.EntryProblem\x12\x15\n\rforced_counts\x18\x07 \x01(\x0c\x12\x15\n\rforced_tokens\x18\x08 \x01(\x0c\x12\x10\n\x08num_rows\x18\t \x01(\r\x12\x11\n\trow_block\x18\n \x01(\x0cJ\x04\x08\x02\x10\x03*U\n\nWhitespace\x12\x16\n\x12WHITESPACE_DEFAULT\x10\x00\x12\x17\n\x13WHITESPACE_FLEXIBLE\x10\x01\x12\x16\n\x12WHITESPACE_COMPACT\x10\x02*}\n\x0cGrammarState\x12\x1d\n\x19GRAMMAR_STATE_UNSPECIFIED\x10\x00\x12\x1b\n\x17GRAMMAR_STATE_COMPILING\x10\x01\x12\x17\n\x13GRAMMAR_STATE_READY\x10\x02\x12\x18\n\x14GRAMMAR_STATE_FAILED\x10\x03*\xb2\x01\n\tSeqStatus\x12\x1a\n\x16SEQ_STATUS_UNSPECIFIED\x10\x00\x12\x14\n\x10SEQ_STATUS_READY\x10\x01\x12\x16\n\x12SEQ_STATUS_WAITING\x10\x02\x12\x15\n\x11SEQ_STATUS_FAILED\x10\x03\x12\x17\n\x13SEQ_STATUS_FINISHED\x10\x04\x12\x15\n\x11SEQ_STATUS_CLOSED\x10\x05\x12\x14\n\x10SEQ_STATUS_ERROR\x10\x06*}\n\x0bRowEncoding\x12\x16\n\x12ROW_ENCODING_DENSE\x10\x00\x12\x1c\n\x18ROW_ENCODING_ALLOWED_IDS\x10\x01\x12\x1d\n\x19ROW_ENCODING_REJECTED_IDS\x10\x02\x12\x19\n\x15ROW_ENCODING_DICT_REF\x10\x03\x32\xda\x01\n\x0bMaskService\x12\x35\n\x04Info\x12\x15.maskd.v1.InfoRequest\x1a\x16.maskd.v1.InfoResponse\x12V\n\x0fRegisterGrammar\x12 .maskd.v1.RegisterGrammarRequest\x1a!.maskd.v1.RegisterGrammarResponse\x12<\n\x07Session\x12\x15.maskd.v1.StepRequest\x1a\x16.maskd.v1.StepResponse(\x01\x30\x01:D\n\x08\x63ontract\x12\x1c.google.protobuf.FileOptions\x18\xab\x8c\x03 \x01(\x0b\x32\x12.maskd.v1.ContractB,\xda\xe2\x18(\n\rmaskd-session\x12\rauthorization\x1a\x06\x42\x65\x61rer \x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14maskd/v1/maskd.proto\x12\x08maskd.v1\x1a google/protobuf/descriptor.proto\"j\n\x08\x43ontract\x12\x1c\n\x14session_metadata_key\x18\x01 \x01(\t\x12\x19\n\x11\x61uth_metadata_key\x18\x02 \x01(\t\x12\x13\n\x0b\x61uth_scheme\x18\x03 \x01(\t\x12\x10\n\x08revision\x18\x04 \x01(\r\"\r\n\x0bInfoRequest\"\x83\x04\n\x0cInfoResponse\x12\x16\n\x0eserver_version\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x17\n\x0f\x62\x61\x63kend_version\x18\x03 \x01(\t\x12\x11\n\ttokenizer\x18\x04 \x01(\t\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x14\n\x0clogits_width\x18\x06 \x01(\r\x12\x15\n\rwords_per_row\x18\x07 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x08 \x01(\t\x12\x15\n\reos_token_ids\x18\t \x03(\x05\x12\x19\n\x11max_message_bytes\x18\n \x01(\x04\x12\x19\n\x11max_rows_per_step\x18\x0b \x01(\r\x12,\n\rrow_encodings\x18\x0c \x03(\x0e\x32\x15.maskd.v1.RowEncoding\x12\x1b\n\x13row_dictionary_size\x18\r \x01(\r\x12\x19\n\x11\x63ontract_revision\x18\x0e \x01(\r\x12\x1b\n\x13max_tokens_per_step\x18\x0f \x01(\r\x12\x18\n\x10max_draft_tokens\x18\x10 \x01(\r\x12!\n\x19max_sequences_per_session\x18\x11 \x01(\r\x12\x17\n\x0frow_compression\x18\x12 \x01(\t\x12\x18\n\x10json_schema_mode\x18\x13 \x01(\t\"\x9a\x01\n\x0eGrammarOptions\x12(\n\nwhitespace\x18\x01 \x01(\x0e\x32\x14.maskd.v1.Whitespace\x12\x17\n\x0freasoning_start\x18\x02 \x01(\t\x12\x15\n\rreasoning_end\x18\x03 \x01(\t\x12\x1b\n\x0emax_whitespace\x18\x04 \x01(\rH\x00\x88\x01\x01\x42\x11\n\x0f_max_whitespace\"\x1b\n\nChoiceList\x12\r\n\x05items\x18\x01 \x03(\t\"\xca\x01\n\x0bGrammarSpec\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12\x0e\n\x04lark\x18\x03 \x01(\tH\x00\x12\x0e\n\x04\x65\x62nf\x18\x04 \x01(\tH\x00\x12&\n\x06\x63hoice\x18\x05 \x01(\x0b\x32\x14.maskd.v1.ChoiceListH\x00\x12\x18\n\x0estructural_tag\x18\x06 \x01(\tH\x00\x12)\n\x07options\x18\n \x01(\x0b\x32\x18.maskd.v1.GrammarOptionsB\x06\n\x04kind\"{\n\x16RegisterGrammarRequest\x12#\n\x04spec\x18\x01 \x01(\x0b\x32\x15.maskd.v1.GrammarSpec\x12\x0c\n\x04wait\x18\x02 \x01(\x08\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x04 \x01(\t\"|\n\x17RegisterGrammarResponse\x12\x12\n\ngrammar_id\x18\x01 \x01(\t\x12%\n\x05state\x18\x02 \x01(\x0e\x32\x16.maskd.v1.GrammarState\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x17\n\x0f\x63ompile_seconds\x18\x04 \x01(\x01\"\xcb\x01\n\x07SeqStep\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x04 \x03(\x05\x12\x14\n\ngrammar_id\x18\x05 \x01(\tH\x00\x12%\n\x04spec\x18\x06 \x01(\x0b\x32\x15.maskd.v1.GrammarSpecH\x00\x12\r\n\x05\x63lose\x18\x07 \x01(\x08\x12\x10\n\x08rollback\x18\x08 \x01(\r\x12\x16\n\x0ehistory_offset\x18\t \x01(\rB\x06\n\x04open\"\x90\x01\n\x0bStepRequest\x12\x1f\n\x04seqs\x18\x01 \x03(\x0b\x32\x11.maskd.v1.SeqStep\x12\x1a\n\x12want_forced_tokens\x18\x02 \x01(\x08\x12\x0f\n\x07handles\x18\x03 \x01(\x0c\x12\r\n\x05steps\x18\x04 \x01(\x0c\x12\x14\n\x0ctoken_counts\x18\x05 \x01(\x0c\x12\x0e\n\x06tokens\x18\x06 \x01(\x0c\"\xe1\x01\n\tSeqResult\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\r\x12#\n\x06status\x18\x03 \x01(\x0e\x32\x13.maskd.v1.SeqStatus\x12\x0c\n\x04\x63ode\x18\x04 \x01(\x05\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x15\n\rforced_tokens\x18\x06 \x03(\x05\x12\x11\n\tfirst_row\x18\x07 \x01(\r\x12\x10\n\x08num_rows\x18\x08 \x01(\r\x12\x14\n\x0c\x64rafts_valid\x18\t \x01(\r\x12\x11\n\taccepting\x18\n \x01(\x08\x12\x0e\n\x06handle\x18\x0b \x01(\r\";\n\x0c\x45ntryProblem\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\xf8\x01\n\x0cStepResponse\x12$\n\x07results\x18\x01 \x03(\x0b\x32\x13.maskd.v1.SeqResult\x12\x15\n\rwords_per_row\x18\x03 \x01(\r\x12\x16\n\x0eserver_seconds\x18\x04 \x01(\x01\x12\x10\n\x08statuses\x18\x05 \x01(\x0c\x12(\n\x08problems\x18\x06 \x03(\x0b\x32\x16.maskd.v1.EntryProblem\x12\x15\n\rforced_counts\x18\x07 \x01(\x0c\x12\x15\n\rforced_tokens\x18\x08 \x01(\x0c\x12\x10\n\x08num_rows\x18\t \x01(\r\x12\x11\n\trow_block\x18\n \x01(\x0cJ\x04\x08\x02\x10\x03*U\n\nWhitespace\x12\x16\n\x12WHITESPACE_DEFAULT\x10\x00\x12\x17\n\x13WHITESPACE_FLEXIBLE\x10\x01\x12\x16\n\x12WHITESPACE_COMPACT\x10\x02*}\n\x0cGrammarState\x12\x1d\n\x19GRAMMAR_STATE_UNSPECIFIED\x10\x00\x12\x1b\n\x17GRAMMAR_STATE_COMPILING\x10\x01\x12\x17\n\x13GRAMMAR_STATE_READY\x10\x02\x12\x18\n\x14GRAMMAR_STATE_FAILED\x10\x03*\xb2\x01\n\tSeqStatus\x12\x1a\n\x16SEQ_STATUS_UNSPECIFIED\x10\x00\x12\x14\n\x10SEQ_STATUS_READY\x10\x01\x12\x16\n\x12SEQ_STATUS_WAITING\x10\x02\x12\x15\n\x11SEQ_STATUS_FAILED\x10\x03\x12\x17\n\x13SEQ_STATUS_FINISHED\x10\x04\x12\x15\n\x11SEQ_STATUS_CLOSED\x10\x05\x12\x14\n\x10SEQ_STATUS_ERROR\x10\x06*}\n\x0bRowEncoding\x12\x16\n\x12ROW_ENCODING_DENSE\x10\x00\x12\x1c\n\x18ROW_ENCODING_ALLOWED_IDS\x10\x01\x12\x1d\n\x19ROW_ENCODING_REJECTED_IDS\x10\x02\x12\x19\n\x15ROW_ENCODING_DICT_REF\x10\x03\x32\xda\x01\n\x0bMaskService\x12\x35\n\x04Info\x12\x15.maskd.v1.InfoRequest\x1a\x16.maskd.v1.InfoResponse\x12V\n\x0fRegisterGrammar\x12 .maskd.v1.RegisterGrammarRequest\x1a!.maskd.v1.RegisterGrammarResponse\x12<\n\x07Session\x12\x15.maskd.v1.StepRequest\x1a\x16.maskd.v1.StepResponse(\x01\x30\x01:D\n\x08\x63ontract\x12\x1c.google.protobuf.FileOptions\x18\xab\x8c\x03 \x01(\x0b\x32\x12.maskd.v1.ContractB,\xda\xe2\x18(\n\rmaskd-session\x12\rauthorization\x1a\x06\x42\x65\x61rer \x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,40 +33,40 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'maskd.v1.maskd_pb2', _globa
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\332\342\030(\n\rmaskd-session\022\rauthorization\032\006Bearer \003'
-  _globals['_WHITESPACE']._serialized_start=2169
-  _globals['_WHITESPACE']._serialized_end=2254
-  _globals['_GRAMMARSTATE']._serialized_start=2256
-  _globals['_GRAMMARSTATE']._serialized_end=2381
-  _globals['_SEQSTATUS']._serialized_start=2384
-  _globals['_SEQSTATUS']._serialized_end=2562
-  _globals['_ROWENCODING']._serialized_start=2564
-  _globals['_ROWENCODING']._serialized_end=2689
+  _globals['_WHITESPACE']._serialized_start=2244
+  _globals['_WHITESPACE']._serialized_end=2329
+  _globals['_GRAMMARSTATE']._serialized_start=2331
+  _globals['_GRAMMARSTATE']._serialized_end=2456
+  _globals['_SEQSTATUS']._serialized_start=2459
+  _globals['_SEQSTATUS']._serialized_end=2637
+  _globals['_ROWENCODING']._serialized_start=2639
+  _globals['_ROWENCODING']._serialized_end=2764
   _globals['_CONTRACT']._serialized_start=68
   _globals['_CONTRACT']._serialized_end=174
   _globals['_INFOREQUEST']._serialized_start=176
   _globals['_INFOREQUEST']._serialized_end=189
   _globals['_INFORESPONSE']._serialized_start=192
-  _globals['_INFORESPONSE']._serialized_end=681
-  _globals['_GRAMMAROPTIONS']._serialized_start=683
-  _globals['_GRAMMAROPTIONS']._serialized_end=789
-  _globals['_CHOICELIST']._serialized_start=791
-  _globals['_CHOICELIST']._serialized_end=818
-  _globals['_GRAMMARSPEC']._serialized_start=821
-  _globals['_GRAMMARSPEC']._serialized_end=1023
-  _globals['_REGISTERGRAMMARREQUEST']._serialized_start=1025
-  _globals['_REGISTERGRAMMARREQUEST']._serialized_end=1148
-  _globals['_REGISTERGRAMMARRESPONSE']._serialized_start=1150
-  _globals['_REGISTERGRAMMARRESPONSE']._serialized_end=1274
-  _globals['_SEQSTEP']._serialized_start=1277
-  _globals['_SEQSTEP']._serialized_end=1480
-  _globals['_STEPREQUEST']._serialized_start=1483
-  _globals['_STEPREQUEST']._serialized_end=1627
-  _globals['_SEQRESULT']._serialized_start=1630
-  _globals['_SEQRESULT']._serialized_end=1855
-  _globals['_ENTRYPROBLEM']._serialized_start=1857
-  _globals['_ENTRYPROBLEM']._serialized_end=1916
-  _globals['_STEPRESPONSE']._serialized_start=1919
-  _globals['_STEPRESPONSE']._serialized_end=2167
-  _globals['_MASKSERVICE']._serialized_start=2692
-  _globals['_MASKSERVICE']._serialized_end=2910
+  _globals['_INFORESPONSE']._serialized_end=707
+  _globals['_GRAMMAROPTIONS']._serialized_start=710
+  _globals['_GRAMMAROPTIONS']._serialized_end=864
+  _globals['_CHOICELIST']._serialized_start=866
+  _globals['_CHOICELIST']._serialized_end=893
+  _globals['_GRAMMARSPEC']._serialized_start=896
+  _globals['_GRAMMARSPEC']._serialized_end=1098
+  _globals['_REGISTERGRAMMARREQUEST']._serialized_start=1100
+  _globals['_REGISTERGRAMMARREQUEST']._serialized_end=1223
+  _globals['_REGISTERGRAMMARRESPONSE']._serialized_start=1225
+  _globals['_REGISTERGRAMMARRESPONSE']._serialized_end=1349
+  _globals['_SEQSTEP']._serialized_start=1352
+  _globals['_SEQSTEP']._serialized_end=1555
+  _globals['_STEPREQUEST']._serialized_start=1558
+  _globals['_STEPREQUEST']._serialized_end=1702
+  _globals['_SEQRESULT']._serialized_start=1705
+  _globals['_SEQRESULT']._serialized_end=1930
+  _globals['_ENTRYPROBLEM']._serialized_start=1932
+  _globals['_ENTRYPROBLEM']._serialized_end=1991
+  _globals['_STEPRESPONSE']._serialized_start=1994
+  _globals['_STEPRESPONSE']._serialized_end=2242
+  _globals['_MASKSERVICE']._serialized_start=2767
+  _globals['_MASKSERVICE']._serialized_end=2985
 # @@protoc_insertion_point(module_scope)

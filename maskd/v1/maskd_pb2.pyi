@@ -75,7 +75,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("server_version", "backend", "backend_version", "tokenizer", "vocab_size", "logits_width", "words_per_row", "tokenizer_fingerprint", "eos_token_ids", "max_message_bytes", "max_rows_per_step", "row_encodings", "row_dictionary_size", "contract_revision", "max_tokens_per_step", "max_draft_tokens", "max_sequences_per_session", "row_compression")
+    __slots__ = ("server_version", "backend", "backend_version", "tokenizer", "vocab_size", "logits_width", "words_per_row", "tokenizer_fingerprint", "eos_token_ids", "max_message_bytes", "max_rows_per_step", "row_encodings", "row_dictionary_size", "contract_revision", "max_tokens_per_step", "max_draft_tokens", "max_sequences_per_session", "row_compression", "json_schema_mode")
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     BACKEND_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +94,7 @@ class InfoResponse(_message.Message):
     MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQUENCES_PER_SESSION_FIELD_NUMBER: _ClassVar[int]
     ROW_COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    JSON_SCHEMA_MODE_FIELD_NUMBER: _ClassVar[int]
     server_version: str
     backend: str
     backend_version: str
@@ -112,17 +113,20 @@ class InfoResponse(_message.Message):
     max_draft_tokens: int
     max_sequences_per_session: int
     row_compression: str
-    def __init__(self, server_version: _Optional[str] = ..., backend: _Optional[str] = ..., backend_version: _Optional[str] = ..., tokenizer: _Optional[str] = ..., vocab_size: _Optional[int] = ..., logits_width: _Optional[int] = ..., words_per_row: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_message_bytes: _Optional[int] = ..., max_rows_per_step: _Optional[int] = ..., row_encodings: _Optional[_Iterable[_Union[RowEncoding, str]]] = ..., row_dictionary_size: _Optional[int] = ..., contract_revision: _Optional[int] = ..., max_tokens_per_step: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., max_sequences_per_session: _Optional[int] = ..., row_compression: _Optional[str] = ...) -> None: ...
+    json_schema_mode: str
+    def __init__(self, server_version: _Optional[str] = ..., backend: _Optional[str] = ..., backend_version: _Optional[str] = ..., tokenizer: _Optional[str] = ..., vocab_size: _Optional[int] = ..., logits_width: _Optional[int] = ..., words_per_row: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_message_bytes: _Optional[int] = ..., max_rows_per_step: _Optional[int] = ..., row_encodings: _Optional[_Iterable[_Union[RowEncoding, str]]] = ..., row_dictionary_size: _Optional[int] = ..., contract_revision: _Optional[int] = ..., max_tokens_per_step: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., max_sequences_per_session: _Optional[int] = ..., row_compression: _Optional[str] = ..., json_schema_mode: _Optional[str] = ...) -> None: ...
 
 class GrammarOptions(_message.Message):
-    __slots__ = ("whitespace", "reasoning_start", "reasoning_end")
+    __slots__ = ("whitespace", "reasoning_start", "reasoning_end", "max_whitespace")
     WHITESPACE_FIELD_NUMBER: _ClassVar[int]
     REASONING_START_FIELD_NUMBER: _ClassVar[int]
     REASONING_END_FIELD_NUMBER: _ClassVar[int]
+    MAX_WHITESPACE_FIELD_NUMBER: _ClassVar[int]
     whitespace: Whitespace
     reasoning_start: str
     reasoning_end: str
-    def __init__(self, whitespace: _Optional[_Union[Whitespace, str]] = ..., reasoning_start: _Optional[str] = ..., reasoning_end: _Optional[str] = ...) -> None: ...
+    max_whitespace: int
+    def __init__(self, whitespace: _Optional[_Union[Whitespace, str]] = ..., reasoning_start: _Optional[str] = ..., reasoning_end: _Optional[str] = ..., max_whitespace: _Optional[int] = ...) -> None: ...
 
 class ChoiceList(_message.Message):
     __slots__ = ("items",)

@@ -4,7 +4,9 @@ that ends with EOS is valid for its schema.
 A fixed-seed sample of MaskBench-dev schemas, several sequences per schema (greedy and
 temperature sampling over random logits), all sequences of the sample batched in one step per
 token through an embedded server on a loopback port, a budget of 200 tokens per sequence.
-Outputs are checked with ``jsonschema`` (format assertions off). Schemas that jsonschema cannot
+Outputs are checked with ``jsonschema`` (format assertions off). The server runs in the default
+complete mode: where its grammar is a relaxation, a document that can no longer pass is ended by
+the validator (counted), and none of those ever ends with EOS. Schemas that jsonschema cannot
 check (bad schema, unknown meta-schema, unresolvable ``$ref``) or that the engine does not
 compile are skipped and counted.
 
@@ -107,6 +109,7 @@ def test_finished_outputs_validate(server):
 
     live = set(seqs)
     finished, failures, compile_failed, out_of_budget = [], [], set(), 0
+    cannot_pass = []   # complete mode: the validator ended a document that could no longer pass
     steps = 0
     deadline = time.monotonic() + 180  # a safety net only: compiles time out after 20 s
     try:
@@ -126,6 +129,10 @@ def test_finished_outputs_validate(server):
                     live.discard(sid)
                     if not s["tokens"]:
                         compile_failed.add(s["name"])  # the engine does not take this schema
+                    elif "does not match the JSON schema" in res.reason:
+                        # complete mode: the grammar is a relaxation, the validator ended a document
+                        # that cannot pass any more; it never ends with EOS
+                        cannot_pass.append(sid)
                     else:
                         failures.append(f"{sid}: a token sampled under the mask was rejected: {res.reason}")
                     continue
@@ -202,7 +209,8 @@ def test_finished_outputs_validate(server):
     summary = (f"{len(sample)} files: {len(names)} schemas with a checked output; "
                f"{len(checkers)} checkable, {len(compile_failed)} not compiled by the "
                f"engine, {len(seqs)} sequences, {len(finished)} finished, {len(checked)} checked, "
-               f"{out_of_budget} out of budget, {steps} steps, {time.perf_counter() - t_start:.1f} s; "
+               f"{out_of_budget} out of budget, {len(cannot_pass)} ended by the validator, {steps} steps, "
+               f"{time.perf_counter() - t_start:.1f} s; "
                f"skipped: {skipped}")
     print(summary)
     assert not failures, "\n".join(failures)

@@ -710,7 +710,8 @@ ALL_SERVER_VALUES = {"port": 7000, "metricsPort": 9100, "tokenizer": "cl100k", "
                      "compileIsolation": "process", "maxStreamsPerTenant": 32, "maxSequences": 20000,
                      "maxSequencesPerTenant": 5000, "maxTokensPerRequest": 100000, "maxGrammarDepth": 64,
                      "maxCompilesQueued": 900, "maxCompilesQueuedPerTenant": 90, "maxCompilesRunningPerTenant": 2,
-                     "idleTimeoutSeconds": 120, "drainDelaySeconds": 3, "drainGraceSeconds": 20}
+                     "idleTimeoutSeconds": 120, "drainDelaySeconds": 3, "drainGraceSeconds": 20,
+                     "jsonSchemaMode": "strict"}
 
 
 def test_server_values_cover_every_server_flag(chart):
@@ -737,6 +738,7 @@ def test_server_values_cover_every_server_flag(chart):
     mounts = {m["name"]: m["mountPath"] for m in container(pod, "maskd")["volumeMounts"]}
     assert cfg.auth_tokens_file == mounts["auth-tokens"] + "/tokens" and cfg.allow_plaintext_auth
     assert cfg.tls_client_ca == mounts["tls"] + "/ca.crt"
+    assert cfg.json_schema_mode == "strict"
 
 
 def test_auth_without_tls_fails_at_render_time_unless_plaintext_is_allowed(chart):

@@ -92,3 +92,12 @@ def test_errors_are_counted_by_kind_and_logged_and_the_reply_is_timed_once(caplo
         recorded = reg.get_sample_value("maskd_step_seconds_sum")
         assert reg.get_sample_value("maskd_step_seconds_count") == 3
         assert recorded == pytest.approx(sum(r.server_seconds for r in replies), rel=1e-9)
+
+
+def test_json_schema_mode_is_checked():
+    import pytest
+
+    from maskd.server.config import ConfigError, ServerConfig
+    assert ServerConfig().json_schema_mode == "complete"
+    with pytest.raises(ConfigError, match="--json-schema-mode must be one of strict, complete"):
+        ServerConfig(json_schema_mode="lenient").check()

@@ -140,8 +140,11 @@ def test_compile_errors_carry_engine_message(engine, kind, source, match):
         engine.compile(GrammarSpec.create(kind, source))
 
 
-def test_structural_tag_unsupported(engine):
-    with pytest.raises(UnsupportedSpec, match="xgrammar"):
+def test_structural_tag_formats_llguidance_lacks_name_xgrammar(engine):
+    with pytest.raises(UnsupportedSpec, match="'dispatch' is not supported on llguidance; use --backend xgrammar"):
+        engine.compile(GrammarSpec.create("structural_tag", {"type": "structural_tag", "format": {
+            "type": "dispatch", "rules": []}}))
+    with pytest.raises(GrammarCompileError, match="has a 'format'"):
         engine.compile(GrammarSpec.create("structural_tag", {"type": "structural_tag"}))
 
 

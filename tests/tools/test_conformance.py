@@ -1,4 +1,5 @@
-"""MaskBench conformance through the real server equals in-process llguidance."""
+"""MaskBench conformance through the real server: strict mode equals in-process llguidance; complete
+mode compiles more with no false accept and the same verdicts where strict compiles."""
 import json
 import subprocess
 import sys
@@ -16,6 +17,13 @@ KEYS = ("schemas", "compiled", "compile_errors", "valid_total", "valid_accepted"
 
 @pytest.fixture(scope="module")
 def server():
+    srv = MaskServer(ServerConfig(port=0, tokenizer="deepseek-v4", threads=2, json_schema_mode="strict")).start()
+    yield srv
+    srv.stop(grace=0.5)
+
+
+@pytest.fixture(scope="module")
+def complete_server():
     srv = MaskServer(ServerConfig(port=0, tokenizer="deepseek-v4", threads=2)).start()
     yield srv
     srv.stop(grace=0.5)
@@ -49,22 +57,45 @@ def test_maskbench_slice_through_server_equals_in_process(server):
     same_verdicts(wire, local)
     assert wire["masks"] > 1000
     assert not wire["false_accepts"]
+    assert wire["json_schema_mode"] == "strict"
 
 
-def test_cli_embedded_writes_report(tmp_path):
+@needs_maskbench
+def test_maskbench_slice_in_complete_mode(complete_server):
+    """A slice rich in schemas llguidance refuses: complete mode compiles them, accepts no invalid
+    instance, and where strict mode compiles, its verdicts are strict mode's."""
+    suite = conformance.load_suite(MASKBENCH)
+    strict = conformance.run_in_process("deepseek-v4", suite[::7])
+    refused = set(strict["compile_error_files"])
+    picked = [item for item in suite[::7] if item[0] in refused][:25] + \
+        [item for item in suite[::7] if item[0] not in refused][:15]
+    wire = conformance.run_through_server(complete_server.address, "deepseek-v4", picked, batch=64)
+    assert wire["json_schema_mode"] == "complete"
+    assert not wire["false_accepts"]
+    assert wire["compiled"] >= len(picked) - 1 and wire["compiled"] > len(picked) - len(refused & {p[0] for p in picked})
+    assert wire["validator_rejects"] > 0
+    strict_rejects = {(x["file"], x["test"]) for x in strict["false_rejects"]}
+    for x in wire["false_rejects"]:   # on what strict mode compiles, no new false reject
+        assert x["file"] in refused or (x["file"], x["test"]) in strict_rejects, x
+
+
+@pytest.mark.parametrize("mode", ["complete", "strict"])
+def test_cli_embedded_writes_report(tmp_path, mode):
     out = tmp_path / "report.json"
     proc = subprocess.run([sys.executable, "-m", "maskd.cli", "conformance", "--embedded", "--tokenizer", "cl100k",
-                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+                           "--json-schema-mode", mode, "--json", str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
     for key in KEYS:
         assert key in report
     assert report["valid_accepted"] == report["valid_total"] and report["compiled"] == report["schemas"]
+    assert report["json_schema_mode"] == mode and f"({mode} JSON schemas)" in proc.stdout
 
 
 @pytest.mark.parametrize("args,message", [
     (["--embedded", "--data", "/no/such/folder"], "no MaskBench folder"),
     (["--embedded", "--tokenizer", "no-such:tokenizer"], "unknown tokenizer"),
+    (["--embedded", "--json-schema-mode", "lenient"], "invalid choice: 'lenient'"),
 ])
 def test_cli_garbage(args, message, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "maskd.cli", "conformance", *args],
@@ -110,6 +141,7 @@ def test_serve_drains_on_sigterm(tmp_path):
     (["--row-dict-size", "-1"], "--row-dict-size must be >= 0"),
     (["--backend", "no-such-engine"], "unknown backend"),
     (["--threads", "many"], "invalid int value"),
+    (["--json-schema-mode", "loose"], "invalid choice: 'loose'"),
 ])
 def test_serve_cli_garbage(args, message):
     proc = subprocess.run([sys.executable, "-m", "maskd.cli", "serve", "--port", "0", *args],

@@ -37,6 +37,7 @@ def capture(batch: int, steps: int, limit: int) -> tuple[list[np.ndarray], int]:
     import llguidance
 
     from maskd.server.tokenizers import load_tokenizer
+    from maskd.tools.bench import common
     from maskd.tools.replay import load_instances
 
     tok = load_tokenizer("deepseek-v4")
@@ -54,7 +55,7 @@ def capture(batch: int, steps: int, limit: int) -> tuple[list[np.ndarray], int]:
             try:
                 t = templates.get(inst.schema.name)
                 if t is None:
-                    g = llguidance.LLMatcher.grammar_from_json_schema(inst.schema.text)
+                    g = common.llguidance_grammar(inst.schema.text)
                     t = templates[inst.schema.name] = llguidance.LLMatcher(tok.ll, g, log_level=0)
                 return {"m": t.deep_copy(), "inst": inst, "pos": 0}
             except Exception:

@@ -94,6 +94,9 @@ Call with (dict "root" $ "threads" N); threads defaults to server.threads.
 {{- if not (kindIs "invalid" $s.compileThreads) -}}
 {{- $flags = concat $flags (list "--compile-threads" (include "maskd.int" $s.compileThreads)) -}}
 {{- end -}}
+{{- if not (kindIs "invalid" $s.jsonSchemaMode) -}}
+{{- $flags = concat $flags (list "--json-schema-mode" ($s.jsonSchemaMode | toString)) -}}
+{{- end -}}
 {{- range $key, $flag := dict "maxMessageBytes" "--max-message-bytes" "maxGrammarBytes" "--max-grammar-bytes" "maxStreams" "--max-streams" "cacheEntries" "--cache-entries" "rowDictSize" "--row-dict-size" "maxTokensPerStep" "--max-tokens-per-step" "maxDraftTokens" "--max-draft-tokens" "maxRowsPerStep" "--max-rows-per-step" "maxSequencesPerSession" "--max-sequences-per-session" "cacheBytes" "--cache-bytes" "maxStreamsPerTenant" "--max-streams-per-tenant" "maxSequences" "--max-sequences" "maxSequencesPerTenant" "--max-sequences-per-tenant" "maxTokensPerRequest" "--max-tokens-per-request" "maxGrammarDepth" "--max-grammar-depth" "maxCompilesQueued" "--max-compiles-queued" "maxCompilesQueuedPerTenant" "--max-compiles-queued-per-tenant" "maxCompilesRunningPerTenant" "--max-compiles-running-per-tenant" -}}
 {{- $v := index $s $key -}}
 {{- if not (kindIs "invalid" $v) -}}

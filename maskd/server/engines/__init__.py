@@ -5,14 +5,14 @@ from maskd.server.config import BACKENDS
 from maskd.server.engines.base import CompiledGrammar, Engine, GrammarCompileError, Matcher, UnsupportedSpec
 
 
-def create_engine(backend: str, tokenizer, *, threads: int) -> Engine:
+def create_engine(backend: str, tokenizer, *, threads: int, json_schema_mode: str = "strict") -> Engine:
     """Builds the named backend for a loaded tokenizer."""
     if backend == "llguidance":
         from maskd.server.engines.llguidance_engine import LLGuidanceEngine
-        return LLGuidanceEngine(tokenizer, threads=threads)
+        return LLGuidanceEngine(tokenizer, threads=threads, json_schema_mode=json_schema_mode)
     if backend == "xgrammar":
         from maskd.server.engines.xgrammar_engine import XGrammarEngine
-        return XGrammarEngine(tokenizer, threads=threads)
+        return XGrammarEngine(tokenizer, threads=threads, json_schema_mode=json_schema_mode)
     raise ValueError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
 
 

@@ -31,6 +31,9 @@ class CompiledGrammar:
     handle: Any            # backend object (llguidance grammar string, xgrammar CompiledGrammar)
     compile_seconds: float
     prototype: Any = None  # backend's initial-state matcher that new matchers copy, if it has one
+    # Complete JSON-schema mode: the grammar is a relaxation and finished documents are checked
+    # (a maskd.server.validation.DocumentChecker); None when the grammar enforces everything.
+    checker: Any = None
 
 
 class Matcher(abc.ABC):
@@ -66,9 +69,11 @@ class Engine(abc.ABC):
     name: str
     version: str
 
-    def __init__(self, tokenizer, *, threads: int) -> None:
+    def __init__(self, tokenizer, *, threads: int, json_schema_mode: str = "strict") -> None:
         self.tokenizer = tokenizer
         self.threads = threads
+        # "strict" or "complete" (see maskd.specs.JSON_SCHEMA_MODES); part of every grammar id.
+        self.json_schema_mode = json_schema_mode
         self.width = tokenizer.logits_width
         self.words_per_row = (self.width + 31) // 32
 

@@ -5,8 +5,9 @@ batched consume and fill run on llguidance's parallel executor with the GIL rele
 """
 from __future__ import annotations
 
+import dataclasses
 import json
-import re
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -16,24 +17,27 @@ import llguidance
 import numpy as np
 from llguidance.gbnf_to_lark import any_to_lark
 
+from maskd.server.documents import JsonDocumentChecker, TagSpan, ToolCallChecker
 from maskd.server.engines.base import CompiledGrammar, Engine, GrammarCompileError, Matcher, UnsupportedSpec
+from maskd.server.engines.llguidance_lark import Specials, StructuralTagLark, TagInfo, reasoning_lark
+from maskd.server.schema_relax import Relaxation, RelaxError, relax
+from maskd.server.validation import SchemaValidator, ValidatorError
 from maskd.specs import GrammarSpec
+
+log = logging.getLogger("maskd.server.engines.llguidance")
+
+# Bumped when maskd changes how a spec maps onto llguidance (it is part of every grammar id).
+_MAPPING_REVISION = 1
+_RELAXED_MAGIC = b"maskd-relaxed-grammar-v1"
+# x-guidance options that loosen the schema: only complete mode relaxes (and then validates).
+_LOOSENING = ("lenient", "coerce_one_of")
+_WHITESPACE_KEYS = {"whitespace_flexible", "whitespace_pattern"}
 
 
 def _first_line(message: str) -> str:
     """llguidance appends its parser state dump to errors; keep what a person can act on."""
     head = message.split("\n<state>", 1)[0].strip()
     return head if len(head) <= 2000 else head[:2000] + "..."
-
-
-def _lark_literal(text: str) -> str:
-    return json.dumps(text, ensure_ascii=False)
-
-
-def _reasoning_lexeme(start: str, end: str) -> str:
-    """A lexeme for start ... end where the body never contains end (a lazy match)."""
-    s, e = re.escape(start).replace("/", "\\/"), re.escape(end).replace("/", "\\/")
-    return f"/{s}(?s:.*){e}/ & ~/(?s:.*{e}.+)/"
 
 
 class LLGuidanceMatcher(Matcher):
@@ -83,61 +87,67 @@ class _Prototype:
             return self.matcher.deep_copy()
 
 
+def whitespace_pattern(max_whitespace: int) -> str:
+    """llguidance's whitespace_pattern for flexible JSON with at most max_whitespace characters in a row."""
+    return f"[\\x20\\x0A\\x0D\\x09]{{1,{max_whitespace}}}"
+
+
 class LLGuidanceEngine(Engine):
     name = "llguidance"
-    version = llguidance.__version__
+    version = f"{llguidance.__version__}+maskd.{_MAPPING_REVISION}"
 
-    def __init__(self, tokenizer, *, threads: int) -> None:
-        super().__init__(tokenizer, threads=threads)
+    def __init__(self, tokenizer, *, threads: int, json_schema_mode: str = "strict") -> None:
+        super().__init__(tokenizer, threads=threads, json_schema_mode=json_schema_mode)
         self.ll = tokenizer.ll
         self.executor = llguidance.LLExecutor(num_threads=max(1, threads))
+        self._specials: Specials | None = None
+        self._specials_lock = threading.Lock()
+
+    @property
+    def specials(self) -> Specials:
+        with self._specials_lock:
+            if self._specials is None:
+                self._specials = Specials(self.tokenizer)
+            return self._specials
+
+    # -- compile -----------------------------------------------------------------------------------
+    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        t0 = time.perf_counter()
+        if spec.kind == "json_schema":
+            (grammar, probe), checker = self._json_schema(spec)
+        elif spec.kind == "structural_tag":
+            (grammar, probe), checker = self._structural_tag(spec)
+        else:
+            grammar = self.grammar_text(spec)
+            probe, checker = self._checked(grammar), None
+        return CompiledGrammar(spec, grammar, time.perf_counter() - t0, _Prototype(probe), checker=checker)
 
     def grammar_text(self, spec: GrammarSpec) -> str:
-        """The llguidance grammar for a spec (raises GrammarCompileError when it cannot be built)."""
-        compact = spec.whitespace == "compact"
-        if spec.reasoning_start:
-            return llguidance.LLMatcher.grammar_from_lark(self._reasoning_lark(spec, compact))
-        if spec.kind == "json_schema":
-            overrides: Any = {"whitespace_flexible": False} if compact else None
-            try:
-                return llguidance.LLMatcher.grammar_from_json_schema(spec.text, overrides=overrides)
-            except ValueError as exc:
-                raise GrammarCompileError(str(exc)) from exc
+        """The llguidance grammar of a regex, lark, ebnf or choice spec (before any check)."""
         if spec.kind == "regex":
-            return llguidance.LLMatcher.grammar_from_regex(spec.text)
-        if spec.kind == "lark":
+            body = "/" + spec.text.replace("/", "\\/") + "/"
+            if not spec.reasoning_end:
+                return llguidance.LLMatcher.grammar_from_regex(spec.text)
+        elif spec.kind == "choice":
+            body = "(" + " | ".join(json.dumps(c, ensure_ascii=False) for c in json.loads(spec.text)) + ")"
+        elif spec.reasoning_end:
+            raise UnsupportedSpec(f"a reasoning prefix is supported for json_schema, structural_tag, regex and "
+                                  f"choice, not {spec.kind}")
+        elif spec.kind == "lark":
             return llguidance.LLMatcher.grammar_from_lark(spec.text)
-        if spec.kind == "ebnf":
+        elif spec.kind == "ebnf":
             try:
                 return llguidance.LLMatcher.grammar_from_lark(any_to_lark(spec.text))
             except Exception as exc:
                 raise GrammarCompileError(f"cannot convert the GBNF grammar to Lark: {exc}") from exc
-        if spec.kind == "choice":
-            return llguidance.LLMatcher.grammar_from_lark(self._choice_lark(spec))
-        raise UnsupportedSpec(f"the llguidance backend does not support {spec.kind}; use --backend xgrammar")
-
-    @staticmethod
-    def _choice_lark(spec: GrammarSpec) -> str:
-        return "start: " + " | ".join(_lark_literal(c) for c in json.loads(spec.text))
-
-    def _reasoning_lark(self, spec: GrammarSpec, compact: bool) -> str:
-        if spec.kind == "json_schema":
-            schema = json.loads(spec.text)
-            if compact and isinstance(schema, dict):
-                schema = {**schema, "x-guidance": {**schema.get("x-guidance", {}), "whitespace_flexible": False}}
-            body = "%json " + json.dumps(schema, ensure_ascii=False)
-        elif spec.kind == "regex":
-            body = "/" + spec.text.replace("/", "\\/") + "/"
-        elif spec.kind == "choice":
-            body = "(" + " | ".join(_lark_literal(c) for c in json.loads(spec.text)) + ")"
         else:
-            raise UnsupportedSpec(f"a reasoning prefix is supported for json_schema, regex and choice, not {spec.kind}")
-        return (f"start: REASONING body\nbody: {body}\n"
-                f"REASONING: {_reasoning_lexeme(spec.reasoning_start, spec.reasoning_end)}\n")
+            raise UnsupportedSpec(f"the llguidance backend does not support {spec.kind}; use --backend xgrammar")
+        if spec.reasoning_end:
+            return self._lark(reasoning_lark(spec.reasoning_start, spec.reasoning_end, self.specials, body))
+        return llguidance.LLMatcher.grammar_from_lark("start: " + body)
 
-    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
-        t0 = time.perf_counter()
-        grammar = self.grammar_text(spec)
+    def _checked(self, grammar: str) -> llguidance.LLMatcher:
+        """A matcher in the grammar's initial state, or GrammarCompileError with llguidance's message."""
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.ll)
         if is_error:
             raise GrammarCompileError(_first_line(messages[0] if messages else "grammar does not compile"))
@@ -146,7 +156,147 @@ class LLGuidanceEngine(Engine):
         probe = llguidance.LLMatcher(self.ll, grammar, log_level=0)
         if probe.is_error():
             raise GrammarCompileError(_first_line(probe.get_error()))
-        return CompiledGrammar(spec, grammar, time.perf_counter() - t0, _Prototype(probe))
+        return probe
+
+    @staticmethod
+    def _lark(text: str) -> str:
+        try:
+            return llguidance.LLMatcher.grammar_from_lark(text)
+        except ValueError as exc:
+            raise GrammarCompileError(_first_line(str(exc))) from exc
+
+    # -- JSON schemas --------------------------------------------------------------------------------
+    def _json_schema(self, spec: GrammarSpec):
+        schema = json.loads(spec.text)
+        try:
+            return self._json_grammar(spec, schema, lenient=False), None
+        except GrammarCompileError as exc:
+            if self.json_schema_mode != "complete" or not isinstance(schema, dict):
+                raise
+            strict_error = str(exc)
+        relaxed, compiled = self._relax(spec, schema, strict_error)
+        validator = self._validator(schema, relaxed, strict_error)
+        log.info("json schema relaxed for complete mode (%s); the grammar refused it: %s",
+                 relaxed.describe(), strict_error[:200])
+        markers = (self.specials.marked(spec.reasoning_start), self.specials.marked(spec.reasoning_end))
+        return compiled, JsonDocumentChecker(validator, self.tokenizer, markers)
+
+    def _json_options(self, spec: GrammarSpec, schema: dict, lenient: bool) -> dict:
+        """The schema's x-guidance options: ours for whitespace (unless the schema sets its own), never
+        a loosening the caller asked for inside the schema (complete mode relaxes, with a validator)."""
+        user = schema.get("x-guidance")
+        opts = {k: v for k, v in user.items() if k not in _LOOSENING} if isinstance(user, dict) else {}
+        if spec.whitespace == "compact":
+            opts.pop("whitespace_pattern", None)
+            opts["whitespace_flexible"] = False
+        elif spec.max_whitespace and not _WHITESPACE_KEYS & opts.keys():
+            opts["whitespace_pattern"] = whitespace_pattern(spec.max_whitespace)
+        if lenient:
+            opts["lenient"] = True
+        return opts
+
+    def _json_text(self, spec: GrammarSpec, schema: Any, lenient: bool) -> str:
+        if schema is True:
+            schema = {}
+        if isinstance(schema, dict):
+            schema = {**schema, "x-guidance": self._json_options(spec, schema, lenient)}
+        return json.dumps(schema, ensure_ascii=False)
+
+    def _json_grammar(self, spec: GrammarSpec, schema: Any, lenient: bool) -> tuple[str, llguidance.LLMatcher]:
+        text = self._json_text(spec, schema, lenient)
+        if spec.reasoning_end:
+            grammar = self._lark(reasoning_lark(spec.reasoning_start, spec.reasoning_end, self.specials,
+                                                "%json " + text))
+        else:
+            try:
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(text)
+            except ValueError as exc:
+                raise GrammarCompileError(_first_line(str(exc))) from exc
+        return grammar, self._checked(grammar)
+
+    def _relax(self, spec: GrammarSpec, schema: dict, strict_error: str):
+        built: dict[str, tuple[str, llguidance.LLMatcher]] = {}
+
+        def try_compile(candidate: Any, lenient: bool) -> str | None:
+            try:
+                built["last"] = self._json_grammar(spec, candidate, lenient)
+                return None
+            except GrammarCompileError as exc:
+                return str(exc)
+
+        try:
+            relaxed = relax(schema, try_compile, self._regex_ok)
+        except RelaxError as exc:
+            raise GrammarCompileError(f"{strict_error} (complete mode: even the relaxed schema does not "
+                                      f"compile: {_first_line(str(exc))})") from exc
+        return relaxed, built["last"]
+
+    @staticmethod
+    def _regex_ok(pattern: str) -> bool:
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                json.dumps({"type": "string", "pattern": pattern}, ensure_ascii=False))
+            is_error, _ = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None)
+            return not is_error
+        except ValueError:
+            return False
+
+    @staticmethod
+    def _validator(schema: Any, relaxed: Relaxation, strict_error: str) -> SchemaValidator:
+        try:
+            return SchemaValidator(schema, relaxed.keywords)
+        except ValidatorError as exc:
+            raise GrammarCompileError(f"{strict_error} (complete mode: {exc})") from exc
+
+    # -- structural tags -----------------------------------------------------------------------------
+    def _structural_tag(self, spec: GrammarSpec):
+        tag = json.loads(spec.text)
+        plain = dataclasses.replace(spec, kind="json_schema", reasoning_start="", reasoning_end="")
+        relaxations: dict[str, Relaxation] = {}
+
+        def json_body(schema: Any) -> tuple[str, bool]:
+            try:
+                self._json_grammar(plain, schema, lenient=False)
+                return "%json " + self._json_text(plain, schema, False), False
+            except GrammarCompileError as exc:
+                if self.json_schema_mode != "complete" or not isinstance(schema, dict):
+                    raise GrammarCompileError(f"a tool's JSON schema does not compile: {exc}") from exc
+                relaxed, _ = self._relax(plain, schema, f"a tool's JSON schema does not compile: {exc}")
+                relaxations[json.dumps(schema, sort_keys=True)] = relaxed
+                return "%json " + self._json_text(plain, relaxed.schema, True), True
+
+        builder = StructuralTagLark(self.specials, json_body)
+        top = builder.build(tag)
+        if builder.loose_json:
+            raise GrammarCompileError(
+                f"a JSON schema at {builder.loose_json[0]} needs complete mode's check, which applies to the "
+                "JSON content of a tag (begin, content, end); put it in a tag or make it compile in strict mode")
+        if spec.reasoning_end:
+            body, rules = top.split("\n", 1)
+            text = reasoning_lark(spec.reasoning_start, spec.reasoning_end, self.specials,
+                                  body.removeprefix("start: ")) + rules
+        else:
+            text = top
+        grammar = self._lark(text)
+        probe = self._checked(grammar)
+        checker = None
+        if any(t.relaxed for t in builder.tags):
+            markers = (self.specials.marked(spec.reasoning_start), self.specials.marked(spec.reasoning_end))
+            checker = ToolCallChecker([self._tag_span(t, relaxations) for t in builder.tags], self.tokenizer, markers)
+        return (grammar, probe), checker
+
+    def _tag_span(self, tag: TagInfo, relaxations: dict[str, Relaxation]) -> TagSpan:
+        names = {v: k.encode() for k, v in self.specials.ids.items()}
+
+        def marked(x: str | int) -> bytes:
+            return b"\xff" + names[x] if isinstance(x, int) else self.specials.marked(x)
+
+        validator = None
+        if tag.relaxed:
+            relaxed = relaxations[json.dumps(tag.json_schema, sort_keys=True)]
+            validator = self._validator(tag.json_schema, relaxed, "a tool's JSON schema does not compile")
+        label = tag.begin if isinstance(tag.begin, str) else names[tag.begin].decode("utf-8", "replace")
+        return TagSpan(marked(tag.begin), tuple(marked(e) for e in tag.ends), tag.is_json, validator, label[:80])
 
     def new_matcher(self, grammar: CompiledGrammar) -> LLGuidanceMatcher:
         # A fresh matcher is a copy of the grammar's untouched prototype (microseconds), not a
@@ -193,11 +343,16 @@ class LLGuidanceEngine(Engine):
         self.executor.unsafe_compute_mask_ptr_with_draft_token(jobs, out.ctypes.data, out.shape[1] * 4, batch)
 
     def serialize(self, grammar: CompiledGrammar) -> bytes:
+        if grammar.checker is not None:
+            return _RELAXED_MAGIC   # its checker is rebuilt from the spec: recompiled where it is needed
         return grammar.handle.encode()
 
     def deserialize(self, spec: GrammarSpec, data: bytes) -> CompiledGrammar:
         """A grammar compiled elsewhere (a compile worker, another replica): its prototype matcher is
-        built here, off the step path."""
+        built here, off the step path. A relaxed grammar (complete mode) carries a validator that
+        does not serialize: it is compiled again here."""
+        if data == _RELAXED_MAGIC:
+            return self.compile(spec)
         t0 = time.perf_counter()
         grammar = data.decode()
         probe = llguidance.LLMatcher(self.ll, grammar, log_level=0)

@@ -16,8 +16,11 @@ tokenizer's EOS ids.
 Semantics, against the llguidance backend (same tokenizer, same spec):
 
 - json_schema: ``strict_mode=False`` (JSON Schema semantics: additionalProperties default true,
-  as llguidance); whitespace "flexible" is ``any_whitespace=True``, "compact" is no whitespace
-  and separators ``(",", ":")``.
+  as llguidance); whitespace "flexible" is ``any_whitespace=True`` with ``max_whitespace_cnt`` the
+  spec's ``max_whitespace`` (0: unbounded), "compact" is no whitespace and separators ``(",", ":")``.
+  The JSON schema mode does not change what xgrammar compiles (it loosens by itself: minItems,
+  maxItems, ...); in complete mode every finished JSON document is also checked by the validator
+  before EOS (maskd.server.documents), so no invalid document ends with EOS on this backend either.
 - Where the grammar forces a literal, llguidance allows only the canonical token(s) of that text;
   xgrammar allows every token that is a prefix of it (e.g. ``h``, ``he`` ... ``hello``).
 - Regex ``.`` also matches newlines in xgrammar.
@@ -53,11 +56,13 @@ import numpy as np
 import xgrammar as xgr
 from xgrammar._version import version as _XGR_VERSION
 
+from maskd.server.documents import JsonDocumentChecker
 from maskd.server.engines.base import CompiledGrammar, Engine, GrammarCompileError, Matcher
+from maskd.server.validation import SchemaValidator, ValidatorError
 from maskd.specs import GrammarSpec
 
 # Bumped when maskd changes how a spec maps onto xgrammar (it is part of every grammar id).
-_MAPPING_REVISION = 1
+_MAPPING_REVISION = 2
 _FORCED_LIMIT = 32            # forced_tokens looks this many tokens ahead at most
 _ZMAGIC = b"XGZ1"             # serialized grammars: magic + zlib(serialize_json)
 _LOG_PREFIX = re.compile(r"^\[\d\d:\d\d:\d\d\] [^\s:]+:\d+: ")
@@ -280,9 +285,9 @@ class XGrammarEngine(Engine):
     name = "xgrammar"
     version = f"{_XGR_VERSION}+maskd.{_MAPPING_REVISION}"
 
-    def __init__(self, tokenizer, *, threads: int,
+    def __init__(self, tokenizer, *, threads: int, json_schema_mode: str = "strict",
                  vocab_source: str = "auto", cache_limit_bytes: int = 512 << 20) -> None:
-        super().__init__(tokenizer, threads=threads)
+        super().__init__(tokenizer, threads=threads, json_schema_mode=json_schema_mode)
         self.tokenizer_info = build_tokenizer_info(tokenizer, vocab_source)
         if self.tokenizer_info.vocab_size != self.width:
             raise ValueError(f"xgrammar vocabulary {self.tokenizer_info.vocab_size} != logits width {self.width}")
@@ -312,7 +317,19 @@ class XGrammarEngine(Engine):
             raise
         except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar's errors, pydantic's too
             raise GrammarCompileError(_message(exc)) from exc
-        return CompiledGrammar(spec, handle, time.perf_counter() - t0)
+        return CompiledGrammar(spec, handle, time.perf_counter() - t0, checker=self._checker(spec))
+
+    def _checker(self, spec: GrammarSpec):
+        """Complete mode: xgrammar loosens JSON schemas by itself (minItems, maxItems, ...), so every
+        finished JSON document is checked by the validator before EOS (no early checks)."""
+        if spec.kind != "json_schema" or self.json_schema_mode != "complete":
+            return None
+        try:
+            validator = SchemaValidator(json.loads(spec.text), frozenset())
+        except ValidatorError as exc:
+            raise GrammarCompileError(f"complete mode: {exc}") from exc
+        markers = (spec.reasoning_start.encode(), spec.reasoning_end.encode())   # markers are text here
+        return JsonDocumentChecker(validator, self.tokenizer, markers)
 
     def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         c = self.compiler
@@ -356,7 +373,7 @@ class XGrammarEngine(Engine):
     def _json_options(spec: GrammarSpec) -> dict:
         compact = spec.whitespace == "compact"
         return {"any_whitespace": not compact, "separators": (",", ":") if compact else None,
-                "strict_mode": False}
+                "strict_mode": False, "max_whitespace_cnt": spec.bounded_whitespace or None}
 
     @staticmethod
     def _choice_ebnf(spec: GrammarSpec) -> str:
@@ -469,4 +486,4 @@ class XGrammarEngine(Engine):
             handle = xgr.CompiledGrammar.deserialize_json(text.decode(), self.tokenizer_info)
         except (RuntimeError, ValueError, zlib.error) as exc:
             raise GrammarCompileError(f"cannot load the serialized xgrammar grammar: {_message(exc)}") from exc
-        return CompiledGrammar(spec, handle, time.perf_counter() - t0)
+        return CompiledGrammar(spec, handle, time.perf_counter() - t0, checker=self._checker(spec))

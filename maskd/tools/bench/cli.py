@@ -44,7 +44,9 @@ def add_parser(sub) -> None:
 
     p = modes.add_parser("engines", help="MaskBench TTFM / TBM: in-process llguidance vs xgrammar")
     _common_args(p, "engines")
-    p.add_argument("--engines", default="llguidance,xgrammar", help="comma-separated: llguidance, xgrammar")
+    p.add_argument("--engines", default="llguidance,xgrammar",
+                   help="comma-separated: llguidance, xgrammar, maskd-complete (maskd's llguidance engine in "
+                        "complete JSON-schema mode, with its document checks)")
     p.add_argument("--xgrammar-timeout", type=float, default=None,
                    help="seconds per xgrammar compile before the schema is skipped (default 60; --quick 10)")
     p.add_argument("--xgrammar-threads", type=int, default=None,

@@ -38,6 +38,7 @@ class Schema:
     schema: Any                    # the JSON schema (parsed)
     text: str                      # canonical JSON text, as maskd's GrammarSpec keeps it
     instances: list[list[int]]     # token streams of the valid test instances
+    invalid: list[list[int]] = dataclasses.field(default_factory=list)   # ... of the invalid ones
 
     @property
     def spec(self) -> dict:
@@ -65,7 +66,8 @@ def load_schemas(data_dir: str | os.PathLike, tokenizer, limit: int | None = Non
     for name, schema, tests in spread(load_suite(data_dir), limit):
         text = GrammarSpec.from_dict({"json_schema": schema}).text
         streams = [tokenizer.encode(json.dumps(t["data"], ensure_ascii=False)) for t in tests if t.get("valid")]
-        out.append(Schema(name, schema, text, streams))
+        invalid = [tokenizer.encode(json.dumps(t["data"], ensure_ascii=False)) for t in tests if not t.get("valid")]
+        out.append(Schema(name, schema, text, streams, invalid))
     return out
 
 
@@ -224,11 +226,30 @@ class ServerHandle:
         self.close()
 
 
+# The hot-path benchmarks compare the server's rows with in-process llguidance on the schemas both
+# build as they are: their servers run strict JSON-schema mode (complete mode is measured by
+# `maskd conformance` and `maskd bench engines --engines ...,maskd-complete`).
+HOT_PATH_JSON_SCHEMA_MODE = "strict"
+
+
+def llguidance_grammar(schema_text: str) -> str:
+    """The llguidance grammar a server builds for a plain json_schema spec (the default whitespace
+    bound included), for in-process replays that must give the server's rows."""
+    import llguidance
+
+    from maskd.server.engines.llguidance_engine import whitespace_pattern
+    from maskd.specs import DEFAULT_MAX_WHITESPACE
+
+    return llguidance.LLMatcher.grammar_from_json_schema(
+        schema_text, overrides={"whitespace_pattern": whitespace_pattern(DEFAULT_MAX_WHITESPACE)})
+
+
 def embedded_server(tokenizer: str, threads: int) -> ServerHandle:
     """A MaskServer on a free loopback port in this process (real gRPC)."""
     from maskd.server import MaskServer, ServerConfig
 
-    server = MaskServer(ServerConfig(port=0, tokenizer=tokenizer, threads=threads)).start()
+    server = MaskServer(ServerConfig(port=0, tokenizer=tokenizer, threads=threads,
+                                     json_schema_mode=HOT_PATH_JSON_SCHEMA_MODE)).start()
     return ServerHandle(server.address, "embedded", server=server)
 
 
@@ -236,7 +257,7 @@ def subprocess_server(tokenizer: str, threads: int, *, log_path: str | os.PathLi
                       timeout_s: float = 180.0) -> ServerHandle:
     """``maskd serve --port 0`` in a child process; returns once it prints its address."""
     cmd = [sys.executable, "-m", "maskd.cli", "serve", "--host", "127.0.0.1", "--port", "0",
-           "--tokenizer", tokenizer, "--threads", str(threads)]
+           "--tokenizer", tokenizer, "--threads", str(threads), "--json-schema-mode", HOT_PATH_JSON_SCHEMA_MODE]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     log_path = pathlib.Path(log_path) if log_path else None

@@ -1,5 +1,9 @@
 """``maskd bench engines``: MaskBench-style TTFM and TBM, in-process llguidance vs xgrammar.
 
+``maskd-complete`` is maskd's own llguidance engine in complete JSON-schema mode, in process: the
+relaxed grammar where llguidance refuses a schema, and the document checks (maskd.server.documents)
+on every token of those, with EOS only where the finished document passes the validator.
+
 Definitions (the MaskBench ones, per engine, single thread of the caller):
 
 - compile: the schema to a matcher ready to answer (llguidance: ``grammar_from_json_schema`` +
@@ -11,10 +15,11 @@ Definitions (the MaskBench ones, per engine, single thread of the caller):
   ``mask`` and ``consume`` split it.
 
 Every token is checked against the mask before it is consumed: a valid instance's token that a
-mask rejects is a false reject (reported, not fatal). Both engines see the same files, the same
-tokenizer and the same token streams; xgrammar runs in a child process so a compile that runs
-past ``--xgrammar-timeout`` can be stopped (recorded as a timeout, its schema skipped) while the
-parent waits idle, and the two engines never run at the same time.
+mask rejects is a false reject (reported, not fatal). Invalid instances are replayed the same way
+(not timed): one whose every token and the final EOS are allowed is a false accept. Both engines
+see the same files, the same tokenizer and the same token streams; xgrammar runs in a child process
+so a compile that runs past ``--xgrammar-timeout`` can be stopped (recorded as a timeout, its
+schema skipped) while the parent waits idle, and the engines never run at the same time.
 """
 from __future__ import annotations
 
@@ -55,9 +60,62 @@ def _run_llguidance(tok, schemas) -> dict:
         compile_s = time.perf_counter() - t0
         fill_next_token_bitmask(m, bm, 0)
         ttfm = time.perf_counter() - t0
+        def fill(m=m):
+            fill_next_token_bitmask(m, bm, 0)
+
         per_schema[s.name] = {"compile": compile_s, "ttfm": ttfm,
-                              **_replay(s.instances, m.reset, m.consume_token,
-                                        lambda m=m: fill_next_token_bitmask(m, bm, 0), bm, eos)}
+                              **_replay(s.instances, m.reset, m.consume_token, fill, bm, eos),
+                              "false_accepts": _false_accepts(s.invalid, m.reset, m.consume_token, fill, bm,
+                                                              eos)}
+    return per_schema
+
+
+# -- maskd's llguidance engine in complete mode (this process) ----------------------------------
+def _run_maskd_complete(tok, schemas) -> dict:
+    from maskd.server.documents import DocumentBuffer
+    from maskd.server.engines import GrammarCompileError, create_engine
+    from maskd.specs import GrammarSpec
+
+    engine = create_engine("llguidance", tok, threads=1, json_schema_mode="complete")
+    bm = engine.allocate(1)
+    eos = tok.eos_token_ids[0]
+    per_schema = {}
+    for s in schemas:
+        t0 = time.perf_counter()
+        try:
+            g = engine.compile(GrammarSpec.create("json_schema", s.schema))
+        except GrammarCompileError as exc:
+            per_schema[s.name] = {"error": str(exc).split("\n", 1)[0][:300]}
+            continue
+        m = engine.new_matcher(g)
+        compile_s = time.perf_counter() - t0
+        state = {"doc": DocumentBuffer(g.checker) if g.checker is not None else None}
+
+        def fill(m=m, state=state):
+            engine.fill_batch([m], [0], None, bm)
+            doc = state["doc"]
+            if doc is not None and m.is_accepting() and doc.final() is not None:
+                bm[0, eos >> 5] &= ~np.int32(1 << (eos & 31)) if (eos & 31) != 31 else np.int32(0x7FFFFFFF)
+
+        def consume(t, m=m, state=state):
+            if m.consume([t]) is not None:
+                return False
+            doc = state["doc"]
+            if doc is not None:
+                doc.extend([t])
+                if doc.advance() is not None:
+                    return False   # a closed sub-document failed: the sequence fails here
+            return True
+
+        def reset(m=m, state=state, g=g):
+            m.reset()
+            state["doc"] = DocumentBuffer(g.checker) if g.checker is not None else None
+
+        fill()
+        ttfm = time.perf_counter() - t0
+        per_schema[s.name] = {"compile": compile_s, "ttfm": ttfm, "relaxed": g.checker is not None,
+                              **_replay(s.instances, reset, consume, fill, bm, eos),
+                              "false_accepts": _false_accepts(s.invalid, reset, consume, fill, bm, eos)}
     return per_schema
 
 
@@ -89,6 +147,21 @@ def _replay(instances, reset, consume_token, fill, bits: np.ndarray, eos: int) -
             if not (int(bits[0, eos >> 5]) >> (eos & 31)) & 1:
                 eos_fail += 1
     return {"tbm": tbm, "mask": mask, "consume": consume, "false_rejects": rejects, "eos_not_allowed": eos_fail}
+
+
+def _false_accepts(instances, reset, consume_token, fill, bits: np.ndarray, eos: int) -> int:
+    """Invalid instances whose every token, and EOS after them, the masks allowed (not timed)."""
+    accepted = 0
+    for tokens in instances:
+        reset()
+        fill()
+        for t in tokens:
+            if not (int(bits[0, t >> 5]) >> (t & 31)) & 1 or not consume_token(t):
+                break
+            fill()
+        else:
+            accepted += bool((int(bits[0, eos >> 5]) >> (eos & 31)) & 1)
+    return accepted
 
 
 # -- xgrammar (a child process) -------------------------------------------------------------
@@ -149,7 +222,7 @@ def _xgrammar_worker(conn, tokenizer_spec: str, threads: int) -> None:
         msg = conn.recv()
         if msg is None:
             return
-        text, instances = msg
+        text, instances, invalid = msg
         t0 = time.perf_counter()
         try:
             cg = compiler.compile_json_schema(text)
@@ -162,10 +235,13 @@ def _xgrammar_worker(conn, tokenizer_spec: str, threads: int) -> None:
         m.fill_next_token_bitmask(bm)
         ttfm = time.perf_counter() - t0
         conn.send(("compiled", compile_s))
+        def fill(m=m, bm=bm):
+            m.fill_next_token_bitmask(bm)
+
         conn.send(("done", {"compile": compile_s, "ttfm": ttfm,
-                            **_replay(instances, m.reset, m.accept_token,
-                                      lambda m=m, bm=bm: m.fill_next_token_bitmask(bm),
-                                      bm.numpy(), eos)}))
+                            **_replay(instances, m.reset, m.accept_token, fill, bm.numpy(), eos),
+                            "false_accepts": _false_accepts(invalid, m.reset, m.accept_token, fill, bm.numpy(),
+                                                            eos)}))
 
 
 class _XGrammarChild:
@@ -187,8 +263,8 @@ class _XGrammarChild:
             raise RuntimeError(f"xgrammar worker failed to start:\n{value}")
         self.startup_seconds.append(value)
 
-    def run(self, text: str, instances, compile_timeout: float, mask_timeout: float) -> dict:
-        self.conn.send((text, instances))
+    def run(self, text: str, instances, invalid, compile_timeout: float, mask_timeout: float) -> dict:
+        self.conn.send((text, instances, invalid))
         if not self.conn.poll(compile_timeout):
             self._restart()
             return {"timeout": f"compile exceeded {compile_timeout:g} s"}
@@ -223,7 +299,7 @@ def _run_xgrammar(tok, schemas, threads: int, compile_timeout: float, mask_timeo
     per_schema = {}
     try:
         for s in schemas:
-            per_schema[s.name] = child.run(s.text, s.instances, compile_timeout, mask_timeout)
+            per_schema[s.name] = child.run(s.text, s.instances, s.invalid, compile_timeout, mask_timeout)
             if "timeout" in per_schema[s.name]:
                 log(f"  xgrammar: {s.name}: {per_schema[s.name]['timeout']}")
     finally:
@@ -243,6 +319,8 @@ def _engine_summary(per_schema: dict, names=None) -> dict:
         "timeouts": sum(1 for _, r in items if "timeout" in r),
         "masks": int(sum(len(r["tbm"]) for r in ok)),
         "false_rejects": int(sum(r["false_rejects"] for r in ok)),
+        "false_accepts": int(sum(r.get("false_accepts", 0) for r in ok)),
+        "relaxed": int(sum(bool(r.get("relaxed")) for r in ok)),
         "eos_not_allowed": int(sum(r["eos_not_allowed"] for r in ok)),
         "compile_ms": common.summarize([r["compile"] for r in ok]),
         "ttfm_ms": common.summarize([r["ttfm"] for r in ok]),
@@ -274,6 +352,11 @@ def run(args, log=print) -> dict:
         results["llguidance"] = _run_llguidance(tok, schemas)
         extra["llguidance"] = {"seconds": round(time.perf_counter() - t0, 2)}
         log(f"  llguidance done in {extra['llguidance']['seconds']} s")
+    if "maskd-complete" in engines:
+        t0 = time.perf_counter()
+        results["maskd-complete"] = _run_maskd_complete(tok, schemas)
+        extra["maskd-complete"] = {"seconds": round(time.perf_counter() - t0, 2)}
+        log(f"  maskd-complete done in {extra['maskd-complete']['seconds']} s")
     if "xgrammar" in engines:
         t0 = time.perf_counter()
         results["xgrammar"], info = _run_xgrammar(tok, schemas, args.xgrammar_threads or args.threads,
@@ -283,7 +366,9 @@ def run(args, log=print) -> dict:
 
     summary = {e: {**_engine_summary(r), **extra[e]} for e, r in results.items()}
     common_names = None
-    for r in results.values():
+    for e, r in results.items():
+        if e == "maskd-complete":
+            continue   # the common set compares the engines on what they both compile as is
         done = {n for n, x in r.items() if "ttfm" in x}
         common_names = done if common_names is None else common_names & done
     common_names = common_names or set()
@@ -331,7 +416,7 @@ def _compact(x: dict) -> dict:
 
 def _plots(out: common.Output, results: dict) -> None:
     plt = common.pyplot()
-    colors = {"llguidance": "tab:blue", "xgrammar": "tab:orange"}
+    colors = {"llguidance": "tab:blue", "xgrammar": "tab:orange", "maskd-complete": "tab:green"}
     for key, title, fname in (("tbm", "Time between masks (consume + next mask)", "engines_tbm_cdf.png"),
                               ("ttfm", "Time to first mask (compile + first mask)", "engines_ttfm_cdf.png")):
         fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=110)
@@ -370,10 +455,10 @@ def _markdown(r: dict) -> str:
             rows.append([e, st.get("n", 0)] + [st.get(c, "-") for c in cols])
         lines.append(f"\n## {label}\n\n" + common.md_table(["engine", "n"] + [c.replace("_", ".") for c in cols], rows))
     rows = [[e, s["schemas"], s["completed"], s["compile_errors"], s["timeouts"], s["masks"], s["false_rejects"],
-             s["eos_not_allowed"], s["seconds"]] for e, s in r["engines"].items()]
+             s["eos_not_allowed"], s["false_accepts"], s["seconds"]] for e, s in r["engines"].items()]
     lines.append("\n## Coverage\n\n" + common.md_table(
         ["engine", "schemas", "completed", "compile errors", "timeouts", "masks", "false rejects",
-         "EOS not allowed", "seconds"], rows))
+         "EOS not allowed", "false accepts", "seconds"], rows))
     if r["xgrammar_over_llguidance"]:
         rows = [[k.replace("_ms", "")] + [v.get(p) for p in ("p50", "p99", "p100", "mean")]
                 for k, v in r["xgrammar_over_llguidance"].items()]

@@ -69,7 +69,7 @@ class _Mirror:
     def template(self, schema: common.Schema):
         t = self.templates.get(schema.name)
         if t is None:
-            t = self.llg.LLMatcher(self.ll, self.llg.LLMatcher.grammar_from_json_schema(schema.text), log_level=0)
+            t = self.llg.LLMatcher(self.ll, common.llguidance_grammar(schema.text), log_level=0)
             self.templates[schema.name] = t
         return t
 

@@ -242,7 +242,7 @@ def _judge(bad: list[dict], ll, width: int) -> list[dict]:
     out = []
     for v in bad:
         inst = v.pop("_inst")
-        m = llguidance.LLMatcher(ll, llguidance.LLMatcher.grammar_from_json_schema(inst.schema.text), log_level=0)
+        m = llguidance.LLMatcher(ll, common.llguidance_grammar(inst.schema.text), log_level=0)
         consumed = m.consume_tokens(inst.tokens[:v["position"]]) if v["position"] else True
         bm = np.zeros((1, (width + 31) // 32), dtype=np.int32)
         fill_next_token_bitmask(m, bm, 0)

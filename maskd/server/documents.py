@@ -1,0 +1,275 @@
+"""What complete mode checks: the documents inside a sequence's output, built from its tokens.
+
+A ``DocumentChecker`` belongs to a compiled grammar whose JSON schema(s) the grammar only
+relaxes; a ``DocumentBuffer`` belongs to one sequence and holds its accepted tokens, their bytes
+and the checker's scan state, so that it follows rollbacks and replays like the matcher (a pure
+function of the tokens). Bytes are the tokens' bytes, with a special token written as 0xFF plus
+its name (0xFF never occurs in UTF-8 text, so a marker that is a special token is never confused
+with the same letters typed as text).
+
+Two layouts:
+
+- ``JsonDocumentChecker``: one JSON document (a ``json_schema`` grammar), after the reasoning end
+  marker when the grammar has one. Complete sub-documents are checked as they close (see
+  maskd.server.validation); the whole document is checked before EOS.
+- ``ToolCallChecker``: the JSON arguments inside the tags of a structural tag (tool calls in free
+  text); each tag's arguments are checked when they close.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from maskd.server.json_scan import JsonScanner
+from maskd.server.validation import SchemaValidator, parse
+
+SPECIAL_MARK = b"\xff"
+
+
+def token_bytes(tokenizer, token: int) -> bytes:
+    """A token as the checkers see it: its bytes, or 0xFF + its name for a special token."""
+    ll = tokenizer.ll
+    data = ll.decode_bytes([token])
+    return SPECIAL_MARK + data if ll.is_special_token(token) else data
+
+
+class DocumentBuffer:
+    """One sequence's output as its grammar's checker sees it."""
+
+    __slots__ = ("__weakref__", "checker", "data", "decoded", "doomed", "ends", "state", "tokens", "verdict")
+
+    def __init__(self, checker: DocumentChecker) -> None:
+        self.checker = checker
+        self.tokens: list[int] = []     # accepted tokens (an EOS among them adds no bytes)
+        self.decoded = 0                # how many of them are in ``data``
+        self.data = bytearray()
+        self.ends: list[int] = []       # len(data) after each decoded token
+        self.state = checker.new_state()
+        self.doomed: str | None = None  # a sub-document that failed: no continuation can pass
+        self.verdict: tuple[int, str | None] | None = None   # (len(data), final check) cached
+
+    def extend(self, tokens) -> None:
+        self.tokens.extend(int(t) for t in tokens)
+
+    def rollback(self, n: int) -> None:
+        if n <= 0:
+            return
+        del self.tokens[max(0, len(self.tokens) - n):]
+        if self.decoded > len(self.tokens):   # rare (speculative decoding): scan again from the start
+            self.decoded = 0
+            self.data.clear()
+            self.ends.clear()
+            self.state = self.checker.new_state()
+            self.doomed = None
+        self.verdict = None
+
+    def advance(self) -> str | None:
+        """Turns new tokens into bytes and runs the early checks; the failure, if any."""
+        if self.decoded < len(self.tokens):
+            tok, eos = self.checker.tokenizer, self.checker.eos
+            for t in self.tokens[self.decoded:]:
+                if t not in eos:
+                    self.data += token_bytes(tok, t)
+                self.ends.append(len(self.data))
+            self.decoded = len(self.tokens)
+        if self.doomed is None:
+            self.doomed = self.checker.scan(self.state, self.data)
+        return self.doomed
+
+    def final(self) -> str | None:
+        """None when the output so far passes as a finished document, else why not."""
+        problem = self.advance()
+        if problem is not None:
+            return problem
+        if self.verdict is not None and self.verdict[0] == len(self.data):
+            return self.verdict[1]
+        verdict = self.checker.final(self.state, self.data)
+        self.verdict = (len(self.data), verdict)
+        return verdict
+
+    def closed(self) -> bool:
+        """Whether the document is complete whatever follows (only whitespace could): a verdict on
+        it is final even where the grammar still allows more."""
+        return self.checker.closed(self.state, self.data)
+
+    def final_with(self, extra) -> str | None:
+        """The final check of this output plus ``extra`` tokens (draft positions), state untouched."""
+        probe = DocumentBuffer(self.checker)
+        probe.tokens = self.tokens + [int(t) for t in extra]
+        return probe.final()
+
+
+class DocumentChecker:
+    """Per grammar: where its documents are in the output and how each is checked."""
+
+    def __init__(self, tokenizer, reasoning: tuple[bytes, bytes] = (b"", b"")) -> None:
+        self.tokenizer = tokenizer
+        self.eos = frozenset(int(t) for t in tokenizer.eos_token_ids)
+        self.reasoning_start, self.reasoning_end = reasoning
+
+    def new_state(self) -> Any:
+        raise NotImplementedError
+
+    def scan(self, state: Any, data: bytearray) -> str | None:
+        raise NotImplementedError
+
+    def final(self, state: Any, data: bytearray) -> str | None:
+        raise NotImplementedError
+
+    def closed(self, state: Any, data: bytearray) -> bool:
+        return False
+
+    @property
+    def scans(self) -> bool:
+        """Whether the output is scanned as it grows (early checks); if not, only the final check."""
+        return True
+
+    def body_start(self, data: bytearray) -> int:
+        """Where the output after the reasoning starts (-1: the reasoning has not ended yet)."""
+        if not self.reasoning_end:
+            return 0
+        at = data.find(self.reasoning_end, len(self.reasoning_start))
+        return -1 if at < 0 else at + len(self.reasoning_end)
+
+
+@dataclasses.dataclass
+class _DocState:
+    body: int = -1
+    scanner: JsonScanner | None = None
+
+
+class JsonDocumentChecker(DocumentChecker):
+    """One JSON document (after the reasoning, if any) against one schema."""
+
+    def __init__(self, validator: SchemaValidator, tokenizer, reasoning: tuple[bytes, bytes] = (b"", b"")) -> None:
+        super().__init__(tokenizer, reasoning)
+        self.validator = validator
+
+    def new_state(self) -> _DocState:
+        return _DocState()
+
+    @property
+    def scans(self) -> bool:
+        return self.validator.root_ctx is not None
+
+    def scan(self, state: _DocState, data: bytearray) -> str | None:
+        if state.body < 0:
+            state.body = self.body_start(data)
+            if state.body < 0:
+                return None
+        if self.validator.root_ctx is None:
+            return None   # nothing below the root is worth an early check
+        if state.scanner is None:
+            state.scanner = JsonScanner(self._watch, (self.validator.root_ctx, ""), start=state.body)
+        for (ptrs, where), start, end in state.scanner.feed(data):
+            value, problem = parse(data[start:end])
+            if problem is None:
+                problem = self.validator.check_at(ptrs, value, where)
+            if problem is not None:
+                return f"the document cannot match the JSON schema: {problem}"
+        return None
+
+    def _watch(self, ctx, key):
+        ptrs, where = ctx
+        child = self.validator.watch(ptrs, key)
+        return None if child is None else (child, f"{where}/{key}")
+
+    def closed(self, state: _DocState, data: bytearray) -> bool:
+        """An object, array, string or literal at the root that has ended (a number may still grow)."""
+        body = state.body if state.body >= 0 else self.body_start(data)
+        tail = bytes(data[body:]).rstrip() if body >= 0 else b""
+        return bool(tail) and tail[-1:] in (b"}", b"]", b'"', b"e", b"l") and parse(tail)[1] is None
+
+    def final(self, state: _DocState, data: bytearray) -> str | None:
+        body = state.body if state.body >= 0 else self.body_start(data)
+        if body < 0:
+            return "the reasoning has not ended, so there is no document yet"
+        value, problem = parse(data[body:])
+        if problem is None:
+            problem = self.validator.check(value)
+        return None if problem is None else f"the document does not match the JSON schema: {problem}"
+
+
+@dataclasses.dataclass(frozen=True)
+class TagSpan:
+    """One tag of a structural tag as it appears in the output: begin, content, one of the ends."""
+    begin: bytes                        # marked bytes (see token_bytes)
+    ends: tuple[bytes, ...]
+    json: bool                          # the content is a JSON value
+    validator: SchemaValidator | None   # set for JSON arguments the grammar only relaxes
+    name: str = ""
+
+
+@dataclasses.dataclass
+class _ToolState:
+    body: int = -1
+    pos: int = 0
+    tag: TagSpan | None = None
+    scanner: JsonScanner | None = None   # reading a tag's JSON content
+    after_json: bool = False             # the JSON content ended; the end marker follows
+    calls: int = 0
+
+
+class ToolCallChecker(DocumentChecker):
+    """Tags (tool calls) in free text: the JSON content of each tag that has a validator is
+    checked when it closes; the content of the others is skipped."""
+
+    def __init__(self, tags: list[TagSpan], tokenizer, reasoning: tuple[bytes, bytes] = (b"", b"")) -> None:
+        super().__init__(tokenizer, reasoning)
+        self.tags = sorted(tags, key=lambda t: -len(t.begin))   # longest begin wins a tie
+        self.longest = max((len(t.begin) for t in tags), default=1)
+
+    def new_state(self) -> _ToolState:
+        return _ToolState()
+
+    def scan(self, st: _ToolState, data: bytearray) -> str | None:
+        if st.body < 0:
+            st.body = self.body_start(data)
+            if st.body < 0:
+                return None
+            st.pos = st.body
+        while True:
+            if st.tag is None:
+                found = self._next_begin(data, st.pos)
+                if found is None:
+                    st.pos = max(st.pos, len(data) - self.longest + 1)
+                    return None
+                at, tag = found
+                st.tag, st.pos, st.after_json = tag, at + len(tag.begin), False
+                st.scanner = JsonScanner(start=st.pos) if tag.json else None
+            tag = st.tag
+            if st.scanner is not None and not st.after_json:
+                st.scanner.feed(data)
+                if not st.scanner.done:
+                    return None
+                start, end = st.scanner.root_start, st.scanner.root_end
+                st.calls += 1
+                if tag.validator is not None:
+                    value, problem = parse(data[start:end])
+                    if problem is None:
+                        problem = tag.validator.check(value)
+                    if problem is not None:
+                        return (f"the arguments of tool call {st.calls} ({tag.name}) do not match their "
+                                f"JSON schema: {problem}")
+                st.pos, st.after_json = end, True
+            ends = [(data.find(e, st.pos), e) for e in tag.ends if e]
+            ends = [(i, e) for i, e in ends if i >= 0]
+            if tag.ends and not ends:
+                return None
+            if ends:
+                i, e = min(ends, key=lambda x: (x[0], -len(x[1])))
+                st.pos = i + len(e)
+            st.tag, st.scanner = None, None
+
+    def _next_begin(self, data: bytearray, pos: int) -> tuple[int, TagSpan] | None:
+        best: tuple[int, TagSpan] | None = None
+        for tag in self.tags:
+            i = data.find(tag.begin, pos)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, tag)
+        return best
+
+    def final(self, st: _ToolState, data: bytearray) -> str | None:
+        if st.tag is not None and st.scanner is not None and not st.after_json and st.tag.validator is not None:
+            return "a tool call's arguments are not finished"
+        return None

@@ -1,0 +1,284 @@
+"""Complete JSON-schema mode: the closest schema the grammar engine can enforce, for one it refuses.
+
+Every step here widens the set of documents the grammar allows (it drops or loosens constraints,
+never adds one), so a document that satisfies the original schema still satisfies the relaxed
+one; what the relaxation lets through is caught by the exact check of maskd.server.validation,
+which holds the original schema. The steps, in the order they are tried:
+
+1. llguidance's own ``lenient`` option: keywords it cannot enforce (``not``, ``if/then/else``,
+   ``dependencies``, ``uniqueItems``, ``contains``, ``propertyNames``, unknown ``format``) are
+   ignored, ``oneOf`` becomes ``anyOf``. ``min/maxProperties`` beside optional properties are
+   dropped first: lenient would keep them in a form that rejects every object.
+2. Then, for what llguidance still refuses, a rewrite chosen by its message (each tried once):
+   regexes it cannot parse are dropped (``pattern``; a ``patternProperties`` entry is folded into
+   ``additionalProperties``); overlapping ``patternProperties`` are merged into one alternation
+   whose schema is the ``anyOf`` of theirs; number bounds it cannot turn into a regex are
+   dropped; siblings of a recursive ``$ref`` are dropped; an ``allOf`` whose intersection is too
+   deep keeps its first member, then none.
+
+A schema that still does not compile is refused with llguidance's message.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from collections.abc import Callable
+from typing import Any
+
+# Keywords whose value is one schema / a list of schemas / a map of name -> schema.
+_ONE = ("additionalProperties", "additionalItems", "contains", "propertyNames", "not", "if", "then", "else",
+        "unevaluatedItems", "unevaluatedProperties", "contentSchema", "items")
+_LIST = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
+# Siblings of "$ref" that are not constraints on the instance.
+_REF_KEEP = frozenset({"$ref", "$defs", "definitions", "$id", "id", "$schema", "$anchor", "$comment", "title",
+                       "description", "examples", "default"})
+# Bounds beyond this are dropped when llguidance cannot build a regex for the range.
+_HUGE_BOUND = 1e15
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+#: Keywords llguidance's lenient option may drop or loosen.
+LENIENT_KEYWORDS = frozenset({"not", "oneOf", "if", "then", "else", "dependencies", "dependentRequired",
+                              "dependentSchemas", "uniqueItems", "contains", "minContains", "maxContains",
+                              "propertyNames", "minProperties", "maxProperties", "format",
+                              "unevaluatedItems", "unevaluatedProperties"})
+
+
+class RelaxError(ValueError):
+    """Even the relaxed schema does not compile; the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Relaxation:
+    schema: Any                 # what the grammar enforces: a superset of the original's instances
+    steps: tuple[str, ...]      # what was relaxed, in order (for logs and messages)
+    #: Keywords the grammar may not enforce: a subschema holding none of them is enforced whole
+    #: (validation uses this to pick the sub-documents worth checking early).
+    keywords: frozenset[str] = LENIENT_KEYWORDS
+
+    def describe(self) -> str:
+        return ", ".join(self.steps)
+
+
+# (schema, lenient) -> None when it compiles, else the engine's message
+TryCompile = Callable[[Any, bool], "str | None"]
+# regex -> whether the engine can build it
+TryRegex = Callable[[str], bool]
+
+
+def relax(schema: Any, try_compile: TryCompile, try_regex: TryRegex, *, max_rounds: int = 8) -> Relaxation:
+    """The relaxed schema for one the engine refused (RelaxError when even that fails)."""
+    if not isinstance(schema, dict):
+        raise RelaxError("only an object schema can be relaxed")
+    steps = ["lenient: unenforceable keywords left to the validator, oneOf as anyOf"]
+    keywords = set(LENIENT_KEYWORDS)
+    current = drop_property_counts(schema, try_regex)
+    if current != schema:
+        steps.append("min/maxProperties beside optional properties left to the validator")
+    error = try_compile(current, True)
+    tried: set[str] = set()
+    for _ in range(max_rounds):
+        if error is None:
+            return Relaxation(current, tuple(steps), frozenset(keywords))
+        rewrite = _pick(error, tried)
+        if rewrite is None:
+            raise RelaxError(error)
+        name, fn, what, words = rewrite
+        tried.add(name)
+        relaxed = fn(copy.deepcopy(current), try_regex)
+        if relaxed == current:
+            continue
+        steps.append(what)
+        keywords |= words
+        current = relaxed
+        error = try_compile(current, True)
+    if error is None:
+        return Relaxation(current, tuple(steps), frozenset(keywords))
+    raise RelaxError(error)
+
+
+def _pick(error: str, tried: set[str]):
+    low = error.lower()
+    for name, needle, fn, what, words in _REWRITES:
+        if name not in tried and any(n in low for n in needle):
+            return name, fn, what, words
+    return None
+
+
+# -- walking the subschemas of a schema ------------------------------------------------------------
+def map_schemas(schema: Any, fn: Callable[[dict], dict]) -> Any:
+    """A copy of ``schema`` with ``fn`` applied to every subschema object, innermost first. Schema
+    positions are visited (never const/enum/default data), and the targets of local ``$ref``s
+    wherever they are (``fn`` must be idempotent: a target may be visited twice)."""
+    out = _map(schema, fn)
+    for path in sorted(_local_refs(schema), key=len):
+        out = _replace_at(out, path, fn)
+    return out
+
+
+def _local_refs(schema: Any) -> set[tuple[str, ...]]:
+    """JSON pointer paths of every local "$ref" ("#/a/b") in the document."""
+    found: set[tuple[str, ...]] = set()
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/"):
+                found.add(tuple(p.replace("~1", "/").replace("~0", "~") for p in ref[2:].split("/")))
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return found
+
+
+def _replace_at(doc: Any, path: tuple[str, ...], fn: Callable[[dict], dict]) -> Any:
+    if not path:
+        return _map(doc, fn)
+    head, rest = path[0], path[1:]
+    if isinstance(doc, dict) and head in doc:
+        return {**doc, head: _replace_at(doc[head], rest, fn)}
+    if isinstance(doc, list) and head.isdigit() and int(head) < len(doc):
+        i = int(head)
+        return [*doc[:i], _replace_at(doc[i], rest, fn), *doc[i + 1:]]
+    return doc
+
+
+def _map(schema: Any, fn: Callable[[dict], dict]) -> Any:
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = _map(out[key], fn)
+    for key in _LIST:
+        if isinstance(out.get(key), list):
+            out[key] = [_map(s, fn) for s in out[key]]
+    for key in _MAP:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: _map(v, fn) for k, v in out[key].items()}
+    return fn(out)
+
+
+def subschemas(schema: Any):
+    """The direct subschemas of one schema object (for walks that do not rewrite)."""
+    if not isinstance(schema, dict):
+        return
+    for key in _ONE:
+        if isinstance(schema.get(key), (dict, bool)):
+            yield schema[key]
+    for key in _LIST:
+        if isinstance(schema.get(key), list):
+            yield from schema[key]
+    for key in _MAP:
+        if isinstance(schema.get(key), dict):
+            yield from (v for v in schema[key].values() if isinstance(v, (dict, bool)))
+
+
+# -- rewrites ---------------------------------------------------------------------------------------
+def _fold_pattern_properties(node: dict, bad: list[str], merged: bool) -> dict:
+    """Moves patternProperties entries into a widened ``additionalProperties`` (``bad`` keys) or
+    merges them all into one alternation (``merged``)."""
+    pp = node.get("patternProperties")
+    if not isinstance(pp, dict):
+        return node
+    out = dict(node)
+    if merged and len(pp) > 1:
+        alternation = "|".join(f"(?:{p})" for p in pp)
+        out["patternProperties"] = {alternation: {"anyOf": list(pp.values())}}
+        return out
+    if not bad:
+        return out
+    keep = {k: v for k, v in pp.items() if k not in bad}
+    options = [pp[k] for k in bad]
+    extra = node.get("additionalProperties", True)
+    if extra is not False:
+        options.append(extra)
+    out["patternProperties"] = keep
+    if not keep:
+        del out["patternProperties"]
+    out["additionalProperties"] = {"anyOf": options} if len(options) > 1 else options[0]
+    return out
+
+
+def drop_bad_regexes(schema: Any, try_regex: TryRegex) -> Any:
+    def fix(node: dict) -> dict:
+        if isinstance(node.get("pattern"), str) and not try_regex(node["pattern"]):
+            node = {k: v for k, v in node.items() if k != "pattern"}
+        pp = node.get("patternProperties")
+        if isinstance(pp, dict):
+            bad = [k for k in pp if not try_regex(k)]
+            node = _fold_pattern_properties(node, bad, merged=False)
+        return node
+    return map_schemas(schema, fix)
+
+
+def merge_pattern_properties(schema: Any, try_regex: TryRegex) -> Any:
+    return map_schemas(schema, lambda node: _fold_pattern_properties(node, [], merged=True))
+
+
+def drop_property_counts(schema: Any, try_regex: TryRegex) -> Any:
+    """min/maxProperties where some listed property is optional: llguidance enforces them only when
+    every listed property is required, and its lenient option then rejects every object (narrower
+    than the schema), so they go to the validator before lenient is tried."""
+    def fix(node: dict) -> dict:
+        props = node.get("properties")
+        if not isinstance(props, dict) or not ("minProperties" in node or "maxProperties" in node):
+            return node
+        required = node.get("required")
+        if isinstance(required, list) and all(k in required for k in props):
+            return node
+        return {k: v for k, v in node.items() if k not in ("minProperties", "maxProperties")}
+    return map_schemas(schema, fix)
+
+
+def drop_huge_bounds(schema: Any, try_regex: TryRegex) -> Any:
+    def fix(node: dict) -> dict:
+        return {k: v for k, v in node.items()
+                if not (k in _BOUNDS and isinstance(v, (int, float)) and not isinstance(v, bool)
+                        and abs(v) >= _HUGE_BOUND)}
+    return map_schemas(schema, fix)
+
+
+def drop_ref_siblings(schema: Any, try_regex: TryRegex) -> Any:
+    def fix(node: dict) -> dict:
+        if "$ref" in node:
+            return {k: v for k, v in node.items() if k in _REF_KEEP}
+        return node
+    return map_schemas(schema, fix)
+
+
+def first_of_all_of(schema: Any, try_regex: TryRegex) -> Any:
+    def fix(node: dict) -> dict:
+        if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+            return {**node, "allOf": node["allOf"][:1]}
+        return node
+    return map_schemas(schema, fix)
+
+
+def without_all_of(schema: Any, try_regex: TryRegex) -> Any:
+    return map_schemas(schema, lambda node: {k: v for k, v in node.items() if k != "allOf"})
+
+
+_INTERSECTION = ("intersection", "are not disjoint", "sibling keys")
+# name, message fragments (lower case), rewrite, what it did, keywords it may loosen
+_REWRITES = (
+    ("regex", ("regex parse error", "lookaround", "invalid regex", "regex syntax"), drop_bad_regexes,
+     "regexes the grammar cannot parse left to the validator",
+     frozenset({"pattern", "patternProperties", "additionalProperties"})),
+    ("pattern_properties", ("are not disjoint",), merge_pattern_properties,
+     "overlapping patternProperties merged", frozenset({"patternProperties"})),
+    ("bounds", ("integer range", "float range", "number range"), drop_huge_bounds,
+     "number bounds beyond 1e15 left to the validator", frozenset(_BOUNDS)),
+    ("ref_siblings", ("sibling keys",), drop_ref_siblings, "siblings of $ref left to the validator",
+     frozenset({"$ref"})),
+    # Intersections the engine cannot build (too deep, overlapping patternProperties of several
+    # members, recursive references with siblings): allOf keeps its first member, then none.
+    ("all_of_first", _INTERSECTION, first_of_all_of, "allOf reduced to its first member", frozenset({"allOf"})),
+    ("all_of_none", _INTERSECTION, without_all_of, "allOf left to the validator", frozenset({"allOf"})),
+)
+
+
+def canonical(schema: Any) -> str:
+    return json.dumps(schema, ensure_ascii=False, separators=(",", ":"))

@@ -1,0 +1,122 @@
+"""The relaxation of complete mode: every step widens the schema (what the original accepts, the
+relaxed one accepts too), and each kind of llguidance refusal has a step that gets past it."""
+import json
+
+import jsonschema_rs
+import pytest
+
+from maskd.server.engines import GrammarCompileError, create_engine
+from maskd.server.schema_relax import (
+    RelaxError,
+    drop_bad_regexes,
+    drop_huge_bounds,
+    drop_property_counts,
+    drop_ref_siblings,
+    first_of_all_of,
+    map_schemas,
+    merge_pattern_properties,
+    relax,
+    without_all_of,
+)
+from maskd.specs import GrammarSpec
+
+
+@pytest.fixture(scope="module")
+def engine(cl100k):
+    return create_engine("llguidance", cl100k, threads=1, json_schema_mode="complete")
+
+
+def valid(schema, value):
+    return jsonschema_rs.validator_for(schema, offline=True).is_valid(value)
+
+
+def no_regex_ok(pattern):
+    return "(?=" not in pattern and "(?!" not in pattern
+
+
+INSTANCES = [{}, {"a": 1}, {"a": "x"}, {"ab": 1, "b": 2}, {"x1": 5, "y": [1, 2]}, [1, 2], 5, 1e20, -1e20, "s",
+             {"a": {"b": 1}}, {"k": "v", "kk": "vv"}]
+
+
+@pytest.mark.parametrize("rewrite,schema", [
+    (drop_bad_regexes, {"type": "object", "properties": {"a": {"type": "string", "pattern": "^(?!x).*$"}},
+                        "patternProperties": {"^(?=k)": {"type": "string"}, "^y": {"type": "array"}},
+                        "additionalProperties": False}),
+    (merge_pattern_properties, {"type": "object", "patternProperties": {"a": {"type": "integer"},
+                                                                        "b": {"type": "integer", "minimum": 2}},
+                                "additionalProperties": False}),
+    (drop_huge_bounds, {"type": "number", "minimum": -1e16, "maximum": 1e30}),
+    (drop_ref_siblings, {"$defs": {"o": {"type": "object"}}, "$ref": "#/$defs/o", "required": ["a"]}),
+    (first_of_all_of, {"allOf": [{"type": "object"}, {"required": ["a"]}, {"maxProperties": 1}]}),
+    (without_all_of, {"allOf": [{"type": "object"}, {"required": ["a"]}]}),
+    (drop_property_counts, {"type": "object", "properties": {"a": {}, "b": {}}, "minProperties": 2}),
+])
+def test_every_rewrite_widens(rewrite, schema):
+    relaxed = rewrite(json.loads(json.dumps(schema)), no_regex_ok)
+    assert relaxed != schema
+    for value in INSTANCES:
+        if valid(schema, value):
+            assert valid(relaxed, value), (value, relaxed)
+
+
+def test_rewrites_touch_schemas_only_never_data():
+    schema = {"const": {"pattern": "(?=x)", "allOf": [1, 2]}, "enum": [{"minimum": 1e99}],
+              "properties": {"pattern": {"type": "string", "pattern": "(?=y)"}}}
+    out = map_schemas(schema, lambda node: {k: v for k, v in node.items() if k != "pattern"})
+    assert out["const"] == schema["const"] and out["enum"] == schema["enum"]
+    assert out["properties"] == {"pattern": {"type": "string"}}   # a property named "pattern" stays
+
+
+def test_rewrites_reach_ref_targets_outside_schema_keywords():
+    schema = {"misc": {"d": {"type": "string", "pattern": "(?=x)"}}, "properties": {"a": {"$ref": "#/misc/d"}}}
+    assert drop_bad_regexes(schema, no_regex_ok)["misc"]["d"] == {"type": "string"}
+
+
+@pytest.mark.parametrize("schema,step", [
+    ({"type": "object", "properties": {"a": {"not": {"type": "null"}}}}, None),
+    ({"type": "object", "properties": {"d": {"type": "string", "pattern": "/^[0-9]{4}$/"}, "n": {"not": {}}}},
+     "regexes the grammar cannot parse"),
+    ({"type": "object", "patternProperties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+      "propertyNames": {"maxLength": 3}}, "overlapping patternProperties merged"),
+    ({"type": "integer", "minimum": -9223372036854775808, "maximum": 9223372036854775807, "not": {"const": 0}},
+     "number bounds"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "minProperties": 1, "not": {"const": {}}},
+     "min/maxProperties"),
+])
+def test_relax_gets_past_each_kind_of_refusal(engine, schema, step):
+    with pytest.raises(GrammarCompileError):
+        create_engine("llguidance", engine.tokenizer, threads=1).compile(GrammarSpec.create("json_schema", schema))
+    compiled = engine.compile(GrammarSpec.create("json_schema", schema))
+    assert compiled.checker is not None
+    if step:
+        steps = relax(schema, _try(engine), engine._regex_ok).steps
+        assert any(step in s for s in steps), steps
+
+
+def _try(engine):
+    spec = GrammarSpec.create("json_schema", {})
+
+    def try_compile(candidate, lenient):
+        try:
+            engine._json_grammar(spec, candidate, lenient)
+            return None
+        except GrammarCompileError as exc:
+            return str(exc)
+    return try_compile
+
+
+def test_what_even_the_relaxation_cannot_build_stays_refused_with_the_reason(engine):
+    with pytest.raises(GrammarCompileError, match="complete mode: even the relaxed schema does not compile"):
+        engine.compile(GrammarSpec.create("json_schema", {"not": {}, "properties": {"a": {"$ref": "#/$defs/none"}}}))
+    with pytest.raises(RelaxError):
+        relax({"$ref": "#/nowhere"}, lambda s, lenient: "Unknown reference", lambda p: True)
+    with pytest.raises(RelaxError):
+        relax(True, lambda s, lenient: None, lambda p: True)
+
+
+def test_a_loosening_asked_for_inside_the_schema_is_not_taken(cl100k):
+    """x-guidance lenient in a user's schema would make strict mode drop keywords without a check."""
+    strict = create_engine("llguidance", cl100k, threads=1)
+    schema = {"x-guidance": {"lenient": True, "coerce_one_of": True}, "type": "integer", "not": {"const": 1}}
+    with pytest.raises(GrammarCompileError, match="not"):
+        strict.compile(GrammarSpec.create("json_schema", schema))

@@ -1,0 +1,152 @@
+"""The exact check of complete mode, piece by piece: the incremental JSON scanner, the sub-documents
+pinned for early checks, the per-sequence document buffer, and garbage on the way in."""
+import json
+import random
+
+import pytest
+
+from maskd.server.documents import DocumentBuffer, JsonDocumentChecker, TagSpan, ToolCallChecker
+from maskd.server.json_scan import JsonScanner
+from maskd.server.schema_relax import LENIENT_KEYWORDS
+from maskd.server.validation import SchemaValidator, ValidatorError, parse
+
+DOC = b'{"a": [1, {"b": "x\\"]}y", "c": [true, null]}], "d": -2.5e3, "k\\"ey": {}, "e": "\\\\"}'
+
+
+def scan_in_chunks(data, rng):
+    sc = JsonScanner(lambda ctx, key: ctx + (key,), ())
+    events, pos = [], 0
+    while pos < len(data):
+        pos = min(len(data), pos + rng.randint(1, 7))
+        events += sc.feed(data[:pos])
+    return events, sc
+
+
+def test_scanner_reports_every_closed_value_whatever_the_chunks():
+    rng = random.Random(7)
+    first, sc = scan_in_chunks(DOC, rng)
+    assert sc.root_start == 0 and sc.root_end == len(DOC)
+    by_path = {ctx: DOC[a:b] for ctx, a, b in first}
+    assert by_path[("a", 1, "b")] == b'"x\\"]}y"'
+    assert by_path[("a", 1, "c")] == b"[true, null]"
+    assert by_path[("d",)] == b"-2.5e3" and by_path[('k"ey',)] == b"{}" and by_path[("e",)] == b'"\\\\"'
+    for ctx, a, b in first:
+        json.loads(DOC[a:b])   # every range is a whole JSON value
+    for _ in range(50):
+        assert scan_in_chunks(DOC, rng)[0] == first
+
+
+def test_scanner_finds_the_end_of_an_embedded_value():
+    data = b'<call>{"x": [1, "}"]}</call> more'
+    sc = JsonScanner(start=6)
+    sc.feed(data)
+    assert data[sc.root_start:sc.root_end] == b'{"x": [1, "}"]}'
+    num = JsonScanner(start=0)
+    num.feed(b"123")
+    assert not num.done
+    num.feed(b"123</x>")
+    assert num.root_end == 3
+
+
+SCHEMA = {"type": "object", "$defs": {"tag": {"type": "string", "not": {"const": "bad"}}},
+          "properties": {
+              "tags": {"type": "array", "items": {"$ref": "#/$defs/tag"}, "uniqueItems": True},
+              "pair": {"type": "array", "prefixItems": [{"type": "integer", "not": {"const": 0}}, {"type": "string"}]},
+              "either": {"anyOf": [{"type": "object", "properties": {"z": {"not": {"const": 1}}}}, {"type": "null"}]},
+              "plain": {"type": "object", "properties": {"q": {"type": "integer"}}},
+              "all": {"allOf": [{"properties": {"w": {"type": "integer", "not": {"const": 5}}}}]}}}
+
+
+def test_pins_follow_properties_items_refs_and_allof_never_anyof():
+    v = SchemaValidator(SCHEMA, LENIENT_KEYWORDS)
+    tags = v.watch(v.root_ctx, "tags")
+    assert tags == {"/properties/tags"}
+    assert v.watch(tags, 3) == {"/properties/tags/items", "/$defs/tag"}
+    assert v.watch(v.watch(v.root_ctx, "pair"), 0) == {"/properties/pair/prefixItems/0"}
+    assert v.watch(v.watch(v.root_ctx, "pair"), 1) is None        # nothing relaxed there
+    assert v.watch(v.root_ctx, "either") == {"/properties/either"}
+    assert v.watch(v.watch(v.root_ctx, "either"), "z") is None   # under anyOf: not pinned
+    assert v.watch(v.root_ctx, "plain") is None                   # enforced whole by the grammar
+    assert v.watch(v.watch(v.root_ctx, "all"), "w") == {"/properties/all/allOf/0/properties/w"}
+    assert v.check_at(v.watch(tags, 0), "bad", "/tags/0").startswith("at /tags/0: ")
+    assert v.check_at(tags, ["a", "a"], "/tags") == 'at /tags: ["a","a"] has non-unique elements'
+
+
+def test_legacy_drafts_ignore_the_siblings_of_ref():
+    schema = {"$schema": "http://json-schema.org/draft-07/schema#", "definitions": {"o": {"type": "object"}},
+              "properties": {"a": {"$ref": "#/definitions/o", "properties": {"b": {"not": {"const": 1}}}}}}
+    v = SchemaValidator(schema, LENIENT_KEYWORDS)
+    a = v.watch(v.root_ctx, "a")
+    assert a is None or v.watch(a, "b") is None
+
+
+def tokens(tok, text):
+    return tok.encode(text)
+
+
+def test_document_buffer_fails_early_and_rollback_takes_it_back(cl100k):
+    checker = JsonDocumentChecker(SchemaValidator(SCHEMA, LENIENT_KEYWORDS), cl100k)
+    doc = DocumentBuffer(checker)
+    head = tokens(cl100k, '{"tags": ["a"')
+    doc.extend(head)
+    assert doc.advance() is None
+    close = tokens(cl100k, ', "a"]')
+    doc.extend(close)
+    assert "cannot match the JSON schema: at /tags: " in doc.advance()
+    doc.rollback(len(close))
+    assert doc.doomed is None and doc.advance() is None
+    doc.extend(tokens(cl100k, ', "b"], "pair": [1, "x"]}'))
+    assert doc.final() is None
+    assert doc.final_with(tokens(cl100k, " ")) is None and doc.final() is None
+
+
+def test_document_after_a_reasoning_marker(cl100k):
+    checker = JsonDocumentChecker(SchemaValidator({"type": "integer", "not": {"const": 3}}, LENIENT_KEYWORDS),
+                                  cl100k, (b"<think>", b"</think>"))
+    doc = DocumentBuffer(checker)
+    doc.extend(tokens(cl100k, "<think>the answer 3 is wrong</think>"))
+    assert "no document yet" not in (doc.final() or "")
+    doc.extend(tokens(cl100k, "3"))
+    assert "does not match the JSON schema" in doc.final()
+    doc.rollback(1)
+    doc.extend(tokens(cl100k, "4"))
+    assert doc.final() is None
+
+
+def test_tool_call_checker_checks_each_call_and_skips_the_others(cl100k):
+    v = SchemaValidator({"type": "object", "properties": {"n": {"type": "integer", "not": {"const": 1}}}},
+                        LENIENT_KEYWORDS)
+    checker = ToolCallChecker([TagSpan(b"<f>", (b"</f>",), True, v, "f"),
+                               TagSpan(b"<g>", (b"</g>",), True, None, "g")], cl100k)
+    doc = DocumentBuffer(checker)
+    doc.extend(tokens(cl100k, 'hi <g>{"s": "<f>{\\"n\\": 1}"}</g> then <f>{"n": 2}</f>'))
+    assert doc.final() is None
+    doc.extend(tokens(cl100k, ' and <f>{"n": 1}</f>'))
+    assert "tool call 3 (f)" in doc.advance()
+
+
+@pytest.mark.parametrize("schema,message", [
+    ({"type": 12}, "cannot use this schema"),
+    ({"$ref": "https://example.com/schema.json"}, "cannot use this schema"),
+    ({"type": "string", "pattern": "(unclosed"}, "is not a \"regex\""),
+])
+def test_validator_refuses_garbage_schemas_with_its_message(schema, message):
+    with pytest.raises(ValidatorError, match=message):
+        SchemaValidator(schema, LENIENT_KEYWORDS)
+
+
+@pytest.mark.parametrize("data,message", [
+    (b"[" * 5000 + b"]" * 5000, "nests too deeply"),
+    (b'{"a": ', "not JSON the validator can read"),
+    (b"\xff\xfe", "not JSON the validator can read"),
+])
+def test_garbage_documents_give_a_message(data, message):
+    value, problem = parse(data)
+    assert value is None and message in problem
+
+
+def test_values_the_validator_cannot_take_give_a_message():
+    v = SchemaValidator({"type": "string", "not": {"const": "x"}}, LENIENT_KEYWORDS)
+    value, problem = parse(b'"\\ud800"')
+    assert problem is None
+    assert "the validator cannot check this document" in v.check(value)
