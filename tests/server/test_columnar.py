@@ -223,3 +223,22 @@ def test_repeats_copy_rows_instead_of_filling_again(server, stub, cl100k):
     assert fills == [1, 1, 1]
     a.close()
     b.close()
+
+
+def test_a_document_the_validator_ends_loses_its_row_and_the_next_rows_stay_in_place(stub, cl100k):
+    """Complete mode (the default): uniqueItems is left to the validator. The document closes with
+    a repeat, its sequence FAILS in the step that brought the ']', and the columnar entry after it
+    still finds its own row."""
+    s = Stream(stub)
+    hu, nu, _ = open_ready(s, "u", {"json_schema": {"type": "array", "items": {"type": "integer"},
+                                                    "uniqueItems": True}})
+    hl, nl, _ = open_ready(s, "l", LETTERS)
+    s.send_request(columnar([(hu, nu + 1, cl100k.encode("[1,1"))]))
+    r = s.send_request(columnar([(hu, nu + 2, cl100k.encode("]")), (hl, nl + 1, cl100k.encode("ab"))]))
+    st, _ = statuses(r)
+    assert st == [pb.SEQ_STATUS_FAILED, pb.SEQ_STATUS_READY]
+    assert r.problems[0].index == 0 and "does not match the JSON schema" in r.problems[0].reason
+    assert r.num_rows == 1
+    row = plain_rows(r)[1]
+    assert all(int(row[t >> 5]) >> (t & 31) & 1 for t in cl100k.encode("c"))
+    s.close()
