@@ -2,9 +2,10 @@
 libhelm_c, Helm's Go SDK behind a C ABI: no helm binary, no cluster).
 
 Every built-in object is validated against the Kubernetes OpenAPI schemas shipped with
-kubernetes-validate (strict: unknown fields are errors). Custom resources (KubeRay RayCluster,
-prometheus-operator ServiceMonitor) are checked structurally, and the pod templates inside the
-RayCluster are validated as core Pods.
+kubernetes-validate (strict: unknown fields are errors). Custom resources are validated, strictly,
+against the CRDs of their operators kept in tests/deploy/crds/ (KubeRay v1.7.0's RayCluster,
+prometheus-operator v0.93.0's ServiceMonitor; see crds/README.md), and the pod templates inside
+the RayCluster are also validated as core Pods.
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import shlex
 
 import pytest
 import yaml
+from crd_validation import CRD_FILES, CRDValidationError
+from crd_validation import validate as validate_crd
 
 try:
     import helm_python as helm
@@ -50,7 +53,7 @@ METRICS = [
     "maskd_live_sequences", "maskd_waiting_sequences", "maskd_open_streams", "maskd_row_bytes",
     "maskd_rows_sent_total", "maskd_row_dictionary_lookups_total", "maskd_errors_total",
 ]
-CRDS = {("ray.io/v1", "RayCluster"), ("monitoring.coreos.com/v1", "ServiceMonitor")}
+CRDS = set(CRD_FILES)
 FULL_VALUES = {
     "tls": {"enabled": True, "secretName": "maskd-tls"},
     "auth": {"enabled": True, "secretName": "maskd-auth", "secretKey": "api-token"},
@@ -167,6 +170,8 @@ def validate_all(docs: list[dict]) -> None:
         if obj["kind"] != "Pod" or "helm.sh/hook" not in obj["metadata"].get("annotations", {}):
             assert obj["metadata"]["namespace"] == NAMESPACE
         api = (obj["apiVersion"], obj["kind"])
+        if api in CRDS:
+            validate_crd(obj)
         if api == ("ray.io/v1", "RayCluster"):
             check_raycluster(obj)
         elif api == ("monitoring.coreos.com/v1", "ServiceMonitor"):
@@ -590,6 +595,55 @@ def test_ray_replica_bounds_are_checked(chart):
     with pytest.raises(helm.HelmRenderError, match="minReplicas"):
         chart.render({"mode": "ray", "ray": {"worker": {"replicas": 1, "minReplicas": 2}}},
                      name=RELEASE, namespace=NAMESPACE)
+
+
+@pytest.mark.parametrize("release, values, named", [
+    ("7b", {}, 'a release named "7b" gets the resource name "7b-maskd"'),          # starts with a digit
+    ("mk", {"fullnameOverride": "Mask_D"}, 'fullnameOverride "Mask_D"'),          # upper case, underscore
+    ("mk", {"nameOverride": "Maskd"}, 'nameOverride "Maskd"'),
+    ("mk", {"fullnameOverride": "maskd-"}, None),                                   # trailing '-' is trimmed: fine
+    ("mk", {"serviceAccount": {"name": "Maskd SA"}}, 'serviceAccount.name "Maskd SA"'),
+])
+@pytest.mark.parametrize("mode", ["standalone", "ray"])
+def test_names_the_api_server_and_kuberay_refuse_fail_at_render_time(chart, release, values, named, mode):
+    values = {**values, "mode": mode}
+    if named is None:
+        docs = render_as(chart, values, release)
+        assert {d["metadata"]["name"] for d in docs if d["kind"] in ("Service", "RayCluster", "Deployment")}
+        return
+    with pytest.raises(helm.HelmRenderError) as err:
+        chart.render(values, name=release, namespace=NAMESPACE)
+    message = str(err.value)
+    assert named in message and ("DNS-1035" in message or "DNS-1123" in message), message
+
+
+def render_as(chart, values, release):
+    manifests = chart.render(values, name=release, namespace=NAMESPACE)
+    return [d for path, text in manifests.items() if path.endswith(".yaml") for d in yaml.safe_load_all(text) if d]
+
+
+@pytest.mark.parametrize("mutate, where", [
+    (lambda rc: rc["spec"]["workerGroupSpecs"][0].update(replica=2), "workerGroupSpecs/0"),          # a typo
+    (lambda rc: rc["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0].update(imagePullPolicy=3),
+     "headGroupSpec/template/spec/containers/0/imagePullPolicy"),
+    (lambda rc: rc["spec"].update(rayVersion=2.6), "rayVersion"),
+    (lambda rc: rc["spec"].update(managedBy="me"), "managedBy"),                                       # CEL rules
+])
+def test_crd_validation_catches_what_kuberay_would_refuse(chart, mutate, where):
+    rc = one(render(chart, {"mode": "ray"}), "RayCluster")
+    validate_crd(rc)
+    mutate(rc)
+    with pytest.raises(CRDValidationError, match=re.escape(where.split("/")[-1])):
+        validate_crd(rc)
+
+
+def test_crd_files_name_their_source():
+    readme = (pathlib.Path(__file__).parent / "crds" / "README.md").read_text()
+    for (api, kind), file in CRD_FILES.items():
+        crd = yaml.safe_load((pathlib.Path(__file__).parent / "crds" / file).read_text())
+        assert crd["spec"]["names"]["kind"] == kind and api.split("/")[1] in [v["name"] for v in crd["spec"]["versions"]]
+        assert file in readme
+    assert "kuberay" in readme and "v1.7.0" in readme and "prometheus-operator" in readme
 
 
 # --------------------------------------------------------------------------------------------

@@ -76,32 +76,25 @@ imagePullSecrets:
 {{- end -}}
 
 {{/*
-The maskd server flags shared by `maskd serve` and `maskd cluster up`, as a JSON array.
+The maskd server flags shared by `maskd serve` and `maskd cluster up`, as a JSON array: one flag
+per line of server-flags.yaml whose value is set, then TLS, then server.extraArgs.
 Call with (dict "root" $ "threads" N); threads defaults to server.threads.
 */}}
 {{- define "maskd.serverFlags" -}}
 {{- $root := .root -}}
-{{- $s := $root.Values.server -}}
-{{- $threads := $s.threads -}}
-{{- if not (kindIs "invalid" .threads) }}{{ $threads = .threads }}{{ end -}}
-{{- $flags := list "--port" (include "maskd.int" $s.port) "--metrics-port" (include "maskd.int" $s.metricsPort) "--tokenizer" ($s.tokenizer | toString) "--backend" ($s.backend | toString) "--threads" (include "maskd.int" $threads) -}}
-{{- if not (kindIs "invalid" $s.logitsWidth) -}}
-{{- $flags = concat $flags (list "--logits-width" (include "maskd.int" $s.logitsWidth)) -}}
+{{- $s := deepCopy $root.Values.server -}}
+{{- if not (kindIs "invalid" .threads) }}{{ $_ := set $s "threads" .threads }}{{ end -}}
+{{- $flags := list -}}
+{{- range ($root.Files.Get "server-flags.yaml" | fromYamlArray) -}}
+{{- $v := index $s .value -}}
+{{- if kindIs "invalid" $v -}}
+{{- else if eq .type "bool" -}}
+{{- $flags = append $flags (ternary .flag (printf "--no-%s" (trimPrefix "--" .flag)) $v) -}}
+{{- else if eq .type "int" -}}
+{{- $flags = concat $flags (list .flag (include "maskd.int" $v)) -}}
+{{- else -}}
+{{- $flags = concat $flags (list .flag (toString $v)) -}}
 {{- end -}}
-{{- if not (kindIs "invalid" $s.compileThreads) -}}
-{{- $flags = concat $flags (list "--compile-threads" (include "maskd.int" $s.compileThreads)) -}}
-{{- end -}}
-{{- range $key, $flag := dict "maxMessageBytes" "--max-message-bytes" "maxGrammarBytes" "--max-grammar-bytes" "maxStreams" "--max-streams" "cacheEntries" "--cache-entries" "rowDictSize" "--row-dict-size" "maxTokensPerStep" "--max-tokens-per-step" "maxDraftTokens" "--max-draft-tokens" "maxRowsPerStep" "--max-rows-per-step" "maxSequencesPerSession" "--max-sequences-per-session" -}}
-{{- $v := index $s $key -}}
-{{- if not (kindIs "invalid" $v) -}}
-{{- $flags = concat $flags (list $flag (include "maskd.int" $v)) -}}
-{{- end -}}
-{{- end -}}
-{{- if not (kindIs "invalid" $s.compileTimeoutSeconds) -}}
-{{- $flags = concat $flags (list "--compile-timeout" (toString $s.compileTimeoutSeconds)) -}}
-{{- end -}}
-{{- if not (kindIs "invalid" $s.logLevel) -}}
-{{- $flags = concat $flags (list "--log-level" ($s.logLevel | toString)) -}}
 {{- end -}}
 {{- if $root.Values.tls.enabled -}}
 {{- $flags = concat $flags (list "--tls-cert" (printf "%s/%s" $root.Values.tls.mountPath $root.Values.tls.certKey) "--tls-key" (printf "%s/%s" $root.Values.tls.mountPath $root.Values.tls.keyKey)) -}}
@@ -219,4 +212,25 @@ lifecycle:
 {{/* One POSIX-shell word: single-quoted, embedded single quotes escaped. */}}
 {{- define "maskd.shellQuote" -}}
 {{- printf "'%s'" (replace "'" "'\\''" .) -}}
+{{- end -}}
+
+{{/*
+Fails the render when a name the chart derives would be refused at install time: Services and
+KubeRay's RayCluster need DNS-1035 labels (lowercase letters, digits and '-', starting with a
+letter; KubeRay v1.7.0 also caps a RayCluster name at 53 characters, the fullname at 50).
+*/}}
+{{- define "maskd.validateNames" -}}
+{{- $name := include "maskd.fullname" . -}}
+{{- $source := printf "a release named %q" .Release.Name -}}
+{{- if .Values.fullnameOverride -}}
+{{- $source = printf "fullnameOverride %q" .Values.fullnameOverride -}}
+{{- else if .Values.nameOverride -}}
+{{- $source = printf "a release named %q with nameOverride %q" .Release.Name .Values.nameOverride -}}
+{{- end -}}
+{{- if not (regexMatch "^[a-z]([-a-z0-9]*[a-z0-9])?$" $name) -}}
+{{- fail (printf "maskd: %s gets the resource name %q, which is not a DNS-1035 label (lowercase letters, digits and '-', starting with a letter, ending with a letter or digit) as Kubernetes Services and KubeRay's RayCluster require; install under a name that starts with a letter, or set fullnameOverride" $source $name) -}}
+{{- end -}}
+{{- if and .Values.serviceAccount.name (not (regexMatch "^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$" .Values.serviceAccount.name)) -}}
+{{- fail (printf "maskd: serviceAccount.name %q is not a DNS-1123 subdomain (lowercase letters, digits, '-' and '.')" .Values.serviceAccount.name) -}}
+{{- end -}}
 {{- end -}}
