@@ -5,7 +5,7 @@ engine. Modules, one concern each: ``types`` (inputs, results, errors), ``connec
 TLS, credentials), ``ledger`` (sequence history, undo, restores), ``stream`` (one Session stream),
 ``core`` (what both clients share: steps, closes, recovery), ``client`` (MaskClient),
 ``routing`` and ``cluster`` (ClusterClient), ``protocol`` (the API as a type), ``apply``
-(bitmasks on logits), ``hf`` (transformers).
+(bitmasks on logits), ``hf`` (transformers), ``health`` (is a server there, and if not, why).
 """
 from maskd_client.client import MaskClient
 from maskd_client.protocol import MaskdClient

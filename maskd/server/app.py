@@ -30,7 +30,7 @@ class MaskServer:
         self.config = config
         limits = config.limits
         self.metrics = Metrics()
-        tokenizer = load_tokenizer(config.tokenizer, config.logits_width)
+        tokenizer = load_tokenizer(config.tokenizer, config.logits_width, allow_download=config.allow_hub_download)
         self.engine = create_engine(config.backend, tokenizer, threads=config.fill_threads)
         self.cache = GrammarCache(self.engine, max_entries=config.cache_entries,
                                   compile_threads=config.compile_threads,
@@ -51,14 +51,17 @@ class MaskServer:
         pb_grpc.add_MaskServiceServicer_to_server(self.service, self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         bind = f"{config.host}:{config.port}"
-        if config.tls_cert and config.tls_key:
-            with open(config.tls_key, "rb") as k, open(config.tls_cert, "rb") as c:
-                creds = grpc.ssl_server_credentials([(k.read(), c.read())])
-            self.port = self._grpc.add_secure_port(bind, creds)
-        else:
-            self.port = self._grpc.add_insecure_port(bind)
+        try:
+            if config.tls_cert and config.tls_key:
+                with open(config.tls_key, "rb") as k, open(config.tls_cert, "rb") as c:
+                    creds = grpc.ssl_server_credentials([(k.read(), c.read())])
+                self.port = self._grpc.add_secure_port(bind, creds)
+            else:
+                self.port = self._grpc.add_insecure_port(bind)
+        except RuntimeError:   # grpc: "Failed to bind to address ..." without the reason
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"cannot bind {config.host}:{config.port}")
+            raise OSError(f"cannot bind the gRPC port {bind}: {_bind_error(config.host, config.port)}")
         self.metrics_port: int | None = None
         self._metrics_http: Any = None
         self._stopped = threading.Event()
@@ -128,6 +131,23 @@ class MaskServer:
 
     def __exit__(self, *exc) -> None:
         self.stop(grace=1.0)
+
+
+def _bind_error(host: str, port: int) -> str:
+    """Why HOST:PORT cannot be bound (grpc does not say): the OS's reason from a plain socket."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        return f"cannot resolve {host!r}: {exc.strerror or exc}"
+    family, _, _, _, address = infos[0]
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind(address)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return "grpc could not bind it"
 
 
 def start_or_exit(config: ServerConfig, prog: str = "maskd") -> MaskServer:

@@ -64,6 +64,8 @@ class ServerConfig:
     tokenizer: str = setting("deepseek-v4", help="deepseek-v4, qwen2.5, qwen3.6, cl100k, hf:PATH, tiktoken:PATH "
                                                  "or a Hugging Face model id")
     backend: str = setting("llguidance", help="grammar engine: llguidance or xgrammar")
+    allow_hub_download: bool = setting(False, help="let a tokenizer given as a Hugging Face model id download "
+                                                   "from the hub (otherwise: the local cache only)")
     logits_width: int | None = setting(None, help="the model's logits width when it exceeds the vocabulary")
     threads: int | None = setting(None, help="mask-fill threads (default: the CPUs of this machine, or of the "
                                              "worker actor)")

@@ -758,7 +758,7 @@ ALL_SERVER_VALUES = {"port": 7000, "metricsPort": 9100, "tokenizer": "cl100k", "
                      "compileThreads": 3, "maxMessageBytes": 134217728, "maxGrammarBytes": 2097152,
                      "compileTimeoutSeconds": 12.5, "maxStreams": 512, "cacheEntries": 4096, "rowDictSize": 512,
                      "maxTokensPerStep": 8192, "maxDraftTokens": 8, "maxRowsPerStep": 4096,
-                     "maxSequencesPerSession": 1000, "logLevel": "info"}
+                     "maxSequencesPerSession": 1000, "logLevel": "info", "allowHubDownload": True}
 
 
 def test_server_values_cover_every_server_flag(chart):
@@ -780,3 +780,35 @@ def test_server_values_cover_every_server_flag(chart):
     assert (lim.max_tokens_per_step, lim.max_draft_tokens, lim.max_rows_per_step,
             lim.max_sequences_per_session, lim.compile_timeout_s) == (8192, 8, 4096, 1000, 12.5)
     assert _parse(parser, args).log_level == "info"
+    assert cfg.allow_hub_download is True
+    # false renders the negative flag; null (the default) renders nothing
+    off = container(one(render(chart, {"server": {"allowHubDownload": False}}), "Deployment")["spec"]["template"]["spec"],
+                    "maskd")["args"]
+    assert "--no-allow-hub-download" in off and config_mod.from_flags(
+        config_mod.ServerConfig, _parse(parser, off)).allow_hub_download is False
+    assert not [a for a in container(one(render(chart), "Deployment")["spec"]["template"]["spec"], "maskd")["args"]
+                if "hub" in a]
+
+
+def test_flag_table_matches_the_schema_and_the_config():
+    """server-flags.yaml: each line names a real ServerConfig flag of the right type, once."""
+    config_mod = pytest.importorskip("maskd.server.config", reason="maskd server package not importable")
+    import dataclasses
+    import typing
+    rows = yaml.safe_load((CHART / "server-flags.yaml").read_text())
+    flags = config_mod.flag_names(config_mod.ServerConfig)
+    assert len({r["flag"] for r in rows}) == len(rows) and len({r["value"] for r in rows}) == len(rows)
+    fields = {}
+    for cls in (config_mod.ServerConfig, config_mod.Limits):
+        hints = typing.get_type_hints(cls)
+        fields.update({config_mod.flag_name(f): hints[f.name] for f in dataclasses.fields(cls)})
+    kinds = {"int": int, "number": float, "string": str, "bool": bool}
+    serve_options = {o for a in _subparser(_maskd_parser(), "serve")._actions for o in a.option_strings}
+    for row in rows:
+        if row["flag"] not in flags:   # a flag every maskd command takes (--log-level)
+            assert row["flag"] in serve_options, f"server-flags.yaml: {row['flag']} is no flag of maskd serve"
+            continue
+        scalar = config_mod._scalar(fields[row["flag"]])[0]
+        assert scalar is kinds[row["type"]], f"{row['flag']}: the table says {row['type']}, the config {scalar}"
+    schema = json.loads((CHART / "values.schema.json").read_text())["properties"]["server"]["properties"]
+    assert {r["value"] for r in rows} <= set(schema)

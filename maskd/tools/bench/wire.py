@@ -30,6 +30,7 @@ import uuid
 import numpy as np
 
 from maskd.tools.bench import common
+from maskd.tools.progress import bar
 
 QUICK_LIMIT = 48
 QUICK_MAX_ROWS = 3000
@@ -121,8 +122,10 @@ def _run_batch(address, pool, batch: int, max_rows: int | None, eos: int, width:
         if s is None:
             break
         slots.append(s)
+    rows_bar = bar(total=max_rows, desc=f"B={batch} rows", unit="row")
     try:
         while slots and (max_rows is None or len(sizes["sent"]) < max_rows):
+            rows_bar.update(len(sizes["sent"]) - rows_bar.n)
             req = pb.StepRequest()
             for sid, step in closes:
                 req.seqs.add(seq_id=sid, step=step, close=True)
@@ -185,6 +188,7 @@ def _run_batch(address, pool, batch: int, max_rows: int | None, eos: int, width:
                 keep.append(s)
             slots = keep
     finally:
+        rows_bar.close()
         stream.close()
     return {"sizes": sizes, "chosen": chosen, "digests": digests, "message_bytes": message_bytes,
             "request_bytes": request_bytes,
