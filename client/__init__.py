@@ -5,8 +5,9 @@ engine. Modules, one concern each: ``types`` (inputs, results, errors), ``connec
 TLS, credentials), ``ledger`` (sequence history, undo, restores), ``stream`` (one Session stream),
 ``core`` (what both clients share: steps, closes, recovery), ``client`` (MaskClient),
 ``routing`` and ``cluster`` (ClusterClient), ``protocol`` (the API as a type), ``apply``
-(bitmasks on logits), engine adapters: ``hf`` (transformers), ``sglang`` (a grammar backend named
-``maskd``, registered on import), ``vllm`` (logits processors).
+(bitmasks on logits), ``health`` (is a server there, and if not, why), engine adapters: ``hf``
+(transformers), ``sglang`` (a grammar backend named ``maskd``, registered on import), ``vllm``
+(logits processors).
 """
 from maskd_client.client import MaskClient
 from maskd_client.protocol import MaskdClient

@@ -37,11 +37,16 @@ def add_parser(sub) -> None:
     up.add_argument("--num-cpus", type=int, default=None, help="CPUs of a local Ray head this command starts")
     up.add_argument("--worker-resource", action="append", default=[], metavar="NAME[=AMOUNT]",
                     help="custom Ray resource that pins workers to a CPU node pool (repeatable)")
+    up.add_argument("--foreground", action="store_true",
+                    help="stay running once the cluster is up (a container's main process): exit 0 on "
+                         "SIGTERM, exit 1 when the Ray cluster or the directory stops answering")
     add_flags(up, ClusterConfig(), skip=("host",))   # workers bind --worker-host
     up.set_defaults(func=cmd_up)
 
     st = csub.add_parser("status", help="workers, sequences per worker, compiles and cache sizes")
     st.add_argument("--directory", default=None, help="HOST:PORT of the directory (no Ray needed)")
+    st.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS",
+                    help="how long the directory may take to answer")
     st.add_argument("--address", default=None, help=_HELP_ADDRESS)
     st.add_argument("--namespace", default=NAMESPACE)
     st.add_argument("--json", action="store_true", help="print JSON")
@@ -181,15 +186,51 @@ def cmd_up(args) -> int:
     state = _live_state(cfg.namespace)
     address = args.address or (state.get("ray_address") if state.get("started_head") else None)
     started = _connect(address, cfg.namespace, start_local=True, num_cpus=args.num_cpus)
-    try:
-        directory = launcher.up(cfg)
-    except (TimeoutError, RuntimeError, ConfigError) as exc:
-        sys.exit(f"maskd cluster up: {exc}")
+    from tqdm import tqdm
+    # On stderr and only on a terminal: the directory address stays the last line of stdout.
+    with tqdm(total=cfg.workers, desc="workers ready", unit="worker", file=sys.stderr, disable=None,
+              leave=False, dynamic_ncols=True) as ready:
+        try:
+            directory = launcher.up(cfg, on_ready=lambda wid: ready.update(1))
+        except (TimeoutError, RuntimeError, ConfigError) as exc:
+            sys.exit(f"maskd cluster up: {exc}")
     ray_address = ray.get_runtime_context().gcs_address
     _save_state(cfg.namespace, {"ray_address": ray_address, "directory": directory, "namespace": cfg.namespace,
                                 "started_head": started or bool(state.get("started_head"))})
     print(f"maskd cluster: {cfg.workers} workers in Ray namespace {cfg.namespace!r} on Ray at {ray_address}")
     print(directory, flush=True)
+    if args.foreground:
+        return _stay(ray_address, directory)
+    return 0
+
+
+def _stay(ray_address: str, directory: str, every_s: float = 5.0) -> int:
+    """Keeps `cluster up` running as a container's main process: the actors are detached, so a
+    SIGTERM ends only this process (exit 0); a Ray cluster or directory that stops answering ends
+    it with 1, so that the container restarts and brings the cluster up again."""
+    import signal
+    import threading
+
+    from maskd_client.health import SERVING, check
+    from maskd_client.types import MaskClientError
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop.set())
+    misses = 0
+    while not stop.wait(every_s):
+        if not _reachable(ray_address):
+            print(f"maskd cluster: the Ray cluster at {ray_address} is gone", file=sys.stderr)
+            return 1
+        try:
+            healthy = check(directory, connect_timeout_s=every_s) == SERVING
+        except MaskClientError:
+            healthy = False
+        misses = 0 if healthy else misses + 1
+        if misses >= 3:
+            print(f"maskd cluster: the directory at {directory} has not answered for {3 * every_s:g} s",
+                  file=sys.stderr)
+            return 1
     return 0
 
 
@@ -197,8 +238,17 @@ def cmd_status(args) -> int:
     state = _live_state(args.namespace)
     directory = args.directory or (None if args.address else state.get("directory"))
     report = None
+    if args.directory:   # asked for this directory: say why it does not answer, never fall back to Ray
+        from maskd_client.health import check
+        from maskd_client.types import MaskClientError
+        try:
+            check(args.directory, connect_timeout_s=args.timeout)
+        except MaskClientError as exc:
+            sys.exit(f"maskd cluster status: no maskd directory at {args.directory}: {exc}")
     if directory:
-        report = _status_over_grpc(directory)
+        report = _status_over_grpc(directory, args.timeout)
+        if report is None and args.directory:
+            sys.exit(f"maskd cluster status: {args.directory} answers, but not as a maskd directory")
     if report is None:
         _local_ray_env(args.address)
         _token_auth_env()
@@ -215,10 +265,10 @@ def cmd_status(args) -> int:
     return 0
 
 
-def _status_over_grpc(directory: str) -> dict | None:
+def _status_over_grpc(directory: str, timeout_s: float = 15.0) -> dict | None:
     from maskd_client.routing import DirectoryClient, DirectoryError
     try:
-        with DirectoryClient(directory, timeout_s=15.0) as dc:
+        with DirectoryClient(directory, timeout_s=max(timeout_s, 5.0)) as dc:
             reply = dc.list_workers(stats=True)
     except DirectoryError:
         return None

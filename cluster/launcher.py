@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import math
 import time
+from collections.abc import Callable
 
 from maskd.server.config import ConfigError, ServerConfig, setting
 from maskd_client.routing import DEFAULT_VNODES
@@ -40,7 +41,10 @@ class ClusterConfig:
     max_restarts: int = setting(-1, help="worker restarts after failures (-1: no limit)")
     # directory and shared cache
     directory_port: int = setting(0, help="directory gRPC port (0: a free one)")
+    directory_here: bool = setting(False, help="run the directory on this process's Ray node (the Helm chart's "
+                                               "head pod, which the directory Service selects)")
     directory_host: str | None = setting(None, help="address the directory advertises (default: the node's IP)")
+    directory_bind_host: str = setting("0.0.0.0", help="address the directory's port binds")
     vnodes: int = setting(DEFAULT_VNODES, help="ring points per worker")
     poll_s: float = setting(0.5, flag="--poll", help="seconds between the directory's checks of the workers")
     shared_cache_entries: int = setting(4096, help="compiled grammars the cluster cache keeps")
@@ -94,9 +98,9 @@ def get_worker(wid: str, namespace: str = NAMESPACE):
     return _ray().get_actor(worker_actor_name(wid), namespace=namespace)
 
 
-def up(cfg: ClusterConfig) -> str:
+def up(cfg: ClusterConfig, on_ready: Callable[[str], None] | None = None) -> str:
     """Starts (or completes, or scales) the cluster; returns the directory's HOST:PORT once
-    `cfg.workers` workers are live."""
+    `cfg.workers` workers are live. ``on_ready(worker_id)`` is called as each worker serves."""
     ray = _ray()
     from maskd_cluster.directory import Directory
     from maskd_cluster.store import GrammarStore
@@ -108,8 +112,15 @@ def up(cfg: ClusterConfig) -> str:
         max_entries=cfg.shared_cache_entries, max_bytes=cfg.shared_cache_bytes,
         claim_s=cfg.server.limits.compile_timeout_s)
     ray.get(store.ready.remote(), timeout=cfg.ready_timeout_s)
-    directory = ray.remote(Directory).options(name=DIRECTORY_NAME, num_cpus=0, max_concurrency=16, **common).remote(
-        ns, host=cfg.directory_host, port=cfg.directory_port, vnodes=cfg.vnodes, poll_s=cfg.poll_s)
+    placement = {}
+    if cfg.directory_here:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        placement["scheduling_strategy"] = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
+                                                                          soft=False)
+    directory = ray.remote(Directory).options(name=DIRECTORY_NAME, num_cpus=0, max_concurrency=16, **common,
+                                              **placement).remote(
+        ns, host=cfg.directory_host, bind_host=cfg.directory_bind_host, port=cfg.directory_port, vnodes=cfg.vnodes,
+        poll_s=cfg.poll_s)
     # Keep the handle that created an actor: one from get_if_exists does not keep it alive.
     held = _HELD.setdefault(ns, {}) if not cfg.detached else {}
     held.setdefault(STORE_NAME, store)
@@ -143,6 +154,8 @@ def up(cfg: ClusterConfig) -> str:
     for wid, handle in started.items():
         try:
             ray.get(handle.address.remote(), timeout=cfg.ready_timeout_s)
+            if on_ready is not None:
+                on_ready(wid)
         except RayActorError as exc:
             raise RuntimeError(f"maskd worker {wid} failed to start: {exc}") from exc
         except GetTimeoutError:

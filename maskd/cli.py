@@ -56,6 +56,45 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def _add_health(sub) -> None:
+    p = sub.add_parser("health", help="ask a maskd server (or directory) whether it serves; exit 0 when it does",
+                       formatter_class=HelpFormatter,
+                       description="The standard grpc.health.v1 check, for container health checks and "
+                                   "scripts: exit 0 SERVING, 1 answering but not serving, 2 unreachable.")
+    p.add_argument("--target", default="127.0.0.1:50051", help="HOST:PORT of the server or directory")
+    p.add_argument("--service", default="", help="health service name ('' is the whole server; "
+                                                  "maskd.v1.MaskService turns NOT_SERVING while draining)")
+    p.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="connect deadline (refused connections are retried until then)")
+    p.add_argument("--tls", action="store_true", help="speak TLS (system trust roots unless --tls-ca)")
+    p.add_argument("--tls-ca", default=None, metavar="PEM", help="trust roots for --tls")
+    p.set_defaults(func=cmd_health)
+
+
+def cmd_health(args) -> int:
+    from maskd_client import MaskClientError
+    from maskd_client.health import SERVING, Unreachable, check
+
+    roots = None
+    if args.tls_ca:
+        try:
+            with open(args.tls_ca, "rb") as f:
+                roots = f.read()
+        except OSError as exc:
+            sys.exit(f"maskd health: cannot read --tls-ca {args.tls_ca}: {exc.strerror or exc}")
+    try:
+        status = check(args.target, service=args.service, connect_timeout_s=args.timeout,
+                       tls=args.tls, root_certs=roots)
+    except Unreachable as exc:
+        print(f"maskd health: {exc}", file=sys.stderr)
+        return 2
+    except MaskClientError as exc:
+        print(f"maskd health: {exc}", file=sys.stderr)
+        return 1
+    print(f"{args.target} {status}")
+    return 0 if status == SERVING else 1
+
+
 # -- options every subcommand takes ---------------------------------------------------------------
 def _add_common(parser: argparse.ArgumentParser) -> None:
     """--log-level and -v on a parser and every subparser below it."""
@@ -87,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"maskd {maskd.__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_serve(sub)
+    _add_health(sub)
     for module, _name in _OPTIONAL:
         try:
             mod = importlib.import_module(module)

@@ -5,6 +5,13 @@
 tests/test_helm.py checks that the shipped file equals build().
 """
 import json
+import pathlib
+
+import yaml
+
+CHART = pathlib.Path(__file__).resolve().parents[1] / "maskd"
+# The values that become server flags: one line each in the chart's server-flags.yaml.
+SERVER_FLAGS = yaml.safe_load((CHART / "server-flags.yaml").read_text())
 
 port = {"type": "integer", "minimum": 1, "maximum": 65535}
 posint = {"type": "integer", "minimum": 1}
@@ -33,6 +40,26 @@ def probe(with_service=False, with_enabled=False, with_success=False):
     if with_success:
         props["successThreshold"] = posint
     return {"type": "object", "additionalProperties": False, "properties": props}
+
+
+def server_flag_values() -> dict:
+    """The schema of each `server.*` value that server-flags.yaml maps to a flag."""
+    out = {}
+    for row in SERVER_FLAGS:
+        kind = {"int": "integer", "number": "number", "string": "string", "bool": "boolean"}[row["type"]]
+        schema: dict = {"type": kind if row.get("required") else [kind, "null"]}
+        if "min" in row:
+            schema["minimum"] = row["min"]
+        if "exclusiveMin" in row:
+            schema["exclusiveMinimum"] = row["exclusiveMin"]
+        if "max" in row:
+            schema["maximum"] = row["max"]
+        if row["type"] == "string" and row.get("required") and "enum" not in row:
+            schema["minLength"] = 1
+        if "enum" in row:
+            schema["enum"] = list(row["enum"]) + ([] if row.get("required") else [None])
+        out[row["value"]] = schema
+    return out
 
 
 def sched():
@@ -79,37 +106,10 @@ SCHEMA = {
         "serviceAccount": strict({"create": {"type": "boolean"}, "name": {"type": "string"}, "annotations": strmap,
                                   "automountServiceAccountToken": {"type": "boolean"}}),
         "server": strict({
-            "port": port, "metricsPort": port,
-            "tokenizer": {"type": "string", "minLength": 1},
-            "backend": {"type": "string", "enum": ["llguidance", "xgrammar"]},
-            "jsonSchemaMode": {"type": ["string", "null"], "enum": ["strict", "complete", None],
-                               "description": "--json-schema-mode: complete relaxes what the grammar cannot "
-                                              "enforce and validates each finished document; strict refuses it."},
-            "threads": posint,
-            "logitsWidth": opt_posint,
-            "compileThreads": opt_posint,
-            "maxMessageBytes": {"type": ["integer", "null"], "minimum": 1024},
-            "maxGrammarBytes": {"type": ["integer", "null"], "minimum": 1},
-            "compileTimeoutSeconds": {"type": ["number", "null"], "exclusiveMinimum": 0},
-            "maxStreams": opt_posint,
-            "cacheEntries": opt_posint,
-            "rowDictSize": {"type": ["integer", "null"], "minimum": 0},
-            "maxTokensPerStep": opt_posint,
-            "maxDraftTokens": opt_posint,
-            "maxRowsPerStep": opt_posint,
-            "maxSequencesPerSession": opt_posint,
-            "logLevel": {"type": ["string", "null"], "enum": ["debug", "info", "warning", "error", None]},
-            "cacheBytes": opt_posint,
-            "compileIsolation": {"type": ["string", "null"], "enum": ["process", "thread", None]},
-            "maxStreamsPerTenant": opt_posint, "maxSequences": opt_posint, "maxSequencesPerTenant": opt_posint,
-            "maxTokensPerRequest": opt_posint, "maxGrammarDepth": opt_posint, "maxCompilesQueued": opt_posint,
-            "maxCompilesQueuedPerTenant": opt_posint, "maxCompilesRunningPerTenant": opt_posint,
-            "idleTimeoutSeconds": {"type": ["number", "null"], "exclusiveMinimum": 0},
-            "drainDelaySeconds": {"type": ["number", "null"], "minimum": 0},
-            "drainGraceSeconds": {"type": ["number", "null"], "minimum": 0},
+            **server_flag_values(),
             "extraArgs": {"type": "array", "items": {"type": ["string", "number", "boolean"]}},
             "env": arr, "envFrom": arr,
-        }, ["port", "metricsPort", "tokenizer", "backend", "threads"]),
+        }, [row["value"] for row in SERVER_FLAGS if row.get("required")]),
         "tls": {**strict({"enabled": {"type": "boolean"}, "secretName": {"type": "string"},
                           "certKey": {"type": "string", "minLength": 1}, "keyKey": {"type": "string", "minLength": 1},
                           "mountPath": {"type": "string", "pattern": "^/"},
@@ -185,8 +185,7 @@ def build() -> dict:
 
 
 def main() -> None:
-    import pathlib
-    path = pathlib.Path(__file__).resolve().parents[1] / "maskd" / "values.schema.json"
+    path = CHART / "values.schema.json"
     path.write_text(json.dumps(build(), indent=2) + "\n")
     print(f"wrote {path}")
 

@@ -46,7 +46,7 @@ class MaskServer:
         except AuthConfigError as exc:
             raise ConfigError(str(exc)) from exc
         self.metrics = Metrics()
-        tokenizer = load_tokenizer(config.tokenizer, config.logits_width)
+        tokenizer = load_tokenizer(config.tokenizer, config.logits_width, allow_download=config.allow_hub_download)
         self.engine = create_engine(config.backend, tokenizer, threads=config.fill_threads,
                                     json_schema_mode=config.json_schema_mode)
         self._pool = (compile_pool.acquire(config.backend, config.tokenizer, config.logits_width,
@@ -76,10 +76,10 @@ class MaskServer:
                 self.port = self._grpc.add_secure_port(bind, self._tls_credentials())
             else:
                 self.port = self._grpc.add_insecure_port(bind)
-        except RuntimeError as exc:
-            raise OSError(f"cannot bind the gRPC port {bind}: {exc}") from exc
+        except RuntimeError:   # grpc: "Failed to bind to address ..." without the reason
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"cannot bind the gRPC port {bind} (in use, or not an address of this machine)")
+            raise OSError(f"cannot bind the gRPC port {bind}: {_bind_error(config.host, config.port)}")
         self.metrics_port: int | None = None
         self._metrics_http: Any = None
         self._stopped = threading.Event()
@@ -194,6 +194,23 @@ def _exit_now(limit: float) -> None:
     log.error("maskd: the drain did not finish within %g s; exiting", limit)
     logging.shutdown()
     os._exit(1)
+
+
+def _bind_error(host: str, port: int) -> str:
+    """Why HOST:PORT cannot be bound (grpc does not say): the OS's reason from a plain socket."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        return f"cannot resolve {host!r}: {exc.strerror or exc}"
+    family, _, _, _, address = infos[0]
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind(address)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return "grpc could not bind it"
 
 
 def start_or_exit(config: ServerConfig, prog: str = "maskd") -> MaskServer:

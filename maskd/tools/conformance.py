@@ -20,6 +20,7 @@ import concurrent.futures
 import dataclasses
 import json
 import pathlib
+import re
 import sys
 import time
 from collections.abc import Iterator
@@ -27,6 +28,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from maskd.specs import JSON_SCHEMA_MODES
+from maskd.tools.progress import bar
 
 SAMPLE_DIR = pathlib.Path(__file__).parent / "samples" / "maskbench"
 
@@ -45,7 +47,11 @@ def load_suite(data_dir: str | pathlib.Path, limit: int | None = None) -> list[t
     if not folder.is_dir():
         raise FileNotFoundError(f"no MaskBench folder at {folder}")
     files = sorted(folder.glob("*.json"))
+    if not files:
+        raise ValueError(f"no MaskBench files (*.json) in {folder}")
     if limit is not None:
+        if limit < 1:
+            raise ValueError(f"--limit must be at least 1, not {limit}")
         files = files[:limit]
     suite = []
     for path in files:
@@ -54,6 +60,8 @@ def load_suite(data_dir: str | pathlib.Path, limit: int | None = None) -> list[t
             suite.append((path.name, doc["schema"], list(doc.get("tests", []))))
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"{path} is not a MaskBench file (schema + tests): {exc}") from exc
+    if not any(tests for _, _, tests in suite):
+        raise ValueError(f"the {len(suite)} MaskBench files in {folder} hold no test instances")
     return suite
 
 
@@ -79,6 +87,10 @@ class _Tally:
         self.validator_rejects = 0
         self.false_accepts: list[dict] = []
         self.false_rejects: list[dict] = []
+
+    @property
+    def done(self) -> int:
+        return self.valid_total + self.invalid_total
 
     def verdict(self, inst: Instance, accepted: bool, why: str = "") -> None:
         if not accepted and "JSON schema" in why:
@@ -119,17 +131,22 @@ def run_through_server(target: str, tokenizer_spec: str, suite, *, batch: int = 
             except MaskClientError as exc:
                 return name, str(exc)
 
-        with concurrent.futures.ThreadPoolExecutor(register_threads) as pool:
+        with concurrent.futures.ThreadPoolExecutor(register_threads) as pool, \
+                bar(total=len(suite), desc="compile", unit="schema") as compiling:
             for name, err in pool.map(register, suite):
+                compiling.update(1)
                 if err is not None:
                     compile_errors[name] = err
         compiled = {name for name, _, _ in suite if name not in compile_errors}
+        checking = bar(total=sum(len(tests) for name, _, tests in suite if name in compiled), desc="check",
+                       unit="instance")
         schemas = {name: schema for name, schema, _ in suite}
         source = _instances(suite, compiled, tok.encode)
         active: dict[str, tuple[Instance, int]] = {}   # seq -> (instance, tokens sent)
         counter = 0
         exhausted = False
         while active or not exhausted:
+            checking.update(tally.done - checking.n)
             while not exhausted and len(active) < batch:
                 inst = next(source, None)
                 if inst is None:
@@ -174,6 +191,7 @@ def run_through_server(target: str, tokenizer_spec: str, suite, *, batch: int = 
                     tally.verdict(inst, bool(good), why)
                     del active[seq_id]
                     mc.close(seq_id)
+        checking.close()
     return _report(suite, compile_errors, tally, time.perf_counter() - t0, target, mode)
 
 
@@ -187,7 +205,7 @@ def run_in_process(tokenizer_spec: str, suite) -> dict:
     tok = load_tokenizer(tokenizer_spec)
     tally = _Tally()
     compile_errors: dict[str, str] = {}
-    for name, schema, tests in suite:
+    for name, schema, tests in bar(suite, desc="schemas", unit="schema"):
         grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema))
         is_error, msgs = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tok.ll)
         matcher = None if is_error else llguidance.LLMatcher(tok.ll, grammar, log_level=0)
@@ -225,6 +243,7 @@ def _report(suite, compile_errors: dict, tally: _Tally, seconds: float, target: 
         "seconds": round(seconds, 3),
         "compile_error_files": sorted(compile_errors),
         "compile_error_messages": dict(collections.OrderedDict(sorted(compile_errors.items()))),
+        "compile_errors_by_reason": errors_by_reason(compile_errors),
     }
 
 
@@ -255,19 +274,30 @@ def add_parser(sub) -> None:
     p.add_argument("--json-schema-mode", choices=JSON_SCHEMA_MODES, default=None,
                    help="embedded server's JSON schema mode (default: the server's, complete); a --target "
                         "server reports its own")
+    p.add_argument("--connect-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="how long --target may take to answer its health check before the run gives up")
     p.add_argument("--json", dest="json_out", default=None, help="write the report here")
     p.set_defaults(func=cmd_conformance)
 
 
 def cmd_conformance(args) -> int:
+    prog = "maskd conformance"
+    if args.batch < 1:
+        sys.exit(f"{prog}: --batch must be at least 1, not {args.batch}")
     try:
         suite = load_suite(args.data, args.limit)
     except (FileNotFoundError, ValueError) as exc:
-        sys.exit(f"maskd conformance: {exc}")
+        sys.exit(f"{prog}: {exc}")
+    from maskd.server.tokenizers import TokenizerError, load_tokenizer
+    try:
+        load_tokenizer(args.tokenizer)   # cached: the run below takes the same one
+    except TokenizerError as exc:
+        sys.exit(f"{prog}: {exc}")
     server = None
     if args.in_process:
         report = run_in_process(args.tokenizer, suite)
     else:
+        from maskd_client import MaskClientError
         target = args.target
         if args.embedded:
             from maskd.server.app import start_or_exit
@@ -275,14 +305,14 @@ def cmd_conformance(args) -> int:
             config = ServerConfig(port=0, tokenizer=args.tokenizer, threads=args.threads)
             if args.json_schema_mode:
                 config.json_schema_mode = args.json_schema_mode
-            server = start_or_exit(config, "maskd conformance")
+            server = start_or_exit(config, prog)
             target = server.address
         else:
-            from maskd_client.routing import is_directory
-            if is_directory(target):
-                target = f"directory:{target}"
+            target = _reachable_target(prog, target, args.connect_timeout)
         try:
             report = run_through_server(target, args.tokenizer, suite, batch=args.batch)
+        except MaskClientError as exc:
+            sys.exit(f"{prog}: {exc}")
         finally:
             if server is not None:
                 server.stop(grace=1.0)
@@ -291,6 +321,62 @@ def cmd_conformance(args) -> int:
         print(f"  false accept: {item['file']} test {item['test']}")
     for item in report["false_rejects"][:20]:
         print(f"  false reject: {item['file']} test {item['test']}: {item['why'][:200]}")
+    for line in compile_error_lines(report):
+        print(line)
     if args.json_out:
         pathlib.Path(args.json_out).write_text(json.dumps(report, indent=2))
     return 1 if report["false_accepts"] or report["false_rejects"] else 0
+
+
+def _reachable_target(prog: str, target: str, connect_timeout_s: float) -> str:
+    """The target as the client takes it (``directory:`` for a cluster directory), once it answers
+    its health check; exits naming the reason when nothing answers within the deadline."""
+    from maskd_client import MaskClientError
+    from maskd_client.health import SERVING, check
+    from maskd_client.routing import is_directory
+
+    try:
+        status = check(target, connect_timeout_s=connect_timeout_s)
+    except MaskClientError as exc:
+        sys.exit(f"{prog}: {exc}")
+    if status != SERVING:
+        sys.exit(f"{prog}: {target} answers but is not serving (health {status}: draining or starting)")
+    if not target.startswith("directory:") and is_directory(target):
+        target = f"directory:{target}"
+    return target
+
+
+_GRAMMAR_PREFIX = re.compile(r"^grammar \S+ does not compile: ")
+
+
+def reason_of(message: str) -> str:
+    """What a compile error says, without what names one schema: the grammar id, the quoted regex
+    of a multi-line message (its last line holds the reason), text after '; ' (where it was)."""
+    lines = [ln.strip() for ln in _GRAMMAR_PREFIX.sub("", (message or "").strip()).splitlines() if ln.strip()]
+    if not lines:
+        return "(no message)"
+    reason = lines[0]
+    if reason.endswith(":") and len(lines) > 1:
+        last = lines[-1]
+        reason = f"{reason} {last[len('error:'):].strip() if last.startswith('error:') else last}"
+    return reason.split("; ")[0][:200]
+
+
+def errors_by_reason(errors: dict[str, str]) -> list[dict]:
+    """[{reason, count, files}], the most frequent reason first."""
+    groups: dict[str, list[str]] = collections.defaultdict(list)
+    for name, message in sorted(errors.items()):
+        groups[reason_of(message)].append(name)
+    return [{"reason": r, "count": len(files), "files": files}
+            for r, files in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0]))]
+
+
+def compile_error_lines(report: dict, *, files_shown: int = 3) -> list[str]:
+    groups = report.get("compile_errors_by_reason") or []
+    if not groups:
+        return []
+    lines = [f"compile errors: {report['compile_errors']} schemas, {len(groups)} reasons"]
+    for g in groups:
+        more = f" (+{g['count'] - files_shown} more)" if g["count"] > files_shown else ""
+        lines.append(f"  {g['count']:>4} x {g['reason']}: {', '.join(g['files'][:files_shown])}{more}")
+    return lines

@@ -48,6 +48,7 @@ def test_up_status_conformance_down_from_separate_processes(tmp_path):
                 "--worker-cpus", "1", "--threads", "1", "--compile-threads", "1", "--timeout", "150", env=env)
     try:
         assert up.returncode == 0, up.stdout + up.stderr
+        assert "%|" not in up.stderr and "\r" not in up.stderr, "progress bars belong on a terminal only"
         directory = up.stdout.strip().splitlines()[-1]
         host, _, port = directory.rpartition(":")
         assert host and port.isdigit()

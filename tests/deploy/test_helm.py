@@ -2,9 +2,10 @@
 libhelm_c, Helm's Go SDK behind a C ABI: no helm binary, no cluster).
 
 Every built-in object is validated against the Kubernetes OpenAPI schemas shipped with
-kubernetes-validate (strict: unknown fields are errors). Custom resources (KubeRay RayCluster,
-prometheus-operator ServiceMonitor) are checked structurally, and the pod templates inside the
-RayCluster are validated as core Pods.
+kubernetes-validate (strict: unknown fields are errors). Custom resources are validated, strictly,
+against the CRDs of their operators kept in tests/deploy/crds/ (KubeRay v1.7.0's RayCluster,
+prometheus-operator v0.93.0's ServiceMonitor; see crds/README.md), and the pod templates inside
+the RayCluster are also validated as core Pods.
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import shlex
 
 import pytest
 import yaml
+from crd_validation import CRD_FILES, CRDValidationError
+from crd_validation import validate as validate_crd
 
 try:
     import helm_python as helm
@@ -50,7 +53,7 @@ METRICS = [
     "maskd_live_sequences", "maskd_waiting_sequences", "maskd_open_streams", "maskd_row_bytes",
     "maskd_rows_sent_total", "maskd_row_dictionary_lookups_total", "maskd_errors_total",
 ]
-CRDS = {("ray.io/v1", "RayCluster"), ("monitoring.coreos.com/v1", "ServiceMonitor")}
+CRDS = set(CRD_FILES)
 FULL_VALUES = {
     "tls": {"enabled": True, "secretName": "maskd-tls"},
     "auth": {"enabled": True, "secretName": "maskd-auth", "secretKey": "api-token"},
@@ -167,6 +170,8 @@ def validate_all(docs: list[dict]) -> None:
         if obj["kind"] != "Pod" or "helm.sh/hook" not in obj["metadata"].get("annotations", {}):
             assert obj["metadata"]["namespace"] == NAMESPACE
         api = (obj["apiVersion"], obj["kind"])
+        if api in CRDS:
+            validate_crd(obj)
         if api == ("ray.io/v1", "RayCluster"):
             check_raycluster(obj)
         elif api == ("monitoring.coreos.com/v1", "ServiceMonitor"):
@@ -592,6 +597,55 @@ def test_ray_replica_bounds_are_checked(chart):
                      name=RELEASE, namespace=NAMESPACE)
 
 
+@pytest.mark.parametrize("release, values, named", [
+    ("7b", {}, 'a release named "7b" gets the resource name "7b-maskd"'),          # starts with a digit
+    ("mk", {"fullnameOverride": "Mask_D"}, 'fullnameOverride "Mask_D"'),          # upper case, underscore
+    ("mk", {"nameOverride": "Maskd"}, 'nameOverride "Maskd"'),
+    ("mk", {"fullnameOverride": "maskd-"}, None),                                   # trailing '-' is trimmed: fine
+    ("mk", {"serviceAccount": {"name": "Maskd SA"}}, 'serviceAccount.name "Maskd SA"'),
+])
+@pytest.mark.parametrize("mode", ["standalone", "ray"])
+def test_names_the_api_server_and_kuberay_refuse_fail_at_render_time(chart, release, values, named, mode):
+    values = {**values, "mode": mode}
+    if named is None:
+        docs = render_as(chart, values, release)
+        assert {d["metadata"]["name"] for d in docs if d["kind"] in ("Service", "RayCluster", "Deployment")}
+        return
+    with pytest.raises(helm.HelmRenderError) as err:
+        chart.render(values, name=release, namespace=NAMESPACE)
+    message = str(err.value)
+    assert named in message and ("DNS-1035" in message or "DNS-1123" in message), message
+
+
+def render_as(chart, values, release):
+    manifests = chart.render(values, name=release, namespace=NAMESPACE)
+    return [d for path, text in manifests.items() if path.endswith(".yaml") for d in yaml.safe_load_all(text) if d]
+
+
+@pytest.mark.parametrize("mutate, where", [
+    (lambda rc: rc["spec"]["workerGroupSpecs"][0].update(replica=2), "workerGroupSpecs/0"),          # a typo
+    (lambda rc: rc["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0].update(imagePullPolicy=3),
+     "headGroupSpec/template/spec/containers/0/imagePullPolicy"),
+    (lambda rc: rc["spec"].update(rayVersion=2.6), "rayVersion"),
+    (lambda rc: rc["spec"].update(managedBy="me"), "managedBy"),                                       # CEL rules
+])
+def test_crd_validation_catches_what_kuberay_would_refuse(chart, mutate, where):
+    rc = one(render(chart, {"mode": "ray"}), "RayCluster")
+    validate_crd(rc)
+    mutate(rc)
+    with pytest.raises(CRDValidationError, match=re.escape(where.split("/")[-1])):
+        validate_crd(rc)
+
+
+def test_crd_files_name_their_source():
+    readme = (pathlib.Path(__file__).parent / "crds" / "README.md").read_text()
+    for (api, kind), file in CRD_FILES.items():
+        crd = yaml.safe_load((pathlib.Path(__file__).parent / "crds" / file).read_text())
+        assert crd["spec"]["names"]["kind"] == kind and api.split("/")[1] in [v["name"] for v in crd["spec"]["versions"]]
+        assert file in readme
+    assert "kuberay" in readme and "v1.7.0" in readme and "prometheus-operator" in readme
+
+
 # --------------------------------------------------------------------------------------------
 # shipped example values and generated files
 # --------------------------------------------------------------------------------------------
@@ -711,7 +765,7 @@ ALL_SERVER_VALUES = {"port": 7000, "metricsPort": 9100, "tokenizer": "cl100k", "
                      "maxSequencesPerTenant": 5000, "maxTokensPerRequest": 100000, "maxGrammarDepth": 64,
                      "maxCompilesQueued": 900, "maxCompilesQueuedPerTenant": 90, "maxCompilesRunningPerTenant": 2,
                      "idleTimeoutSeconds": 120, "drainDelaySeconds": 3, "drainGraceSeconds": 20,
-                     "jsonSchemaMode": "strict"}
+                     "jsonSchemaMode": "strict", "allowHubDownload": True}
 
 
 def test_server_values_cover_every_server_flag(chart):
@@ -739,6 +793,14 @@ def test_server_values_cover_every_server_flag(chart):
     assert cfg.auth_tokens_file == mounts["auth-tokens"] + "/tokens" and cfg.allow_plaintext_auth
     assert cfg.tls_client_ca == mounts["tls"] + "/ca.crt"
     assert cfg.json_schema_mode == "strict"
+    assert cfg.allow_hub_download is True
+    # false renders the negative flag; null (the default) renders nothing
+    off = container(one(render(chart, {"server": {"allowHubDownload": False}}), "Deployment")["spec"]["template"]["spec"],
+                    "maskd")["args"]
+    assert "--no-allow-hub-download" in off and config_mod.from_flags(
+        config_mod.ServerConfig, _parse(parser, off)).allow_hub_download is False
+    assert not [a for a in container(one(render(chart), "Deployment")["spec"]["template"]["spec"], "maskd")["args"]
+                if "hub" in a]
 
 
 def test_auth_without_tls_fails_at_render_time_unless_plaintext_is_allowed(chart):
@@ -747,3 +809,27 @@ def test_auth_without_tls_fails_at_render_time_unless_plaintext_is_allowed(chart
     args = container(one(render(chart, {"auth": {"enabled": True, "secretName": "tok", "allowPlaintext": True}}),
                          "Deployment")["spec"]["template"]["spec"], "maskd")["args"]
     assert "--allow-plaintext-auth" in args
+
+
+def test_flag_table_matches_the_schema_and_the_config():
+    """server-flags.yaml: each line names a real ServerConfig flag of the right type, once."""
+    config_mod = pytest.importorskip("maskd.server.config", reason="maskd server package not importable")
+    import dataclasses
+    import typing
+    rows = yaml.safe_load((CHART / "server-flags.yaml").read_text())
+    flags = config_mod.flag_names(config_mod.ServerConfig)
+    assert len({r["flag"] for r in rows}) == len(rows) and len({r["value"] for r in rows}) == len(rows)
+    fields = {}
+    for cls in (config_mod.ServerConfig, config_mod.Limits):
+        hints = typing.get_type_hints(cls)
+        fields.update({config_mod.flag_name(f): hints[f.name] for f in dataclasses.fields(cls)})
+    kinds = {"int": int, "number": float, "string": str, "bool": bool}
+    serve_options = {o for a in _subparser(_maskd_parser(), "serve")._actions for o in a.option_strings}
+    for row in rows:
+        if row["flag"] not in flags:   # a flag every maskd command takes (--log-level)
+            assert row["flag"] in serve_options, f"server-flags.yaml: {row['flag']} is no flag of maskd serve"
+            continue
+        scalar = config_mod._scalar(fields[row["flag"]])[0]
+        assert scalar is kinds[row["type"]], f"{row['flag']}: the table says {row['type']}, the config {scalar}"
+    schema = json.loads((CHART / "values.schema.json").read_text())["properties"]["server"]["properties"]
+    assert {r["value"] for r in rows} <= set(schema)

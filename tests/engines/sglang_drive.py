@@ -19,6 +19,7 @@ from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 
 import maskd_client.sglang  # noqa: F401  (registers "maskd")
 from maskd.tools import conformance
+from maskd.tools.bench.common import llguidance_grammar
 
 
 def backend_from_registry(vocab_size: int, eos_ids, server_args=None):
@@ -49,7 +50,7 @@ def allowed(row: torch.Tensor, token: int) -> bool:
     return bool((int(row[token >> 5]) >> (token & 31)) & 1)
 
 
-def run_conformance(backend, tok, suite, *, batch: int = 64) -> dict:
+def run_conformance(backend, tok, suite, *, mode: str, batch: int = 64) -> dict:
     """MaskBench through SGLang's registry and grammar objects: the report of maskd conformance."""
     import time
     t0 = time.perf_counter()
@@ -95,15 +96,14 @@ def run_conformance(backend, tok, suite, *, batch: int = 64) -> dict:
             item[2] = pos + 1
             keep.append(item)
         active = keep
-    return conformance._report(suite, errors, tally, time.perf_counter() - t0, "SGLang registry -> maskd")
+    return conformance._report(suite, errors, tally, time.perf_counter() - t0, "SGLang registry -> maskd", mode)
 
 
 def llguidance_rows(tok, schema_text: str, tokens) -> np.ndarray:
     """In-process llguidance: the row at every position of ``tokens`` and after the last."""
     import llguidance
     import llguidance.torch as lt
-    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema_text)
-    m = llguidance.LLMatcher(tok.ll, grammar, log_level=0)
+    m = llguidance.LLMatcher(tok.ll, llguidance_grammar(schema_text), log_level=0)
     out = lt.allocate_token_bitmask(len(tokens) + 1, tok.ll.vocab_size)
     for i, t in enumerate([*tokens, None]):
         lt.fill_next_token_bitmask(m, out, i)

@@ -76,7 +76,8 @@ imagePullSecrets:
 {{- end -}}
 
 {{/*
-The maskd server flags shared by `maskd serve` and `maskd cluster up`, as a JSON array.
+The maskd server flags shared by `maskd serve` and `maskd cluster up`, as a JSON array: one flag
+per line of server-flags.yaml whose value is set, then TLS, then server.extraArgs.
 Call with (dict "root" $ "threads" N); threads defaults to server.threads.
 */}}
 {{- define "maskd.serverFlags" -}}
@@ -84,32 +85,18 @@ Call with (dict "root" $ "threads" N); threads defaults to server.threads.
 {{- if and $root.Values.auth.enabled (not $root.Values.tls.enabled) (not $root.Values.auth.allowPlaintext) -}}
 {{- fail "auth.enabled sends bearer tokens in the clear without tls.enabled: enable TLS, or set auth.allowPlaintext: true (a network you trust)" -}}
 {{- end -}}
-{{- $s := $root.Values.server -}}
-{{- $threads := $s.threads -}}
-{{- if not (kindIs "invalid" .threads) }}{{ $threads = .threads }}{{ end -}}
-{{- $flags := list "--port" (include "maskd.int" $s.port) "--metrics-port" (include "maskd.int" $s.metricsPort) "--tokenizer" ($s.tokenizer | toString) "--backend" ($s.backend | toString) "--threads" (include "maskd.int" $threads) -}}
-{{- if not (kindIs "invalid" $s.logitsWidth) -}}
-{{- $flags = concat $flags (list "--logits-width" (include "maskd.int" $s.logitsWidth)) -}}
-{{- end -}}
-{{- if not (kindIs "invalid" $s.compileThreads) -}}
-{{- $flags = concat $flags (list "--compile-threads" (include "maskd.int" $s.compileThreads)) -}}
-{{- end -}}
-{{- if not (kindIs "invalid" $s.jsonSchemaMode) -}}
-{{- $flags = concat $flags (list "--json-schema-mode" ($s.jsonSchemaMode | toString)) -}}
-{{- end -}}
-{{- range $key, $flag := dict "maxMessageBytes" "--max-message-bytes" "maxGrammarBytes" "--max-grammar-bytes" "maxStreams" "--max-streams" "cacheEntries" "--cache-entries" "rowDictSize" "--row-dict-size" "maxTokensPerStep" "--max-tokens-per-step" "maxDraftTokens" "--max-draft-tokens" "maxRowsPerStep" "--max-rows-per-step" "maxSequencesPerSession" "--max-sequences-per-session" "cacheBytes" "--cache-bytes" "maxStreamsPerTenant" "--max-streams-per-tenant" "maxSequences" "--max-sequences" "maxSequencesPerTenant" "--max-sequences-per-tenant" "maxTokensPerRequest" "--max-tokens-per-request" "maxGrammarDepth" "--max-grammar-depth" "maxCompilesQueued" "--max-compiles-queued" "maxCompilesQueuedPerTenant" "--max-compiles-queued-per-tenant" "maxCompilesRunningPerTenant" "--max-compiles-running-per-tenant" -}}
-{{- $v := index $s $key -}}
-{{- if not (kindIs "invalid" $v) -}}
-{{- $flags = concat $flags (list $flag (include "maskd.int" $v)) -}}
-{{- end -}}
-{{- end -}}
-{{- if not (kindIs "invalid" $s.compileTimeoutSeconds) -}}
-{{- $flags = concat $flags (list "--compile-timeout" (toString $s.compileTimeoutSeconds)) -}}
-{{- end -}}
-{{- range $key, $flag := dict "idleTimeoutSeconds" "--idle-timeout" "drainDelaySeconds" "--drain-delay" "drainGraceSeconds" "--drain-grace" "compileIsolation" "--compile-isolation" -}}
-{{- $v := index $s $key -}}
-{{- if not (kindIs "invalid" $v) -}}
-{{- $flags = concat $flags (list $flag (toString $v)) -}}
+{{- $s := deepCopy $root.Values.server -}}
+{{- if not (kindIs "invalid" .threads) }}{{ $_ := set $s "threads" .threads }}{{ end -}}
+{{- $flags := list -}}
+{{- range ($root.Files.Get "server-flags.yaml" | fromYamlArray) -}}
+{{- $v := index $s .value -}}
+{{- if kindIs "invalid" $v -}}
+{{- else if eq .type "bool" -}}
+{{- $flags = append $flags (ternary .flag (printf "--no-%s" (trimPrefix "--" .flag)) $v) -}}
+{{- else if eq .type "int" -}}
+{{- $flags = concat $flags (list .flag (include "maskd.int" $v)) -}}
+{{- else -}}
+{{- $flags = concat $flags (list .flag (toString $v)) -}}
 {{- end -}}
 {{- end -}}
 {{- if and $root.Values.auth.enabled $root.Values.auth.tokensSecretName -}}
@@ -120,9 +107,6 @@ Call with (dict "root" $ "threads" N); threads defaults to server.threads.
 {{- end -}}
 {{- if and $root.Values.tls.enabled $root.Values.tls.clientCAKey -}}
 {{- $flags = concat $flags (list "--tls-client-ca" (printf "%s/%s" $root.Values.tls.mountPath $root.Values.tls.clientCAKey)) -}}
-{{- end -}}
-{{- if not (kindIs "invalid" $s.logLevel) -}}
-{{- $flags = concat $flags (list "--log-level" ($s.logLevel | toString)) -}}
 {{- end -}}
 {{- if $root.Values.tls.enabled -}}
 {{- $flags = concat $flags (list "--tls-cert" (printf "%s/%s" $root.Values.tls.mountPath $root.Values.tls.certKey) "--tls-key" (printf "%s/%s" $root.Values.tls.mountPath $root.Values.tls.keyKey)) -}}
@@ -258,4 +242,25 @@ lifecycle:
 {{/* One POSIX-shell word: single-quoted, embedded single quotes escaped. */}}
 {{- define "maskd.shellQuote" -}}
 {{- printf "'%s'" (replace "'" "'\\''" .) -}}
+{{- end -}}
+
+{{/*
+Fails the render when a name the chart derives would be refused at install time: Services and
+KubeRay's RayCluster need DNS-1035 labels (lowercase letters, digits and '-', starting with a
+letter; KubeRay v1.7.0 also caps a RayCluster name at 53 characters, the fullname at 50).
+*/}}
+{{- define "maskd.validateNames" -}}
+{{- $name := include "maskd.fullname" . -}}
+{{- $source := printf "a release named %q" .Release.Name -}}
+{{- if .Values.fullnameOverride -}}
+{{- $source = printf "fullnameOverride %q" .Values.fullnameOverride -}}
+{{- else if .Values.nameOverride -}}
+{{- $source = printf "a release named %q with nameOverride %q" .Release.Name .Values.nameOverride -}}
+{{- end -}}
+{{- if not (regexMatch "^[a-z]([-a-z0-9]*[a-z0-9])?$" $name) -}}
+{{- fail (printf "maskd: %s gets the resource name %q, which is not a DNS-1035 label (lowercase letters, digits and '-', starting with a letter, ending with a letter or digit) as Kubernetes Services and KubeRay's RayCluster require; install under a name that starts with a letter, or set fullnameOverride" $source $name) -}}
+{{- end -}}
+{{- if and .Values.serviceAccount.name (not (regexMatch "^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$" .Values.serviceAccount.name)) -}}
+{{- fail (printf "maskd: serviceAccount.name %q is not a DNS-1123 subdomain (lowercase letters, digits, '-' and '.')" .Values.serviceAccount.name) -}}
+{{- end -}}
 {{- end -}}

@@ -32,6 +32,8 @@ def _common_args(p: argparse.ArgumentParser, mode: str) -> None:
 
 def _server_args(p: argparse.ArgumentParser, default_server: str) -> None:
     p.add_argument("--target", default=None, help="HOST:PORT of a running maskd server (default: start one)")
+    p.add_argument("--connect-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="how long --target may take to answer its health check before the run gives up")
     p.add_argument("--server", choices=("embedded", "subprocess"), default=default_server,
                    help="how to start the server when --target is not given: in this process on a free "
                         "loopback port, or `maskd serve --port 0` in a child process")
@@ -93,10 +95,30 @@ def _run_mode(mode: str):
     def run(args) -> int:
         import importlib
 
-        if not os.path.isdir(args.data):
-            sys.exit(f"maskd bench {mode}: no MaskBench folder at {args.data}")
+        from maskd.tools import progress
+        from maskd.tools.conformance import load_suite
+
+        prog = f"maskd bench {mode}"
+        try:
+            load_suite(args.data, args.limit)
+        except (FileNotFoundError, ValueError) as exc:
+            sys.exit(f"{prog}: {exc}")
+        from maskd.server.tokenizers import TokenizerError, load_tokenizer
+        try:
+            load_tokenizer(args.tokenizer)   # cached for the run
+        except TokenizerError as exc:
+            sys.exit(f"{prog}: {exc}")
+        if getattr(args, "target", None):
+            from maskd_client import MaskClientError
+            from maskd_client.health import SERVING, check
+            try:
+                status = check(args.target, connect_timeout_s=args.connect_timeout)
+            except MaskClientError as exc:
+                sys.exit(f"{prog}: {exc}")
+            if status != SERVING:
+                sys.exit(f"{prog}: {args.target} answers but is not serving (health {status})")
         module = importlib.import_module(f"maskd.tools.bench.{mode}")
-        report = module.run(args, log=lambda msg: print(msg, flush=True))
+        report = module.run(args, log=progress.say)
         print(f"maskd bench {mode}: wrote {os.path.join(args.out, mode + '.json')}, {mode}.md and plots"
               + (f"; JSON also at {args.json_out}" if args.json_out else ""))
         return 1 if report.get("failed") else 0

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 import maskd
+from maskd.tools.progress import bar
 
 REPO_ROOT = pathlib.Path(maskd.__file__).resolve().parents[1]
 DEFAULT_MASKBENCH = (REPO_ROOT / ".." / "shared" / "maskbench-dev").resolve()
@@ -63,7 +64,7 @@ def load_schemas(data_dir: str | os.PathLike, tokenizer, limit: int | None = Non
     from maskd.tools.conformance import load_suite
 
     out = []
-    for name, schema, tests in spread(load_suite(data_dir), limit):
+    for name, schema, tests in bar(spread(load_suite(data_dir), limit), desc="tokenize", unit="file"):
         text = GrammarSpec.from_dict({"json_schema": schema}).text
         streams = [tokenizer.encode(json.dumps(t["data"], ensure_ascii=False)) for t in tests if t.get("valid")]
         invalid = [tokenizer.encode(json.dumps(t["data"], ensure_ascii=False)) for t in tests if not t.get("valid")]
@@ -309,8 +310,10 @@ def register_all(mc, schemas: Sequence[Schema], threads: int = 4) -> dict[str, s
             return s.name, str(exc)
 
     errors = {}
-    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool, \
+            bar(total=len(schemas), desc="compile", unit="schema") as compiling:
         for name, err in pool.map(one, schemas):
+            compiling.update(1)
             if err is not None:
                 errors[name] = err
     return errors

@@ -32,6 +32,7 @@ import traceback
 import numpy as np
 
 from maskd.tools.bench import common
+from maskd.tools.progress import bar
 
 QUICK_LIMIT = 24
 QUICK_XGR_TIMEOUT = 10.0
@@ -46,7 +47,7 @@ def _run_llguidance(tok, schemas) -> dict:
     bm = np.zeros((1, words), dtype=np.int32)
     eos = tok.eos_token_ids[0]
     per_schema = {}
-    for s in schemas:
+    for s in bar(schemas, desc="llguidance", unit="schema"):
         t0 = time.perf_counter()
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(s.text)
@@ -298,7 +299,7 @@ def _run_xgrammar(tok, schemas, threads: int, compile_timeout: float, mask_timeo
     child = _XGrammarChild(tok.spec, threads)
     per_schema = {}
     try:
-        for s in schemas:
+        for s in bar(schemas, desc="xgrammar", unit="schema"):
             per_schema[s.name] = child.run(s.text, s.instances, s.invalid, compile_timeout, mask_timeout)
             if "timeout" in per_schema[s.name]:
                 log(f"  xgrammar: {s.name}: {per_schema[s.name]['timeout']}")

@@ -31,6 +31,7 @@ import time
 import numpy as np
 
 from maskd.tools.bench import common
+from maskd.tools.progress import bar
 
 QUICK_LIMIT = 48
 QUICK_STEPS = 20
@@ -185,7 +186,7 @@ def _service_phase(address, tok, pool, batch, threads, steps, warmup, start, mat
     mismatched_rows = 0
     with _client(address) as mc:
         b = _Batch(mc, pool, batch, tok.eos_token_ids[0], f"svc{batch}", start, mirror)
-        for k in range(warmup + steps):
+        for k in bar(range(warmup + steps), desc=f"B={batch} steps", unit="step"):
             req, plan = b.request()
             t0 = time.perf_counter()
             res = mc.step(req)
@@ -238,7 +239,7 @@ def _pipelined_phase(address, tok, pool, batch, forward_s, steps, warmup, start,
         req, _ = b.request()
         fut = mc.step_async(req)
         t_prev = time.perf_counter()
-        for k in range(warmup + steps):
+        for k in bar(range(warmup + steps), desc=f"B={batch} pipelined", unit="step"):
             time.sleep(forward_s)                       # forward pass t+1 (GIL released)
             done = fut.done()
             t0 = time.perf_counter()

@@ -29,6 +29,7 @@ import uuid
 import numpy as np
 
 from maskd.tools.bench import common
+from maskd.tools.progress import bar
 
 QUICK_LIMIT = 48
 QUICK_MAX_ROWS = 3000
@@ -154,8 +155,10 @@ def _run_batch(address, pool, batch: int, max_rows: int | None, eos: int, width:
         return _Slot(f"w{batch}-{counter}", inst)
 
     slots = [s for s in (fresh() for _ in range(batch)) if s is not None]
+    rows_bar = bar(total=max_rows, desc=f"B={batch} rows", unit="row")
     try:
         while slots and (max_rows is None or rows_total < max_rows):
+            rows_bar.update(rows_total - rows_bar.n)
             req = pb.StepRequest()
             for sid, step in closes:
                 req.seqs.add(seq_id=sid, step=step, close=True)
@@ -225,6 +228,7 @@ def _run_batch(address, pool, batch: int, max_rows: int | None, eos: int, width:
                     keep.append(s)
             slots = keep
     finally:
+        rows_bar.close()
         stream.close()
     return {"rows": rows_total, "sent_per_step": sent_per_step, "message_bytes": message_bytes,
             "request_bytes": request_bytes, "shadows": shadows, "dense_row_bytes": 4 * info.words_per_row,
