@@ -44,7 +44,8 @@ class ClusterConfig:
     directory_here: bool = setting(False, help="run the directory on this process's Ray node (the Helm chart's "
                                                "head pod, which the directory Service selects)")
     directory_host: str | None = setting(None, help="address the directory advertises (default: the node's IP)")
-    directory_bind_host: str = setting("0.0.0.0", help="address the directory's port binds")
+    directory_bind_host: str | None = setting(None, help="address the directory's port binds (default: the address "
+                                                         "it advertises; the Helm chart binds 0.0.0.0 in its pod)")
     vnodes: int = setting(DEFAULT_VNODES, help="ring points per worker")
     poll_s: float = setting(0.5, flag="--poll", help="seconds between the directory's checks of the workers")
     shared_cache_entries: int = setting(4096, help="compiled grammars the cluster cache keeps")

@@ -5,6 +5,7 @@ Behaviour only (files, keys, counts, correctness checks): no assertion on a timi
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 
 import pytest
@@ -42,7 +43,7 @@ def test_parser_lists_every_mode():
 
     args = build_parser().parse_args(["bench", "serve", "--quick"])
     assert args.bench_mode == "serve" and args.forward_ms == 20.0 and args.batch_sizes == "1,16,64,256"
-    for mode in ("engines", "wire", "profile"):
+    for mode in ("engines", "wire", "profile", "e2e"):
         args = build_parser().parse_args(["bench", mode, "--limit", "3", "--json", "x.json"])
         assert args.limit == 3 and args.json_out == "x.json"
         assert args.out.endswith(f"bench-{mode}")
@@ -97,6 +98,66 @@ def test_serve(tmp_path):
     assert mem["live_sequences"] == 12 and mem["rss_after_mib"] > 0
     assert "rss_per_1000_sequences_mib" in mem
     assert (out / "serve.png").stat().st_size > 1000
+
+
+needs_two_cpus = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="--pin 1+1 needs two CPUs")
+
+
+@needs_two_cpus
+def test_serve_pinned_puts_the_server_apart_and_restores_this_process(tmp_path):
+    before = os.sched_getaffinity(0)
+    report, _ = _run("serve", tmp_path, "--batch-sizes", "4", "--steps", "3", "--warmup", "1",
+                     "--forward-ms", "2", "--memory-sequences", "0", "--pin", "1+1")
+    cpus = sorted(before)
+    assert report["placement"] == {"server_cpus": cpus[:1], "worker_cpus": cpus[1:2]}
+    assert report["server"]["kind"] == "subprocess" and report["server"]["threads"] == 1
+    assert report["baseline_threads"] == 1
+    assert report["violations"] == 0 and report["rows_differing_from_in_process"] == 0
+    assert os.sched_getaffinity(0) == before
+    assert "b64_p50_service_within_1ms_of_consume_plus_fill" not in report["targets"]
+
+
+def test_placement_parse_and_errors():
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) >= 2:
+        p = common.Placement.parse("1+1")
+        assert (p.server_cpus, p.worker_cpus) == (tuple(cpus[:1]), tuple(cpus[1:2]))
+    for bad in ("1", "a+b", "0+1", "1+0", f"{len(cpus)}+1", "1+1+1"):
+        with pytest.raises(ValueError, match="--pin"):
+            common.Placement.parse(bad)
+
+
+@pytest.mark.parametrize("pin", ["nonsense", "64+64"])
+def test_bad_pin_is_a_clear_error(tmp_path, pin, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "e2e", "--data", SAMPLE, "--tokenizer", "cl100k", "--out", str(tmp_path), "--pin", pin])
+    assert "--pin" in str(exc.value.code)
+
+
+def test_e2e(tmp_path):
+    pin = "1+1" if len(os.sched_getaffinity(0)) >= 2 else "none"
+    report, out = _run("e2e", tmp_path, "--batch-sizes", "3,8", "--forward-ms", "2", "--steps", "16",
+                       "--warmup", "2", "--pin", pin)
+    assert report["failed"] is False and report["violations"] == 0
+    assert [(x["batch"], x["forward_ms"]) for x in report["results"]] == [(3, 2.0), (8, 2.0)]
+    for x in report["results"]:
+        runs = x["runs"]
+        assert list(runs) == ["unstructured", "inprocess-critical", "inprocess-overlapped", "maskd"]
+        assert runs["unstructured"]["ratio_to_unstructured"] == 1.0
+        for mode, r in runs.items():
+            assert r["steps"] == 16 and r["tokens_per_s"] > 0 and r["ratio_to_unstructured"] > 0
+            _positive(r["host_work_ms"])
+            # every slot samples one token per step (maskd: but rows still WAITING for a compile)
+            assert r["tokens"] == 16 * x["batch"] - r.get("waiting_rows", 0)
+            if mode != "unstructured":
+                assert r["masks_checked"] == r["tokens"] and r["token_violations"] == 0
+        assert runs["maskd"]["failed_rows"] == 0
+        assert len({r["instances_completed"] for r in runs.values()}) == 1   # the same replay in every mode
+    # slots were refilled, so opening and closing ran inside the loop
+    assert sum(x["runs"]["maskd"]["instances_completed"] for x in report["results"]) > 0
+    assert "b256_f20_maskd_at_least_097_of_unstructured" not in report["targets"]
+    assert (out / "e2e.png").stat().st_size > 1000
+    assert "inprocess-overlapped" in (out / "e2e.md").read_text()
 
 
 def test_wire(tmp_path):

@@ -11,7 +11,7 @@ import sys
 
 from maskd.tools.bench import common
 
-MODES = ("engines", "serve", "wire", "profile")
+MODES = ("engines", "serve", "wire", "profile", "e2e")
 
 
 def _common_args(p: argparse.ArgumentParser, mode: str) -> None:
@@ -39,8 +39,15 @@ def _server_args(p: argparse.ArgumentParser, default_server: str) -> None:
                         "loopback port, or `maskd serve --port 0` in a child process")
 
 
+def _pin_arg(p: argparse.ArgumentParser, default: str | None) -> None:
+    p.add_argument("--pin", default=default, metavar="S+W",
+                   help="run the server as a child process on S cores of its own and this process (the simulated "
+                        "worker and the in-process baselines) on the next W, e.g. 1+1"
+                        + (f" (default {default}; 'none' turns it off)" if default else ""))
+
+
 def add_parser(sub) -> None:
-    bench = sub.add_parser("bench", help="benchmarks: engines, serve, wire, profile",
+    bench = sub.add_parser("bench", help="benchmarks: engines, serve, wire, profile, e2e",
                            description="maskd benchmarks; each mode writes JSON, a markdown table and PNG plots")
     modes = bench.add_subparsers(dest="bench_mode", required=True)
 
@@ -66,7 +73,23 @@ def add_parser(sub) -> None:
     p.add_argument("--memory-sequences", type=int, default=None,
                    help="live sequences opened for the memory figure (default 1000; 0 skips it)")
     p.add_argument("--seed", type=int, default=0, help="shuffles the instance order")
+    _pin_arg(p, None)
     p.set_defaults(func=_run_mode("serve"))
+
+    p = modes.add_parser("e2e", help="tokens/s of a simulated engine loop: unstructured, in-process llguidance "
+                                     "(critical path, overlapped) and maskd")
+    _common_args(p, "e2e")
+    _pin_arg(p, "1+1")
+    p.add_argument("--batch-sizes", default=None, help="comma-separated batch sizes (default 64,256)")
+    p.add_argument("--forward-ms", default=None,
+                   help="comma-separated simulated forward passes, ms (default 10,20,40; --quick 20)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="measured decode steps per mode, batch size and forward pass (default 150; --quick 40)")
+    p.add_argument("--warmup", type=int, default=None, help="unmeasured steps first (default 10; --quick 5)")
+    p.add_argument("--modes", default="unstructured,inprocess-critical,inprocess-overlapped,maskd",
+                   help="comma-separated modes to run (the ratios need unstructured)")
+    p.add_argument("--seed", type=int, default=0, help="shuffles the instance order")
+    p.set_defaults(func=_run_mode("e2e"))
 
     p = modes.add_parser("wire", help="bytes per mask row: per encoding and as sent")
     _common_args(p, "wire")
@@ -102,6 +125,10 @@ def _run_mode(mode: str):
         try:
             load_suite(args.data, args.limit)
         except (FileNotFoundError, ValueError) as exc:
+            sys.exit(f"{prog}: {exc}")
+        try:
+            common.placement_from(args)
+        except ValueError as exc:
             sys.exit(f"{prog}: {exc}")
         from maskd.server.tokenizers import TokenizerError, load_tokenizer
         try:

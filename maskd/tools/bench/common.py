@@ -254,9 +254,73 @@ def embedded_server(tokenizer: str, threads: int) -> ServerHandle:
     return ServerHandle(server.address, "embedded", server=server)
 
 
+# -- placement: the server on its own cores, the worker on the rest ---------------------------
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """``--pin S+W``: the first S CPUs this process may use go to the server process (every thread,
+    compile workers included), the next W to the simulated worker (this process: the client, the
+    in-process baselines)."""
+
+    server_cpus: tuple[int, ...]
+    worker_cpus: tuple[int, ...]
+
+    @classmethod
+    def parse(cls, text: str) -> Placement:
+        try:
+            s, w = (int(x) for x in str(text).split("+"))
+        except ValueError:
+            raise ValueError(f"--pin takes SERVER+WORKER core counts such as 1+1, not {text!r}") from None
+        cpus = sorted(os.sched_getaffinity(0))
+        if s < 1 or w < 1 or s + w > len(cpus):
+            raise ValueError(f"--pin {text}: needs {s}+{w} cores, this process may use {len(cpus)} ({cpus})")
+        return cls(tuple(cpus[:s]), tuple(cpus[s:s + w]))
+
+    def describe(self) -> str:
+        return f"server on CPUs {list(self.server_cpus)}, worker on CPUs {list(self.worker_cpus)}"
+
+
+def placement_from(args) -> Placement | None:
+    """The run's Placement from ``--pin`` (None: not pinned, or the server is a --target elsewhere)."""
+    pin = getattr(args, "pin", None)
+    if not pin or str(pin).lower() == "none" or getattr(args, "target", None):
+        return None
+    return Placement.parse(pin)
+
+
+def pin_process(pid: int, cpus: Sequence[int]) -> None:
+    """Sets the CPU affinity of every thread of ``pid`` (threads started later inherit it from
+    the thread that starts them)."""
+    tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")] if os.path.isdir(f"/proc/{pid}/task") else [pid]
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except (ProcessLookupError, PermissionError):
+            pass   # a thread that ended meanwhile
+
+
+class pinned_here:
+    """``with pinned_here(cpus):`` this process's threads on ``cpus``; the previous affinity after."""
+
+    def __init__(self, cpus: Sequence[int] | None) -> None:
+        self.cpus = tuple(cpus) if cpus else None
+        self._before: set[int] | None = None
+
+    def __enter__(self) -> pinned_here:
+        if self.cpus:
+            self._before = os.sched_getaffinity(0)
+            pin_process(os.getpid(), self.cpus)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._before is not None:
+            pin_process(os.getpid(), sorted(self._before))
+
+
 def subprocess_server(tokenizer: str, threads: int, *, log_path: str | os.PathLike | None = None,
-                      timeout_s: float = 180.0) -> ServerHandle:
-    """``maskd serve --port 0`` in a child process; returns once it prints its address."""
+                      timeout_s: float = 180.0, cpus: Sequence[int] | None = None) -> ServerHandle:
+    """``maskd serve --port 0`` in a child process; returns once it prints its address. With
+    ``cpus``, the child runs on those CPUs only (set before it starts its threads, and again on
+    every thread once it serves)."""
     cmd = [sys.executable, "-m", "maskd.cli", "serve", "--host", "127.0.0.1", "--port", "0",
            "--tokenizer", tokenizer, "--threads", str(threads), "--json-schema-mode", HOT_PATH_JSON_SCHEMA_MODE]
     env = dict(os.environ)
@@ -266,6 +330,8 @@ def subprocess_server(tokenizer: str, threads: int, *, log_path: str | os.PathLi
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, cwd=REPO_ROOT)
     if log_path:
         stderr.close()
+    if cpus:
+        os.sched_setaffinity(proc.pid, cpus)
     deadline = time.monotonic() + timeout_s
     line = ""
     while time.monotonic() < deadline:
@@ -276,6 +342,8 @@ def subprocess_server(tokenizer: str, threads: int, *, log_path: str | os.PathLi
             line = proc.stdout.readline()
             if line.startswith("maskd serving on "):
                 address = line.split("maskd serving on ", 1)[1].split(",", 1)[0].strip()
+                if cpus:
+                    pin_process(proc.pid, cpus)
                 return ServerHandle(address, "subprocess", proc=proc, log_path=log_path)
     proc.kill()
     proc.wait(5)
@@ -288,11 +356,11 @@ def remote_server(target: str) -> ServerHandle:
 
 
 def open_server(kind: str, tokenizer: str, threads: int, target: str | None = None,
-                log_path: str | os.PathLike | None = None) -> ServerHandle:
+                log_path: str | os.PathLike | None = None, cpus: Sequence[int] | None = None) -> ServerHandle:
     if target:
         return remote_server(target)
-    if kind == "subprocess":
-        return subprocess_server(tokenizer, threads, log_path=log_path)
+    if kind == "subprocess" or cpus:
+        return subprocess_server(tokenizer, threads, log_path=log_path, cpus=cpus)
     return embedded_server(tokenizer, threads)
 
 

@@ -1,0 +1,515 @@
+"""``maskd bench e2e``: tokens/s of a simulated engine's decode loop, with and without structure.
+
+One loop, four ways to get the masks. B slots replay MaskBench valid instances (the same
+instances in the same order in every mode); a slot whose instance ends (EOS sampled) is refilled
+with the next one, so the batch stays full. Every decode step of every mode does:
+
+- the **forward pass**: ``time.sleep(forward_ms)``, which releases the GIL as a GPU kernel
+  launch and wait would;
+- **sampling**: each slot's next token is its instance's next token (EOS at the end); in the
+  structured modes it is checked against the slot's mask row first (a violation is counted, and
+  must stay 0), after the rows were materialized into a preallocated int32 tensor as a GPU worker
+  does before its host-to-device copy;
+- **host work** that holds the GIL, equal in every mode: incremental detokenization of each
+  slot's output (``LLTokenizer.decode_bytes`` over a window of its last tokens, then UTF-8 decode
+  and a stop-string check) and scheduling (the slots ordered by arrival, the next step's input ids
+  and positions built as arrays).
+
+The modes differ only in where the masks come from:
+
+``unstructured``
+    no masks: the ceiling.
+``inprocess-critical``
+    llguidance in the worker's process, in the critical path: consume the sampled tokens (one
+    ``LLMatcher`` per sequence), then fill the batch's masks (``LLExecutor``, the worker's cores),
+    then the forward pass.
+``inprocess-overlapped``
+    the same, but the fill runs in a thread during the forward pass and is joined before sampling
+    (what vLLM does since PR #26866); the consume stays in the critical path.
+``maskd``
+    the sampled tokens go out with ``step_async`` right after sampling; the reply is taken after
+    the next forward pass (its wait is measured: zero when the reply was already there).
+
+With ``--pin S+W`` (default 1+1) the maskd server runs as a child process on S cores of its own
+and this process (the worker: its loop, the client, and the in-process modes' llguidance) on the
+next W; the in-process modes fill with W threads, the server with S.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import random
+import threading
+import time
+
+import numpy as np
+
+from maskd.tools.bench import common
+from maskd.tools.progress import bar
+
+QUICK_LIMIT = 48
+MODES = ("unstructured", "inprocess-critical", "inprocess-overlapped", "maskd")
+STRUCTURED = MODES[1:]
+DETOKENIZE_WINDOW = 6          # tokens decoded per slot and step (incremental detokenization)
+STOP_STRING = "<|stop|>"       # a stop string that never occurs: the check runs, never ends a slot
+
+
+@dataclasses.dataclass
+class _Instance:
+    schema: common.Schema
+    spec_pb: object
+    tokens: list[int]
+
+
+@dataclasses.dataclass
+class _Slot:
+    sid: str
+    inst: _Instance
+    arrival: int
+    pos: int = 0                                   # tokens of the instance sampled so far
+    output: list[int] = dataclasses.field(default_factory=list)
+    text: str = ""
+
+
+class _Replay:
+    """B slots over the instance pool, the same sequence of instances in every mode."""
+
+    def __init__(self, pool: list[_Instance], batch: int, eos: int, tag: str) -> None:
+        self.pool, self.eos, self.tag = pool, eos, tag
+        self.cursor = 0
+        self.slots = [self._fresh() for _ in range(batch)]
+
+    def _fresh(self) -> _Slot:
+        inst = self.pool[self.cursor % len(self.pool)]
+        self.cursor += 1
+        return _Slot(f"{self.tag}-{self.cursor}", inst, self.cursor)
+
+    def next_token(self, s: _Slot) -> int:
+        return s.inst.tokens[s.pos] if s.pos < len(s.inst.tokens) else self.eos
+
+    def refill(self, i: int) -> _Slot:
+        self.slots[i] = self._fresh()
+        return self.slots[i]
+
+
+class _HostWork:
+    """Detokenization and scheduling as a serving engine's host loop does them (real Python)."""
+
+    def __init__(self, tok) -> None:
+        self.decode = tok.ll.decode_bytes
+
+    def __call__(self, slots: list[_Slot], sampled: list[int | None]) -> None:
+        for s, t in zip(slots, sampled):
+            if t is None:
+                continue
+            s.output.append(t)
+            piece = self.decode(s.output[-DETOKENIZE_WINDOW:]).decode("utf-8", errors="replace")
+            s.text = (s.text + piece)[-64:]
+            if STOP_STRING in s.text:     # pragma: no cover - never in MaskBench
+                s.pos = len(s.inst.tokens)
+        order = sorted(range(len(slots)), key=lambda i: slots[i].arrival)
+        np.fromiter((slots[i].output[-1] if slots[i].output else 0 for i in order), np.int64, len(order))
+        np.fromiter((len(slots[i].output) for i in order), np.int64, len(order))
+
+
+class _InProcess:
+    """llguidance in the worker's process: one matcher per slot, a template per schema."""
+
+    def __init__(self, tok, threads: int, batch: int) -> None:
+        import llguidance
+
+        self.ll = tok.ll
+        self.llg = llguidance
+        self.executor = llguidance.LLExecutor(num_threads=max(1, threads))
+        self.templates: dict[str, object] = {}
+        self.matchers: list = [None] * batch
+        self.bm = np.zeros((batch, (tok.logits_width + 31) // 32), dtype=np.int32)
+
+    def compile(self, schema: common.Schema) -> None:
+        if schema.name not in self.templates:
+            self.templates[schema.name] = self.llg.LLMatcher(self.ll, common.llguidance_grammar(schema.text),
+                                                             log_level=0)
+
+    def open(self, i: int, schema: common.Schema) -> None:
+        self.matchers[i] = self.templates[schema.name].deep_copy()
+
+    def consume(self, consumed: list[tuple[int, int]]) -> None:
+        for i, t in consumed:
+            self.matchers[i].consume_token(t)
+
+    def fill(self) -> None:
+        self.executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(self.matchers)],
+                                              self.bm.ctypes.data, self.bm.shape[1] * 4, self.bm.shape[0])
+
+
+@dataclasses.dataclass
+class _Tally:
+    tokens: int = 0
+    masks_checked: int = 0
+    violations: int = 0
+    completed: int = 0
+    waiting: int = 0
+    failed: int = 0
+    waited_steps: int = 0
+    periods: list = dataclasses.field(default_factory=list)
+    mask_wait: list = dataclasses.field(default_factory=list)
+    critical: list = dataclasses.field(default_factory=list)   # mask work in the critical path, s
+    host: list = dataclasses.field(default_factory=list)
+
+
+def _sample(replay: _Replay, rows: np.ndarray | None, row_of: list[int] | None, tally: _Tally,
+            measured: bool) -> tuple[list[int | None], list[tuple[int, int]], list[int]]:
+    """Each slot's next token, checked against its row when there are rows. Returns (sampled per
+    slot, [(slot, token)] to consume next step, slots refilled)."""
+    sampled: list[int | None] = []
+    consumed, refilled = [], []
+    slots = replay.slots
+    tokens = [replay.next_token(s) for s in slots]
+    if rows is not None:
+        idx = [k for k, r in enumerate(row_of) if r >= 0]
+        ok = common.allowed(rows, np.asarray([row_of[k] for k in idx]), np.asarray([tokens[k] for k in idx]))
+        good = dict(zip(idx, ok.tolist()))
+        if measured:
+            tally.masks_checked += len(idx)
+            tally.violations += len(idx) - int(ok.sum())
+    for i, s in enumerate(slots):
+        if rows is not None and row_of[i] < 0:      # no row this step (maskd: WAITING)
+            sampled.append(None)
+            continue
+        t = tokens[i]
+        sampled.append(t)
+        if measured:
+            tally.tokens += 1
+        if rows is not None and not good[i]:
+            refilled.append(i)                       # counted as a violation; the slot starts over
+            continue
+        if s.pos >= len(s.inst.tokens):              # EOS sampled: the request ends
+            if measured:
+                tally.completed += 1
+            refilled.append(i)
+            continue
+        s.pos += 1
+        consumed.append((i, t))
+    return sampled, consumed, refilled
+
+
+def _loop_unstructured(ctx, batch: int, forward_s: float, steps: int, warmup: int) -> _Tally:
+    replay = _Replay(ctx.pool, batch, ctx.eos, "u")
+    tally = _Tally()
+    t_prev = time.perf_counter()
+    for k in bar(range(warmup + steps), desc=f"unstructured B={batch}", unit="step"):
+        measured = k >= warmup
+        time.sleep(forward_s)
+        sampled, _, refilled = _sample(replay, None, None, tally, measured)
+        th = time.perf_counter()
+        ctx.host(replay.slots, sampled)
+        for i in refilled:
+            replay.refill(i)
+        t = time.perf_counter()
+        if measured:
+            tally.host.append(t - th)
+            tally.periods.append(t - t_prev)
+        t_prev = t
+    return tally
+
+
+def _loop_inprocess(ctx, batch: int, forward_s: float, steps: int, warmup: int, overlapped: bool) -> _Tally:
+    replay = _Replay(ctx.pool, batch, ctx.eos, "o" if overlapped else "c")
+    engine = _InProcess(ctx.tok, ctx.worker_threads, batch)
+    for s in ctx.pool:
+        engine.compile(s.schema)
+    for i, s in enumerate(replay.slots):
+        engine.open(i, s.inst.schema)
+    tally = _Tally()
+    consumed: list[tuple[int, int]] = []
+    row_of = list(range(batch))
+    t_prev = time.perf_counter()
+    for k in bar(range(warmup + steps), desc=f"{'overlapped' if overlapped else 'critical'} B={batch}",
+                 unit="step"):
+        measured = k >= warmup
+        t0 = time.perf_counter()
+        engine.consume(consumed)
+        if overlapped:
+            filler = threading.Thread(target=engine.fill)
+            filler.start()
+            t1 = time.perf_counter()
+            time.sleep(forward_s)
+            tw = time.perf_counter()
+            filler.join()
+            t2 = time.perf_counter()
+            critical = (t1 - t0) + (t2 - tw)
+        else:
+            engine.fill()
+            critical = time.perf_counter() - t0
+            time.sleep(forward_s)
+        rows = ctx.materialize(engine.bm)
+        sampled, consumed, refilled = _sample(replay, rows, row_of, tally, measured)
+        th = time.perf_counter()
+        ctx.host(replay.slots, sampled)
+        t3 = time.perf_counter()
+        for i in refilled:
+            engine.open(i, replay.refill(i).inst.schema)
+        t = time.perf_counter()
+        if measured:
+            tally.critical.append(critical)
+            tally.host.append(t3 - th)
+            tally.periods.append(t - t_prev)
+        t_prev = t
+    return tally
+
+
+def _loop_maskd(ctx, batch: int, forward_s: float, steps: int, warmup: int) -> _Tally:
+    from maskd_client import MaskClient, SeqStatus
+
+    replay = _Replay(ctx.pool, batch, ctx.eos, f"m{batch}-{int(forward_s * 1e3)}")
+    tally = _Tally()
+    with MaskClient(ctx.address, want_forced_tokens=False, timeout_s=600) as mc:
+        for s in replay.slots:
+            mc.open(s.sid, s.inst.spec_pb)
+        fut = mc.step_async({s.sid: [] for s in replay.slots})
+        t_prev = time.perf_counter()
+        for k in bar(range(warmup + steps), desc=f"maskd B={batch}", unit="step"):
+            measured = k >= warmup
+            time.sleep(forward_s)
+            done = fut.done()
+            t0 = time.perf_counter()
+            res = fut.result()
+            t1 = time.perf_counter()
+            rows = ctx.materialize(res.bitmask)
+            status = res.status
+            ready = (status == SeqStatus.READY) | (status == SeqStatus.FINISHED)
+            row_of = np.where(ready, res.row, -1).tolist()
+            if measured:
+                tally.waiting += int((status == SeqStatus.WAITING).sum())
+                tally.failed += int((~ready & (status != SeqStatus.WAITING)).sum())
+            sampled, consumed, refilled = _sample(replay, rows, row_of, tally, measured)
+            failed = [i for i, (r, st) in enumerate(zip(row_of, status.tolist()))
+                      if r < 0 and st != SeqStatus.WAITING]
+            for i in refilled + failed:
+                mc.close(replay.slots[i].sid)
+                new = replay.refill(i)
+                mc.open(new.sid, new.inst.spec_pb)
+            send = dict(consumed)
+            # in slot order: the reply's arrays follow the request's order
+            request = {s.sid: ([send[i]] if i in send else []) for i, s in enumerate(replay.slots)}
+            t2 = time.perf_counter()
+            fut = mc.step_async(request)
+            t3 = time.perf_counter()
+            ctx.host(replay.slots, sampled)
+            t = time.perf_counter()
+            if measured:
+                tally.mask_wait.append(0.0 if done else t1 - t0)
+                tally.waited_steps += 0 if done else 1
+                tally.critical.append((t1 - t0) + (t3 - t2))
+                tally.host.append(t - t3)
+                tally.periods.append(t - t_prev)
+            t_prev = t
+        fut.result()
+    return tally
+
+
+@dataclasses.dataclass
+class _Context:
+    tok: object
+    pool: list[_Instance]
+    eos: int
+    address: str
+    worker_threads: int
+    host: _HostWork
+    materialize: common.Materializer
+
+
+def _summary(mode: str, tally: _Tally) -> dict:
+    seconds = float(np.sum(tally.periods))
+    out = {
+        "mode": mode,
+        "steps": len(tally.periods),
+        "tokens": tally.tokens,
+        "seconds": round(seconds, 4),
+        "tokens_per_s": round(tally.tokens / seconds, 1) if seconds else None,
+        "step_period_ms": common.summarize(tally.periods),
+        "host_work_ms": common.summarize(tally.host),
+        "instances_completed": tally.completed,
+    }
+    if mode in STRUCTURED:
+        out.update({"masks_checked": tally.masks_checked, "token_violations": tally.violations,
+                    "critical_path_mask_ms": common.summarize(tally.critical)})
+    if mode == "maskd":
+        out.update({"mask_wait_ms": common.summarize(tally.mask_wait), "waited_steps": tally.waited_steps,
+                    "waiting_rows": tally.waiting, "failed_rows": tally.failed})
+    return out
+
+
+def run(args, log=print) -> dict:
+    from maskd.server.tokenizers import load_tokenizer
+    from maskd.specs import GrammarSpec
+
+    limit = args.limit if args.limit is not None else (QUICK_LIMIT if args.quick else None)
+    steps = args.steps if args.steps is not None else (40 if args.quick else 150)
+    warmup = args.warmup if args.warmup is not None else (5 if args.quick else 10)
+    batches = [int(x) for x in str(args.batch_sizes or "64,256").split(",") if x.strip()]
+    forwards = [float(x) for x in str(args.forward_ms or ("20" if args.quick else "10,20,40")).split(",")
+                if x.strip()]
+    modes = [m.strip() for m in str(args.modes).split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise SystemExit(f"maskd bench e2e: unknown mode(s) {unknown}; choose from {list(MODES)}")
+    out = common.Output(args.out, "e2e", args.json_out)
+    t_start = time.perf_counter()
+
+    tok = load_tokenizer(args.tokenizer)
+    schemas = [s for s in common.load_schemas(args.data, tok, limit) if s.instances]
+    placement = common.placement_from(args)
+    server_threads = len(placement.server_cpus) if placement else args.threads
+    worker_threads = len(placement.worker_cpus) if placement else args.threads
+    srv = common.open_server(getattr(args, "server", "subprocess"), args.tokenizer, server_threads,
+                             getattr(args, "target", None), log_path=common.pathlib.Path(args.out) / "server.log",
+                             cpus=placement.server_cpus if placement else None)
+    results: list[dict] = []
+    try:
+        from maskd_client import MaskClient
+        with MaskClient(srv.address, timeout_s=600) as mc:
+            info = mc.info()
+            errors = common.register_all(mc, schemas)
+        pool = [_Instance(s, GrammarSpec.from_dict(s.spec).to_proto(), toks)
+                for s in schemas if s.name not in errors for toks in s.instances if toks]
+        random.Random(args.seed).shuffle(pool)
+        if not pool:
+            raise SystemExit("maskd bench e2e: no valid instance whose schema compiles")
+        ctx = _Context(tok, pool, tok.eos_token_ids[0], srv.address, worker_threads, _HostWork(tok),
+                       common.Materializer(max(batches), (tok.logits_width + 31) // 32))
+        log(f"e2e: {len(pool)} instances of {len(schemas) - len(errors)} schemas, server {srv.kind} at "
+            f"{srv.address} ({server_threads} fill threads), in-process modes {worker_threads} threads; "
+            + (placement.describe() if placement else "not pinned")
+            + f"; {steps} steps per run after {warmup}")
+        with common.pinned_here(placement.worker_cpus if placement else None):
+            for batch in batches:
+                for fwd in forwards:
+                    runs = {}
+                    for mode in modes:
+                        gc.collect()
+                        fs = fwd / 1e3
+                        if mode == "unstructured":
+                            tally = _loop_unstructured(ctx, batch, fs, steps, warmup)
+                        elif mode == "maskd":
+                            tally = _loop_maskd(ctx, batch, fs, steps, warmup)
+                        else:
+                            tally = _loop_inprocess(ctx, batch, fs, steps, warmup,
+                                                    overlapped=mode == "inprocess-overlapped")
+                        runs[mode] = _summary(mode, tally)
+                    base = runs.get("unstructured", {}).get("tokens_per_s")
+                    for r in runs.values():
+                        r["ratio_to_unstructured"] = round(r["tokens_per_s"] / base, 4) if base else None
+                    results.append({"batch": batch, "forward_ms": fwd, "runs": runs})
+                    log(f"  B={batch:>4} forward {fwd:g} ms: " + ", ".join(
+                        f"{m} {r['tokens_per_s']:,.0f} tok/s (x{r['ratio_to_unstructured']})" for m, r in runs.items()))
+    finally:
+        srv.close()
+
+    violations = sum(r.get("token_violations", 0) for x in results for r in x["runs"].values())
+    report = {
+        "mode": "e2e",
+        "args": common.args_dict(args, limit=limit, steps=steps, warmup=warmup),
+        "machine": common.machine_info(),
+        "data": str(args.data),
+        "tokenizer": tok.spec,
+        "vocab_size": tok.vocab_size,
+        "server": {"kind": srv.kind, "threads": server_threads, "backend": info.backend,
+                   "backend_version": info.backend_version},
+        "worker_threads": worker_threads,
+        "placement": ({"server_cpus": list(placement.server_cpus), "worker_cpus": list(placement.worker_cpus)}
+                      if placement else None),
+        "host_work": f"detokenize a window of {DETOKENIZE_WINDOW} tokens per slot + stop check + arrival-order "
+                     "scheduling, every mode",
+        "materialize": ctx.materialize.kind,
+        "schemas": len(schemas),
+        "schemas_not_compiling": len(errors),
+        "instances": len(pool),
+        "results": results,
+        "violations": violations,
+        "failed": bool(violations),
+        "seconds": round(time.perf_counter() - t_start, 1),
+    }
+    report["targets"] = _targets(report)
+    _plot(out, report)
+    out.write(report, _markdown(report))
+    return report
+
+
+def _targets(r: dict) -> dict:
+    for x in r["results"]:
+        if x["batch"] == 256 and abs(x["forward_ms"] - 20.0) < 1e-9 and "maskd" in x["runs"]:
+            ratio = x["runs"]["maskd"]["ratio_to_unstructured"]
+            return {"b256_f20_maskd_at_least_097_of_unstructured": {
+                "ratio": ratio, "met": ratio is not None and ratio >= 0.97, "pinned": r["placement"] is not None}}
+    return {}
+
+
+def _plot(out: common.Output, r: dict) -> None:
+    plt = common.pyplot()
+    batches = sorted({x["batch"] for x in r["results"]})
+    fig, axes = plt.subplots(1, len(batches), figsize=(5.5 * len(batches), 4.2), dpi=110, squeeze=False)
+    for ax, b in zip(axes[0], batches):
+        rows = [x for x in r["results"] if x["batch"] == b]
+        fwd = [x["forward_ms"] for x in rows]
+        modes = [m for m in MODES if m in rows[0]["runs"]]
+        w = 0.8 / max(1, len(modes))
+        xs = np.arange(len(fwd))
+        for j, m in enumerate(modes):
+            vals = [x["runs"][m]["ratio_to_unstructured"] or 0 for x in rows]
+            ax.bar(xs + (j - (len(modes) - 1) / 2) * w, vals, w, label=m)
+        ax.axhline(0.97, color="k", lw=0.8, ls="--")
+        ax.set_xticks(xs, [f"{f:g} ms" for f in fwd])
+        ax.set_xlabel("forward pass")
+        ax.set_ylabel("tokens/s relative to unstructured")
+        ax.set_ylim(0, 1.08)
+        ax.set_title(f"batch {b}")
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(out.path("e2e.png"))
+    plt.close(fig)
+
+
+def _markdown(r: dict) -> str:
+    pl = r["placement"]
+    lines = ["# maskd bench e2e\n",
+             f"{r['instances']} valid instances of {r['schemas'] - r['schemas_not_compiling']} MaskBench schemas "
+             f"from `{r['data']}`, tokenizer `{r['tokenizer']}` ({r['vocab_size']:,} tokens); "
+             f"{r['args']['steps']} measured steps per run after {r['args']['warmup']}; host work: {r['host_work']}; "
+             f"rows materialized with {r['materialize']}. Server {r['server']['kind']}, {r['server']['threads']} "
+             f"fill threads; in-process modes {r['worker_threads']} threads; "
+             + (f"pinned: server on CPUs {pl['server_cpus']}, worker on CPUs {pl['worker_cpus']}.\n" if pl
+                else "not pinned.\n"),
+             f"Machine: {common.machine_line(r['machine'])}.\n",
+             "\n## Tokens/s and ratio to the unstructured run\n\n"]
+    rows = []
+    for x in r["results"]:
+        runs = x["runs"]
+        row = [x["batch"], x["forward_ms"]]
+        for m in MODES:
+            v = runs.get(m)
+            row.append(f"{v['tokens_per_s']:,.0f} (x{v['ratio_to_unstructured']})" if v else "-")
+        m = runs.get("maskd")
+        row += [m["mask_wait_ms"]["p50"] if m else "-", m["mask_wait_ms"]["p100"] if m else "-",
+                f"{m['waited_steps']}/{m['steps']}" if m else "-"]
+        rows.append(row)
+    lines.append(common.md_table(["batch", "forward ms", *MODES, "maskd wait p50 ms", "maskd wait max ms",
+                                  "maskd steps that waited"], rows))
+    lines.append("\n## Mask work in the critical path (ms per step, p50) and host work\n\n")
+    rows = []
+    for x in r["results"]:
+        runs = x["runs"]
+        rows.append([x["batch"], x["forward_ms"],
+                     *[runs[m]["critical_path_mask_ms"].get("p50", "-") if m in runs else "-" for m in STRUCTURED],
+                     runs[next(iter(runs))]["host_work_ms"].get("p50", "-")])
+    lines.append(common.md_table(["batch", "forward ms", *STRUCTURED, "host work p50"], rows))
+    checked = sum(v.get("masks_checked", 0) for x in r["results"] for v in x["runs"].values())
+    lines.append(f"\nMasks checked: {checked:,}; violations: {r['violations']}.\n")
+    if r.get("targets"):
+        lines.append("\n## Targets\n")
+        for k, v in r["targets"].items():
+            facts = ", ".join(f"{a}={b}" for a, b in v.items() if a != "met")
+            lines.append(f"- `{k}`: {'met' if v['met'] else 'NOT met'} ({facts})")
+        lines.append("")
+    return "\n".join(lines)
