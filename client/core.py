@@ -361,14 +361,22 @@ class _Part:
         self.plain_tokens: list[list[int]] = []
 
 
+_NO_DRAFTS: tuple[int, ...] = ()
+
+
 def _parse(tokens_by_seq: Mapping[str, Any]) -> list[Advance]:
+    """Each sequence's input as an Advance with int tokens. A plain token list (the decode step's
+    common case) takes the short way: no StepInput, one list of ints, no drafts."""
     advances = []
-    for seq_id, value in tokens_by_seq.items():
-        inp = value if isinstance(value, StepInput) else StepInput(tokens=value)
-        try:
-            advances.append(Advance(seq_id, [int(t) for t in inp.tokens], [int(t) for t in inp.drafts],
-                                    int(inp.rollback)))
-        except (TypeError, ValueError) as exc:
-            raise MaskClientError(f"sequence {seq_id!r}: tokens, drafts and rollback must be integers ({exc})",
-                                  _C.INVALID_ARGUMENT) from None
+    append = advances.append
+    try:
+        for seq_id, value in tokens_by_seq.items():
+            if isinstance(value, StepInput):
+                append(Advance(seq_id, [int(t) for t in value.tokens], [int(t) for t in value.drafts],
+                               int(value.rollback)))
+            else:
+                append(Advance(seq_id, [int(t) for t in value], _NO_DRAFTS, 0))
+    except (TypeError, ValueError) as exc:
+        raise MaskClientError(f"sequence {seq_id!r}: tokens, drafts and rollback must be integers ({exc})",
+                              _C.INVALID_ARGUMENT) from None
     return advances

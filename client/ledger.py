@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Iterator, Sequence
+from typing import NamedTuple
 
 import grpc
 
@@ -66,12 +67,12 @@ def records_of(items: Iterable[Undo], only: set[str] | None = None) -> list[Undo
     return out
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Advance:
-    """One sequence's input for a step, already checked (ints, rollback in range)."""
+class Advance(NamedTuple):
+    """One sequence's input for a step, already checked (ints, rollback in range). A named tuple:
+    one is built per sequence and step, and a tuple is the cheapest immutable record to build."""
     seq_id: str
     tokens: list[int]
-    drafts: list[int]
+    drafts: Sequence[int]
     rollback: int
 
 
