@@ -367,7 +367,7 @@ _NO_DRAFTS: tuple[int, ...] = ()
 def _parse(tokens_by_seq: Mapping[str, Any]) -> list[Advance]:
     """Each sequence's input as an Advance with int tokens. A plain token list (the decode step's
     common case) takes the short way: no StepInput, one list of ints, no drafts."""
-    advances = []
+    advances: list[Advance] = []
     append = advances.append
     try:
         for seq_id, value in tokens_by_seq.items():
