@@ -67,17 +67,23 @@ static void dict_free(Dict *d) {
     d->full = NULL;
 }
 
+/* Four independent lanes over 32-byte blocks: the multiplies of one lane do not wait for the
+ * others', so a row hashes at about four times the speed of a single chain. */
 static uint64_t row_hash(const uint32_t *row, Py_ssize_t words) {
-    uint64_t h = 0x9E3779B97F4A7C15ull ^ (uint64_t)words;
+    uint64_t h[4] = {0x9E3779B97F4A7C15ull ^ (uint64_t)words, 0xC2B2AE3D27D4EB4Full,
+                     0x165667B19E3779F9ull, 0x27D4EB2F165667C5ull};
     Py_ssize_t i = 0;
-    for (; i + 1 < words; i += 2) {
-        uint64_t w;
-        memcpy(&w, row + i, 8);
-        h = (h ^ w) * 0x100000001B3ull;
-        h ^= h >> 29;
+    for (; i + 8 <= words; i += 8) {
+        for (int l = 0; l < 4; l++) {
+            uint64_t w;
+            memcpy(&w, row + i + 2 * l, 8);
+            h[l] = (h[l] ^ w) * 0x100000001B3ull;
+            h[l] ^= h[l] >> 29;
+        }
     }
-    if (i < words) h = (h ^ row[i]) * 0x100000001B3ull;
-    return h ^ (h >> 32);
+    uint64_t x = h[0] ^ (h[1] * 0x9E3779B97F4A7C15ull) ^ (h[2] * 0xC2B2AE3D27D4EB4Full) ^ (h[3] * 0x165667B19E3779F9ull);
+    for (; i < words; i++) x = (x ^ row[i]) * 0x100000001B3ull;
+    return x ^ (x >> 32);
 }
 
 static void dict_insert(Dict *d, const uint32_t *row, uint64_t hash) {
@@ -140,6 +146,11 @@ static uint8_t *ids_put(uint8_t *p, const uint32_t *row, const uint32_t *full, P
     return p;
 }
 
+/* The CPU's popcount instruction where it has one (x86-64 without -mpopcnt would count bits in
+ * software); GCC picks the clone at load time. */
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
+__attribute__((target_clones("popcnt", "default")))
+#endif
 static Py_ssize_t popcount_row(const uint32_t *row, const uint32_t *full, Py_ssize_t words) {
     Py_ssize_t k = 0;
     for (Py_ssize_t w = 0; w < words; w++) k += __builtin_popcount(row[w] & full[w]);

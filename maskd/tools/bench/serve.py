@@ -496,7 +496,7 @@ def _markdown(r: dict) -> str:
              f"{r['server']['threads']} fill threads, in-process baseline {r['baseline_threads']} threads; "
              + (f"pinned: server on CPUs {r['placement']['server_cpus']}, worker (client and baseline) on CPUs "
                 f"{r['placement']['worker_cpus']}; " if r.get("placement") else "not pinned; ")
-             + "rows materialized with {r['materialize']}; "
+             + f"rows materialized with {r['materialize']}; "
              f"{r['args']['steps']} measured steps per batch size and phase.\n",
              f"Machine: {common.machine_line(m)}.\n",
              "\n## Step service time (request sent -> rows as a tensor) vs in-process fill, ms\n\n"]
