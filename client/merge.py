@@ -13,6 +13,8 @@ def merge_results(order: list[str], parts: list[StepResult]) -> StepResult:
     """One StepResult from per-server parts: every sequence of ``order``, rows in that order."""
     if len(parts) == 1 and parts[0].ids == order:
         return parts[0]
+    if len(parts) == 1:
+        return _reordered(order, parts[0])
     words = next((p.bitmask.shape[1] for p in parts if p.bitmask.ndim == 2 and p.bitmask.shape[1]), 0)
     loc: dict[str, tuple[int, int]] = {}
     for pi, part in enumerate(parts):
@@ -52,6 +54,36 @@ def merge_results(order: list[str], parts: list[StepResult]) -> StepResult:
                       max((p.round_trip_seconds for p in parts), default=0.0), ids=list(order), status=status,
                       row=new_row, num_rows=num_rows, accepting=accepting, steps=steps, details=details,
                       forced=forced)
+
+
+def _reordered(order: list[str], part: StepResult) -> StepResult:
+    """One server's answer in the caller's order (it answers SeqStep entries before columnar
+    ones): a permutation of its arrays and one gather of its rows."""
+    position = {sid: j for j, sid in enumerate(part.ids)}
+    perm = np.fromiter((position[sid] for sid in order), dtype=np.int64, count=len(order))
+    old_row = part.row[perm].astype(np.int64)
+    num_rows = part.num_rows[perm]
+    counts = np.where(old_row >= 0, num_rows, 0).astype(np.int64)
+    starts = np.cumsum(counts) - counts
+    new_row = np.where(old_row >= 0, starts, -1).astype(np.int32)
+    has = counts > 0
+    if (counts <= 1).all():
+        src = old_row[has]
+    else:
+        reps = counts[has]
+        src = np.repeat(old_row[has], reps) + (np.arange(int(reps.sum())) - np.repeat(np.cumsum(reps) - reps, reps))
+    bitmask = part.bitmask[src] if len(src) else part.bitmask[:0]
+    inverse = np.empty(len(perm), dtype=np.int64)
+    inverse[perm] = np.arange(len(perm))
+    details: dict[str, SeqResult] = {}
+    for sid, d in part._details.items():   # the few sequences with a detailed answer
+        j = position.get(sid)
+        if j is not None:
+            d.row = int(new_row[inverse[j]])
+            details[sid] = d
+    return StepResult(None, bitmask, part.server_seconds, part.round_trip_seconds, ids=list(order),
+                      status=part.status[perm], row=new_row, num_rows=num_rows, accepting=part.accepting[perm],
+                      steps=part.steps[perm], details=details, forced=part._forced)
 
 
 def gather(order: list[str], futures: list[concurrent.futures.Future]) -> concurrent.futures.Future:

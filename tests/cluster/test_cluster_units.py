@@ -185,6 +185,22 @@ def test_merge_puts_rows_in_batch_order():
     assert [m.seqs[s].row for s in m.seqs] == [-1, 0, 1, 3]
 
 
+def test_one_servers_answer_is_reordered_into_batch_order():
+    """One server answers its SeqStep entries first: the caller still gets its own order, rows too
+    (several rows for a sequence with drafts, none for a waiting one)."""
+    from maskd_client.cluster import merge_results
+    R = SeqStatus.READY
+    part = _part([SeqResult("new", 0, R, 0, 1, []), SeqResult("d", 4, R, 1, 3, []),
+                  SeqResult("w", 2, SeqStatus.WAITING, -1, 0, []), SeqResult("p", 7, R, 4, 1, [])],
+                 [[1], [20], [21], [22], [40]])
+    m = merge_results(["p", "d", "w", "new"], [part])
+    assert list(m.seqs) == ["p", "d", "w", "new"]
+    assert m.bitmask[:, 0].tolist() == [40, 20, 21, 22, 1]
+    assert [m.seqs[s].row for s in m.seqs] == [0, 1, -1, 4]
+    assert [m.seqs[s].num_rows for s in m.seqs] == [1, 3, 0, 1]
+    assert m.row.tolist() == [0, 1, -1, 4] and m.steps.tolist() == [7, 4, 2, 0]
+
+
 # -- the cluster client over real gRPC, without Ray ----------------------------------------------------
 class DictStore:
     """A SharedGrammarStore in memory (the Ray actor's protocol, for in-process servers)."""

@@ -1,4 +1,4 @@
-"""``maskd bench {engines,serve,wire,profile}``: registered by maskd.cli through add_parser(sub).
+"""``maskd bench {engines,serve,wire,profile,e2e}``: registered by maskd.cli through add_parser(sub).
 
 Heavy imports (matplotlib, torch, xgrammar) happen inside the modes, so this module imports
 with the server extra alone and the subcommand is always listed.
