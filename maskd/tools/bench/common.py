@@ -275,6 +275,9 @@ class Placement:
             raise ValueError(f"--pin {text}: needs {s}+{w} cores, this process may use {len(cpus)} ({cpus})")
         return cls(tuple(cpus[:s]), tuple(cpus[s:s + w]))
 
+    def as_dict(self) -> dict:
+        return {"server_cpus": list(self.server_cpus), "worker_cpus": list(self.worker_cpus)}
+
     def describe(self) -> str:
         return f"server on CPUs {list(self.server_cpus)}, worker on CPUs {list(self.worker_cpus)}"
 
@@ -387,6 +390,42 @@ def register_all(mc, schemas: Sequence[Schema], threads: int = 4) -> dict[str, s
     return errors
 
 
+class InProcessEngine:
+    """llguidance in this process, as a serving engine embeds it: one ``LLMatcher`` per batch slot,
+    a deep copy of a per-schema template on open, one ``LLExecutor`` fill of the whole batch into
+    ``bm`` (int32 words, a row per slot). The baseline of ``bench serve`` and ``bench e2e``."""
+
+    def __init__(self, tok, threads: int, batch: int) -> None:
+        import llguidance
+
+        self.ll = tok.ll
+        self.llg = llguidance
+        self.executor = llguidance.LLExecutor(num_threads=max(1, threads))
+        self.templates: dict[str, Any] = {}
+        self.matchers: list = [None] * batch
+        self.bm = np.zeros((batch, (tok.logits_width + 31) // 32), dtype=np.int32)
+
+    def template(self, schema: Schema):
+        """The schema's matcher template, compiled once (the server's grammar, whitespace bound included)."""
+        t = self.templates.get(schema.name)
+        if t is None:
+            t = self.templates[schema.name] = self.llg.LLMatcher(self.ll, llguidance_grammar(schema.text),
+                                                                 log_level=0)
+        return t
+
+    def open(self, i: int, schema: Schema) -> None:
+        self.matchers[i] = self.template(schema).deep_copy()
+
+    def consume(self, pairs: Iterable[tuple[int, int]]) -> None:
+        """Each (slot, token): the token consumed by that slot's matcher."""
+        for i, t in pairs:
+            self.matchers[i].consume_token(t)
+
+    def fill(self) -> None:
+        self.executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(self.matchers)],
+                                              self.bm.ctypes.data, self.bm.shape[1] * 4, self.bm.shape[0])
+
+
 class Materializer:
     """Rows -> int32 torch tensor the way a GPU worker does it (maskd_client's BitmaskBuffers:
     a preallocated host buffer, then the device; on this CPU-only box the host view). Without
@@ -470,6 +509,17 @@ def md_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
     return "\n".join(lines) + "\n"
+
+
+def targets_markdown(targets: dict | None) -> list[str]:
+    """A report's targets as markdown lines: met or NOT met, with the figures behind each."""
+    if not targets:
+        return []
+    lines = ["\n## Targets\n"]
+    for k, v in targets.items():
+        facts = ", ".join(f"{a}={b}" for a, b in v.items() if a != "met")
+        lines.append(f"- `{k}`: {'met' if v['met'] else 'NOT met'} ({facts})")
+    return lines + [""]
 
 
 def pyplot():

@@ -112,36 +112,6 @@ class _HostWork:
         np.fromiter((len(slots[i].output) for i in order), np.int64, len(order))
 
 
-class _InProcess:
-    """llguidance in the worker's process: one matcher per slot, a template per schema."""
-
-    def __init__(self, tok, threads: int, batch: int) -> None:
-        import llguidance
-
-        self.ll = tok.ll
-        self.llg = llguidance
-        self.executor = llguidance.LLExecutor(num_threads=max(1, threads))
-        self.templates: dict[str, object] = {}
-        self.matchers: list = [None] * batch
-        self.bm = np.zeros((batch, (tok.logits_width + 31) // 32), dtype=np.int32)
-
-    def compile(self, schema: common.Schema) -> None:
-        if schema.name not in self.templates:
-            self.templates[schema.name] = self.llg.LLMatcher(self.ll, common.llguidance_grammar(schema.text),
-                                                             log_level=0)
-
-    def open(self, i: int, schema: common.Schema) -> None:
-        self.matchers[i] = self.templates[schema.name].deep_copy()
-
-    def consume(self, consumed: list[tuple[int, int]]) -> None:
-        for i, t in consumed:
-            self.matchers[i].consume_token(t)
-
-    def fill(self) -> None:
-        self.executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(self.matchers)],
-                                              self.bm.ctypes.data, self.bm.shape[1] * 4, self.bm.shape[0])
-
-
 @dataclasses.dataclass
 class _Tally:
     tokens: int = 0
@@ -215,9 +185,9 @@ def _loop_unstructured(ctx, batch: int, forward_s: float, steps: int, warmup: in
 
 def _loop_inprocess(ctx, batch: int, forward_s: float, steps: int, warmup: int, overlapped: bool) -> _Tally:
     replay = _Replay(ctx.pool, batch, ctx.eos, "o" if overlapped else "c")
-    engine = _InProcess(ctx.tok, ctx.worker_threads, batch)
+    engine = common.InProcessEngine(ctx.tok, ctx.worker_threads, batch)
     for s in ctx.pool:
-        engine.compile(s.schema)
+        engine.template(s.schema)            # compiled ahead, like grammars registered with a server
     for i, s in enumerate(replay.slots):
         engine.open(i, s.inst.schema)
     tally = _Tally()
@@ -417,8 +387,7 @@ def run(args, log=print) -> dict:
         "server": {"kind": srv.kind, "threads": server_threads, "backend": info.backend,
                    "backend_version": info.backend_version},
         "worker_threads": worker_threads,
-        "placement": ({"server_cpus": list(placement.server_cpus), "worker_cpus": list(placement.worker_cpus)}
-                      if placement else None),
+        "placement": placement.as_dict() if placement else None,
         "host_work": f"detokenize a window of {DETOKENIZE_WINDOW} tokens per slot + stop check + arrival-order "
                      "scheduling, every mode",
         "materialize": ctx.materialize.kind,
@@ -506,10 +475,5 @@ def _markdown(r: dict) -> str:
     lines.append(common.md_table(["batch", "forward ms", *STRUCTURED, "host work p50"], rows))
     checked = sum(v.get("masks_checked", 0) for x in r["results"] for v in x["runs"].values())
     lines.append(f"\nMasks checked: {checked:,}; violations: {r['violations']}.\n")
-    if r.get("targets"):
-        lines.append("\n## Targets\n")
-        for k, v in r["targets"].items():
-            facts = ", ".join(f"{a}={b}" for a, b in v.items() if a != "met")
-            lines.append(f"- `{k}`: {'met' if v['met'] else 'NOT met'} ({facts})")
-        lines.append("")
+    lines += common.targets_markdown(r.get("targets"))
     return "\n".join(lines)

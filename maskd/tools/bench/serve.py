@@ -54,39 +54,19 @@ class _Slot:
     new: bool = True          # the next request opens it
 
 
-class _Mirror:
+class _Mirror(common.InProcessEngine):
     """The same batch in process: llguidance matchers replaying the server's sequences."""
-
-    def __init__(self, tok, threads: int, batch: int) -> None:
-        import llguidance
-
-        self.ll = tok.ll
-        self.llg = llguidance
-        self.executor = llguidance.LLExecutor(num_threads=max(1, threads))
-        self.templates: dict[str, object] = {}
-        self.matchers: list = [None] * batch
-        self.bm = np.zeros((batch, (tok.logits_width + 31) // 32), dtype=np.int32)
-
-    def template(self, schema: common.Schema):
-        t = self.templates.get(schema.name)
-        if t is None:
-            t = self.llg.LLMatcher(self.ll, common.llguidance_grammar(schema.text), log_level=0)
-            self.templates[schema.name] = t
-        return t
 
     def step(self, plan) -> tuple[float, float, float]:
         """Applies one step's plan [(slot, new, schema, tokens)]; returns (open, consume, fill) seconds."""
         t0 = time.perf_counter()
         for i, new, schema, _ in plan:
             if new:
-                self.matchers[i] = self.templates[schema.name].deep_copy()
+                self.open(i, schema)
         t1 = time.perf_counter()
-        for i, _, _, tokens in plan:
-            if tokens:
-                self.matchers[i].consume_token(tokens[0])
+        self.consume((i, tokens[0]) for i, _, _, tokens in plan if tokens)
         t2 = time.perf_counter()
-        self.executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(self.matchers)],
-                                              self.bm.ctypes.data, self.bm.shape[1] * 4, self.bm.shape[0])
+        self.fill()
         t3 = time.perf_counter()
         return t1 - t0, t2 - t1, t3 - t2
 
@@ -410,8 +390,7 @@ def run(args, log=print) -> dict:
         "tokenizer": tok.spec,
         "vocab_size": tok.vocab_size,
         "words_per_row": info.words_per_row,
-        "placement": ({"server_cpus": list(placement.server_cpus), "worker_cpus": list(placement.worker_cpus)}
-                      if placement else None),
+        "placement": placement.as_dict() if placement else None,
         "baseline_threads": baseline_threads,
         "server": {"kind": srv.kind, "address": srv.address, "threads": server_threads,
                    "backend": info.backend, "backend_version": info.backend_version},
@@ -532,10 +511,5 @@ def _markdown(r: dict) -> str:
                      f"{len(mem['rss_readings_mib'])} readings; the plain difference gives "
                      f"{mem['rss_difference_per_1000_sequences_mib']}); {mem['grammars_registered']} grammars "
                      "registered before the first reading.\n")
-    if r.get("targets"):
-        lines.append("\n## Targets\n")
-        for k, v in r["targets"].items():
-            facts = ", ".join(f"{a}={b}" for a, b in v.items() if a != "met")
-            lines.append(f"- `{k}`: {'met' if v['met'] else 'NOT met'} ({facts})")
-        lines.append("")
+    lines += common.targets_markdown(r.get("targets"))
     return "\n".join(lines)
