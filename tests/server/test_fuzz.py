@@ -65,6 +65,28 @@ def seq_steps(draw):
     return e
 
 
+@st.composite
+def columnar_fields(draw):
+    """A request's columnar part: none, packed arrays of random handles/steps/tokens (some name live
+    sequences: handles are small integers), or garbage bytes in each field."""
+    kind = draw(st.sampled_from(["none", "none", "packed", "packed", "garbage"]))
+    if kind == "none":
+        return {}
+    if kind == "garbage":
+        return {f: draw(st.binary(max_size=30)) for f in ("handles", "steps", "token_counts", "tokens")}
+    n = draw(st.integers(0, 6))
+    counts = draw(st.lists(st.integers(0, 3), min_size=n, max_size=n))
+    if draw(st.integers(0, 5)) == 0 and n:   # counts that disagree with the tokens
+        counts[0] += 1
+        tokens = draw(st.lists(ints, min_size=sum(counts) - 1, max_size=sum(counts) - 1))
+    else:
+        tokens = draw(st.lists(ints, min_size=sum(counts), max_size=sum(counts)))
+    return {"handles": np.array(draw(st.lists(st.integers(0, 12), min_size=n, max_size=n)), "<u4").tobytes(),
+            "steps": np.array(draw(st.lists(st.integers(0, 8), min_size=n, max_size=n)), "<u4").tobytes(),
+            "token_counts": np.array(counts, "<u4").tobytes(),
+            "tokens": np.array(tokens, "<i8").astype("<i4").tobytes()}
+
+
 @pytest.fixture(scope="module")
 def server():
     srv = MaskServer(ServerConfig(port=0, tokenizer="cl100k", threads=1, compile_threads=2,
@@ -90,23 +112,31 @@ def test_fuzzed_step_messages_always_get_well_formed_answers(server, fuzz_second
     q: queue.SimpleQueue = queue.SimpleQueue()
     call = pb_grpc.MaskServiceStub(ch).Session(iter(q.get, None))
     decoder = RowBlockDecoder((VOCAB + 31) // 32, VOCAB)
-    seen = {"messages": 0, "statuses": set()}
+    seen = {"messages": 0, "statuses": set(), "columnar": set()}
     registered = pb_grpc.MaskServiceStub(ch).RegisterGrammar(
         pb.RegisterGrammarRequest(spec=GOOD_SPECS[0], wait=True), timeout=120).grammar_id
 
     @SETTINGS
-    @given(st.lists(seq_steps(), max_size=8), st.booleans())
-    def one_message(entries, forced):
+    @given(st.lists(seq_steps(), max_size=8), st.booleans(), columnar_fields())
+    def one_message(entries, forced, columns):
         if time.monotonic() > deadline:
             return
         for e in entries:
             if e.grammar_id == REGISTERED:
                 e.grammar_id = registered
-        q.put(pb.StepRequest(seqs=entries, want_forced_tokens=forced))
+        q.put(pb.StepRequest(seqs=entries, want_forced_tokens=forced, **columns))
         reply = next(call)
         seen["messages"] += 1
         assert len(reply.results) == len(entries)
         rows = decoder.decode(reply.row_block, reply.num_rows)
+        n_plain = len(columns.get("handles", b"")) // 4
+        assert len(reply.statuses) == n_plain           # one answer per columnar entry, well formed or not
+        for status in reply.statuses:
+            assert status & 0x0F in (pb.SEQ_STATUS_READY, pb.SEQ_STATUS_WAITING, pb.SEQ_STATUS_FAILED,
+                                     pb.SEQ_STATUS_FINISHED, pb.SEQ_STATUS_ERROR)
+            seen["columnar"].add(status & 0x0F)
+        for problem in reply.problems:
+            assert 0 <= problem.index < n_plain and problem.reason and problem.code != C.UNKNOWN.value[0]
         for e, r in zip(entries, reply.results):
             assert r.seq_id == e.seq_id and r.step == e.step
             seen["statuses"].add(r.status)
@@ -125,6 +155,7 @@ def test_fuzzed_step_messages_always_get_well_formed_answers(server, fuzz_second
         ch.close()
     assert seen["messages"] > 50
     assert {pb.SEQ_STATUS_ERROR, pb.SEQ_STATUS_READY} <= seen["statuses"]
+    assert pb.SEQ_STATUS_ERROR in seen["columnar"]   # unknown handles and malformed arrays answer per entry
     assert bystander_works(server.address)
 
 
