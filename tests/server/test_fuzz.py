@@ -2,8 +2,9 @@
 and raw bytes. Whatever arrives, every message gets an answer with the right shape (or the call a
 clear status), the server stays up, and a well-behaved client next to the fuzzer is never hurt.
 
-Each fuzzer runs for --fuzz-seconds (default $MASKD_FUZZ_SECONDS, else 20) or its example budget,
-whichever ends first: about a minute for the three in `make test`, longer with the flag.
+Each fuzzer runs for --fuzz-seconds (default $MASKD_FUZZ_SECONDS, else 20) or its example budget
+(which grows with the flag), whichever ends first: under a minute for the three in `make test`,
+longer with the flag.
 """
 import queue
 import time
@@ -24,6 +25,14 @@ C = grpc.StatusCode
 VOCAB = 100277
 SETTINGS = settings(max_examples=2000, deadline=None, derandomize=False, database=None,
                     suppress_health_check=list(HealthCheck))
+
+
+def budget(fuzz_seconds: float) -> settings:
+    """The example budget grows with --fuzz-seconds (2,000 at the default 20 s, ~100 per second
+    beyond), so that a longer run really runs longer; the deadline in each fuzzer still bounds it."""
+    return settings(SETTINGS, max_examples=max(2000, int(100 * fuzz_seconds)))
+
+
 GOOD_SPECS = [GrammarSpec.from_dict(d).to_proto() for d in (
     {"regex": "[0-9]{1,4}"}, {"choice": ["yes", "no"]}, {"json_schema": {"type": "boolean"}},
     {"lark": 'start: "a"+'}, {"ebnf": 'root ::= "x" | "y"'})]
@@ -116,7 +125,7 @@ def test_fuzzed_step_messages_always_get_well_formed_answers(server, fuzz_second
     registered = pb_grpc.MaskServiceStub(ch).RegisterGrammar(
         pb.RegisterGrammarRequest(spec=GOOD_SPECS[0], wait=True), timeout=120).grammar_id
 
-    @SETTINGS
+    @budget(fuzz_seconds)
     @given(st.lists(seq_steps(), max_size=8), st.booleans(), columnar_fields())
     def one_message(entries, forced, columns):
         if time.monotonic() > deadline:
@@ -153,6 +162,7 @@ def test_fuzzed_step_messages_always_get_well_formed_answers(server, fuzz_second
     finally:
         q.put(None)
         ch.close()
+    print(f"step fuzzer: {seen['messages']} messages")
     assert seen["messages"] > 50
     assert {pb.SEQ_STATUS_ERROR, pb.SEQ_STATUS_READY} <= seen["statuses"]
     assert pb.SEQ_STATUS_ERROR in seen["columnar"]   # unknown handles and malformed arrays answer per entry
@@ -171,7 +181,7 @@ def test_fuzzed_register_grammar_gets_a_clear_status(server, fuzz_seconds):
     stub = pb_grpc.MaskServiceStub(ch)
     count = [0]
 
-    @SETTINGS
+    @budget(fuzz_seconds)
     @given(grammar_specs(), st.booleans(), st.sampled_from(["", "llguidance", "nope"]),
            st.sampled_from(["", "00" * 32]))
     def one_call(spec, wait, backend, fingerprint):
@@ -190,6 +200,7 @@ def test_fuzzed_register_grammar_gets_a_clear_status(server, fuzz_seconds):
         one_call()
     finally:
         ch.close()
+    print(f"RegisterGrammar fuzzer: {count[0]} calls")
     assert count[0] > 50
     assert bystander_works(server.address)
 
@@ -203,7 +214,7 @@ def test_raw_bytes_on_every_method_never_end_the_server(server, fuzz_seconds):
                                response_deserializer=lambda b: b)
     count = [0]
 
-    @SETTINGS
+    @budget(fuzz_seconds)
     @given(st.sampled_from(["Info", "RegisterGrammar", "Session"]), st.lists(st.binary(max_size=200), min_size=1,
                                                                                max_size=3))
     def one_call(method, payloads):
@@ -224,5 +235,6 @@ def test_raw_bytes_on_every_method_never_end_the_server(server, fuzz_seconds):
         one_call()
     finally:
         ch.close()
+    print(f"raw-bytes fuzzer: {count[0]} calls")
     assert count[0] > 50
     assert bystander_works(server.address)
