@@ -338,42 +338,41 @@ def run(args, log=print) -> dict:
     srv = common.open_server(args.server, args.tokenizer, server_threads, args.target,
                              log_path=common.pathlib.Path(args.out) / "server.log",
                              cpus=placement.server_cpus if placement else None)
-    pinned = common.pinned_here(placement.worker_cpus if placement else None)
     try:
-        pinned.__enter__()
-        with _client(srv.address) as mc:
-            info = mc.info()
-            errors = common.register_all(mc, schemas)
-        from maskd.specs import GrammarSpec
-        pool = [_Instance(s, GrammarSpec.from_dict(s.spec).to_proto(), toks)
-                for s in schemas if s.name not in errors for toks in s.instances if toks]
-        random.Random(args.seed).shuffle(pool)
-        if not pool:
-            raise SystemExit("maskd bench serve: no valid instance whose schema compiles")
-        log(f"serve: {len(pool)} instances of {len(schemas) - len(errors)} schemas "
-            f"({len(errors)} do not compile), server {srv.kind} at {srv.address}, {server_threads} fill threads "
-            f"(in-process baseline {baseline_threads}), "
-            + (placement.describe() + ", " if placement else "")
-            + f"forward {args.forward_ms:g} ms, {steps} steps per phase")
-        results = []
-        start = 0
-        for batch in batches:
-            gc.collect()
-            svc = _service_phase(srv.address, tok, pool, batch, baseline_threads, steps, warmup, start,
-                                 materializer)
-            pipe = _pipelined_phase(srv.address, tok, pool, batch, args.forward_ms / 1e3, steps, warmup, start,
-                                    materializer)
-            start += batch * 7
-            results.append({"batch": batch, "service": svc, "pipelined": pipe})
-            log(f"  B={batch:>4}: service p50 {svc['service_ms']['p50']:.3f} ms vs in-process consume + fill p50 "
-                f"{svc['inprocess_fill_plus_consume_ms']['p50']:.3f} ms "
-                f"(+{svc['p50_service_minus_fill_plus_consume_ms']:.3f} ms, "
-                f"x{svc['p50_service_over_fill_plus_consume']}); "
-                f"mask wait p50/p99/max {pipe['mask_wait_ms']['p50']:.3f}/"
-                f"{pipe['mask_wait_ms']['p99']:.3f}/{pipe['mask_wait_ms']['p100']:.3f} ms, waited "
-                f"{pipe['waited_share']:.0%} of steps; violations {svc['token_violations'] + pipe['token_violations']}")
+        with common.pinned_here(placement.worker_cpus if placement else None):
+            with _client(srv.address) as mc:
+                info = mc.info()
+                errors = common.register_all(mc, schemas)
+            from maskd.specs import GrammarSpec
+            pool = [_Instance(s, GrammarSpec.from_dict(s.spec).to_proto(), toks)
+                    for s in schemas if s.name not in errors for toks in s.instances if toks]
+            random.Random(args.seed).shuffle(pool)
+            if not pool:
+                raise SystemExit("maskd bench serve: no valid instance whose schema compiles")
+            log(f"serve: {len(pool)} instances of {len(schemas) - len(errors)} schemas "
+                f"({len(errors)} do not compile), server {srv.kind} at {srv.address}, {server_threads} fill threads "
+                f"(in-process baseline {baseline_threads}), "
+                + (placement.describe() + ", " if placement else "")
+                + f"forward {args.forward_ms:g} ms, {steps} steps per phase")
+            results = []
+            start = 0
+            for batch in batches:
+                gc.collect()
+                svc = _service_phase(srv.address, tok, pool, batch, baseline_threads, steps, warmup, start,
+                                     materializer)
+                pipe = _pipelined_phase(srv.address, tok, pool, batch, args.forward_ms / 1e3, steps, warmup, start,
+                                        materializer)
+                start += batch * 7
+                results.append({"batch": batch, "service": svc, "pipelined": pipe})
+                log(f"  B={batch:>4}: service p50 {svc['service_ms']['p50']:.3f} ms vs in-process consume + fill p50 "
+                    f"{svc['inprocess_fill_plus_consume_ms']['p50']:.3f} ms "
+                    f"(+{svc['p50_service_minus_fill_plus_consume_ms']:.3f} ms, "
+                    f"x{svc['p50_service_over_fill_plus_consume']}); "
+                    f"mask wait p50/p99/max {pipe['mask_wait_ms']['p50']:.3f}/"
+                    f"{pipe['mask_wait_ms']['p99']:.3f}/{pipe['mask_wait_ms']['p100']:.3f} ms, waited "
+                    f"{pipe['waited_share']:.0%} of steps; "
+                    f"violations {svc['token_violations'] + pipe['token_violations']}")
     finally:
-        pinned.__exit__(None, None, None)
         srv.close()
     memory = None
     if mem_n > 0 and not args.target:
