@@ -134,6 +134,21 @@ def test_bad_pin_is_a_clear_error(tmp_path, pin, capsys):
     assert "--pin" in str(exc.value.code)
 
 
+@pytest.mark.parametrize("mode, flags, message", [
+    ("e2e", ["--modes", "unstructured,warp"], "unknown mode"),
+    ("e2e", ["--batch-sizes", "64,x"], "--batch-sizes"),
+    ("e2e", ["--forward-ms", "-20"], "--forward-ms"),
+    ("serve", ["--batch-sizes", ""], "--batch-sizes"),
+    ("wire", ["--batch-sizes", "0"], "--batch-sizes"),
+])
+def test_garbage_bench_flags_are_clear_errors(tmp_path, mode, flags, message):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", mode, "--data", SAMPLE, "--tokenizer", "cl100k", "--out", str(tmp_path), "--pin", "none",
+              *flags] if mode != "wire" else ["bench", mode, "--data", SAMPLE, "--tokenizer", "cl100k",
+                                              "--out", str(tmp_path), *flags])
+    assert message in str(exc.value.code)
+
+
 def test_e2e(tmp_path):
     pin = "1+1" if len(os.sched_getaffinity(0)) >= 2 else "none"
     report, out = _run("e2e", tmp_path, "--batch-sizes", "3,8", "--forward-ms", "2", "--steps", "16",

@@ -511,6 +511,18 @@ def md_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def positive_list(text: str, kind: type, flag: str, prog: str) -> list:
+    """A comma-separated flag of positive numbers (``--batch-sizes 64,256``); anything else ends the
+    run with a message that names the flag."""
+    try:
+        values = [kind(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v <= 0 for v in values):
+        raise SystemExit(f"{prog}: {flag} takes comma-separated positive numbers, not {text!r}")
+    return values
+
+
 def targets_markdown(targets: dict | None) -> list[str]:
     """A report's targets as markdown lines: met or NOT met, with the figures behind each."""
     if not targets:

@@ -317,9 +317,9 @@ def run(args, log=print) -> dict:
     limit = args.limit if args.limit is not None else (QUICK_LIMIT if args.quick else None)
     steps = args.steps if args.steps is not None else (40 if args.quick else 150)
     warmup = args.warmup if args.warmup is not None else (5 if args.quick else 10)
-    batches = [int(x) for x in str(args.batch_sizes or "64,256").split(",") if x.strip()]
-    forwards = [float(x) for x in str(args.forward_ms or ("20" if args.quick else "10,20,40")).split(",")
-                if x.strip()]
+    batches = common.positive_list(args.batch_sizes or "64,256", int, "--batch-sizes", "maskd bench e2e")
+    forwards = common.positive_list(args.forward_ms or ("20" if args.quick else "10,20,40"), float, "--forward-ms",
+                                    "maskd bench e2e")
     modes = [m.strip() for m in str(args.modes).split(",") if m.strip()]
     unknown = [m for m in modes if m not in MODES]
     if unknown:

@@ -325,7 +325,7 @@ def run(args, log=print) -> dict:
     steps = args.steps if args.steps is not None else (QUICK_STEPS if args.quick else DEFAULT_STEPS)
     warmup = args.warmup if args.warmup is not None else (2 if args.quick else 3)
     mem_n = args.memory_sequences if args.memory_sequences is not None else 1000
-    batches = [int(x) for x in str(args.batch_sizes).split(",") if x.strip()]
+    batches = common.positive_list(args.batch_sizes, int, "--batch-sizes", "maskd bench serve")
     out = common.Output(args.out, "serve", args.json_out)
     t_start = time.perf_counter()
 

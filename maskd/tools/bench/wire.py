@@ -304,7 +304,7 @@ def run(args, log=print) -> dict:
 
     limit = args.limit if args.limit is not None else (QUICK_LIMIT if args.quick else None)
     max_rows = args.max_rows if args.max_rows is not None else (QUICK_MAX_ROWS if args.quick else None)
-    batches = [int(x) for x in str(args.batch_sizes).split(",") if x.strip()]
+    batches = common.positive_list(args.batch_sizes, int, "--batch-sizes", "maskd bench wire")
     out = common.Output(args.out, "wire", args.json_out)
     t_start = time.perf_counter()
     tok = load_tokenizer(args.tokenizer)
