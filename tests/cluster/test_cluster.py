@@ -30,8 +30,15 @@ REPORT_KEYS = ("schemas", "compiled", "compile_errors", "valid_total", "valid_ac
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, namespace=NS,
-             logging_level="WARNING")
+    for attempt in range(2):   # Ray's node start has a fixed 30 s limit, which a loaded 2-core machine can miss once
+        try:
+            ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, namespace=NS,
+                     logging_level="WARNING")
+            break
+        except Exception as exc:
+            if attempt or "timed out during startup" not in str(exc):
+                raise
+            ray.shutdown()
     cfg = launcher.ClusterConfig(workers=2, namespace=NS, worker_cpus=0.5, detached=False, poll_s=0.25,
                                  ready_timeout_s=150,
                                  server=ServerConfig(port=0, tokenizer="cl100k", threads=1, compile_threads=1,
