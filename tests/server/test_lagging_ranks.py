@@ -119,22 +119,23 @@ def test_readiness_is_decided_once_per_step_for_a_lagging_rank(stub, server, cl1
         gate.wait()
         compile_now(entry)
 
-    server.cache._compile = held
-    try:
+    server.cache._compile = held                      # held until the test ends: the compile thread
+    try:                                              # may look the method up after the first reply
         first = a.send(step("w", 0, spec=spec))
+        assert first.results[0].status == pb.SEQ_STATUS_WAITING
+        k = 0
+        while True:                                    # rank a polls faster than rank b follows
+            k += 1
+            if k == 3 * RECENT_STEPS:
+                gate.set()
+            r = a.send(step("w", k))
+            if r.results[0].status == pb.SEQ_STATUS_READY:
+                break
+            assert k < 500
+            time.sleep(0.005)
     finally:
+        gate.set()
         server.cache._compile = compile_now
-    assert first.results[0].status == pb.SEQ_STATUS_WAITING
-    k = 0
-    while True:                                        # rank a polls faster than rank b follows
-        k += 1
-        if k == 3 * RECENT_STEPS:
-            gate.set()
-        r = a.send(step("w", k))
-        if r.results[0].status == pb.SEQ_STATUS_READY:
-            break
-        assert k < 500
-        time.sleep(0.005)
     assert k > RECENT_STEPS
     # rank b asks from its open on, once the grammar is ready: every poll gets the answer rank a got
     for j in range(k + 1):
