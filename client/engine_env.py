@@ -17,9 +17,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
+from typing import TypeVar
 
 from maskd_client.client import MaskClient
+from maskd_client.types import SeqResult, SeqStatus, StepResult
+
+K = TypeVar("K")
 
 
 class EngineConfigError(ValueError):
@@ -90,3 +95,35 @@ def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
     if not value > 0:
         raise EngineConfigError(f"{name}={raw!r} must be positive")
     return value
+
+
+def settle(result: StepResult, keys: Mapping[str, K], step: Callable[[dict[str, list[int]]], StepResult],
+           wait_timeout_s: float, ready: Callable[[K, SeqResult, StepResult], None],
+           give_up: Callable[[K, str], None]) -> int:
+    """Hands every sequence of ``keys`` (seq_id -> the adapter's own key: a batch row, a slot) its
+    answer: ``ready`` for a row, ``give_up`` for a failure or a refusal. Sequences whose grammar is
+    still compiling are polled with empty steps (1 ms doubling to 50 ms) until ``wait_timeout_s``,
+    then given up. Returns the number of polls sent."""
+    waited, attempt = 0.0, 0
+    while True:
+        waiting: dict[str, K] = {}
+        for sid, key in keys.items():
+            res = result.seqs[sid]
+            if res.has_rows:
+                ready(key, res, result)
+            elif res.status is SeqStatus.WAITING:
+                waiting[sid] = key
+            else:
+                give_up(key, res.reason or res.status.name)
+        if not waiting:
+            return attempt
+        if waited > wait_timeout_s:
+            for key in waiting.values():
+                give_up(key, f"grammar still compiling after {wait_timeout_s:g} s")
+            return attempt
+        pause = min(0.05, 0.001 * 2 ** attempt)
+        time.sleep(pause)
+        waited += pause
+        attempt += 1
+        keys = waiting
+        result = step({sid: [] for sid in waiting})

@@ -36,7 +36,6 @@ import collections
 import itertools
 import logging
 import threading
-import time
 import weakref
 from concurrent.futures import Future
 from typing import Any
@@ -54,14 +53,13 @@ from sglang.srt.constrained.base_grammar_backend import (
 
 from maskd.specs import GrammarSpec, SpecError
 from maskd_client.apply import apply_token_bitmask_inplace
-from maskd_client.engine_env import EngineSettings
-from maskd_client.types import MaskClientError, SeqStatus, StepInput
+from maskd_client.engine_env import EngineSettings, settle
+from maskd_client.types import MaskClientError, SeqResult, StepInput, StepResult
 
 __all__ = ["BACKEND_NAME", "MaskdGrammar", "MaskdGrammarBackend", "register"]
 
 BACKEND_NAME = "maskd"
 log = logging.getLogger("maskd_client.sglang")
-_HAS_ROWS = (SeqStatus.READY, SeqStatus.FINISHED)
 
 
 class MaskdGrammar(BaseGrammarObject):
@@ -241,40 +239,24 @@ class MaskdGrammarBackend(BaseGrammarBackend):
                 rows[g.seq_id] = (entry.row, g)
             if not request:
                 return
-            deadline = self.settings.wait_timeout_s
-            result = self._step(request)
-            waited, attempt = 0.0, 0
-            while True:
-                waiting = {}
-                for sid, (row, g) in rows.items():
-                    res = result.seqs[sid]
-                    if res.status in _HAS_ROWS:
-                        g.row = result.bitmask[res.row].copy()
-                        g.forced = list(res.forced_tokens)
-                        self._set_row(vocab_mask, row, g.row)
-                    elif res.status is SeqStatus.WAITING:
-                        waiting[sid] = (row, g)
-                    else:
-                        g.failed = res.reason or res.status.name
-                        log.error("maskd sequence %s failed: %s; its request ends here (EOS-only row)", sid, g.failed)
-                        self._set_row(vocab_mask, row, self._eos_row)
-                if not waiting:
-                    return
-                if waited > deadline:
-                    for sid, (row, g) in waiting.items():
-                        g.failed = f"grammar {g.grammar_id} still compiling after {deadline:g} s"
-                        log.error("maskd sequence %s: %s", sid, g.failed)
-                        self._set_row(vocab_mask, row, self._eos_row)
-                    return
-                pause = min(0.05, 0.001 * 2 ** attempt)
-                time.sleep(pause)
-                waited += pause
-                attempt += 1
-                self.polls += 1
-                rows = waiting
-                result = self._step({sid: [] for sid in waiting})
+            self.polls += settle(self._step(request), rows, self._step, self.settings.wait_timeout_s,
+                                 lambda key, res, result: self._take_row(vocab_mask, key, res, result),
+                                 lambda key, reason: self._give_up(vocab_mask, key, reason))
 
-    def _step(self, request: dict):
+    def _take_row(self, vocab_mask: torch.Tensor, key: tuple[int, MaskdGrammar], res: SeqResult,
+                  result: StepResult) -> None:
+        row, g = key
+        g.row = result.bitmask[res.row].copy()
+        g.forced = list(res.forced_tokens)
+        self._set_row(vocab_mask, row, g.row)
+
+    def _give_up(self, vocab_mask: torch.Tensor, key: tuple[int, MaskdGrammar], reason: str) -> None:
+        row, g = key
+        g.failed = reason
+        log.error("maskd sequence %s failed: %s; its request ends here (EOS-only row)", g.seq_id, g.failed)
+        self._set_row(vocab_mask, row, self._eos_row)
+
+    def _step(self, request: dict) -> StepResult:
         self.steps += 1
         fut: Future = self.client.step_async(request)
         return fut.result(self.settings.timeout_s + 5)

@@ -43,7 +43,6 @@ import concurrent.futures
 import json
 import logging
 import threading
-import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -56,14 +55,13 @@ from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsProcessor
 
 from maskd.specs import GrammarSpec, SpecError
 from maskd_client.apply import BitmaskBuffers, apply_token_bitmask_inplace
-from maskd_client.engine_env import EngineSettings
-from maskd_client.types import MaskClientError, SeqStatus, StepResult
+from maskd_client.engine_env import EngineSettings, settle
+from maskd_client.types import MaskClientError, SeqResult, StepResult
 
 __all__ = ["EXTRA_ARGS_KEY", "MaskdLogitsProcessor", "MaskdV1LogitsProcessor", "spec_of"]
 
 EXTRA_ARGS_KEY = "maskd"
 log = logging.getLogger("maskd_client.vllm")
-_HAS_ROWS = (SeqStatus.READY, SeqStatus.FINISHED)
 
 
 def spec_of(sampling_params: Any) -> GrammarSpec | None:
@@ -163,31 +161,11 @@ class _MaskdBatch:
             slot_of[state.seq_id] = slot
         if not request:
             return
-        result = self._send(request)
-        waited, attempt = 0.0, 0
-        while True:
-            waiting = {}
-            for sid, slot in slot_of.items():
-                res = result.seqs[sid]
-                if res.status in _HAS_ROWS:
-                    self.rows[slot] = result.bitmask[res.row]
-                elif res.status is SeqStatus.WAITING:
-                    waiting[sid] = slot
-                else:
-                    self._give_up(slot, res.reason or res.status.name)
-            if not waiting:
-                return
-            if waited > self.settings.wait_timeout_s:
-                for slot in waiting.values():
-                    self._give_up(slot, f"grammar still compiling after {self.settings.wait_timeout_s:g} s")
-                return
-            pause = min(0.05, 0.001 * 2 ** attempt)
-            time.sleep(pause)
-            waited += pause
-            attempt += 1
-            self.polls += 1
-            slot_of = waiting
-            result = self._send({sid: [] for sid in waiting})
+        self.polls += settle(self._send(request), slot_of, self._send, self.settings.wait_timeout_s,
+                             self._take_row, self._give_up)
+
+    def _take_row(self, slot: int, res: SeqResult, result: StepResult) -> None:
+        self.rows[slot] = result.bitmask[res.row]
 
     def _send(self, request: dict) -> StepResult:
         self.steps += 1
