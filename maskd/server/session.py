@@ -18,11 +18,9 @@ A step runs in phases, each a method below:
 The rules (idempotency, restores in parts, readiness once per step, answers kept for ranks that
 lag) are the contract's: see proto/maskd/v1/maskd.proto.
 
-Rows live in a small ring of per-session buffers: a step that fills rows takes the next buffer
-that no reply is still encoding, and the answers kept for repeats point into it (with the
-buffer's generation, so a reused buffer never answers for an older step). A repeat of a kept
-answer copies its rows instead of filling them again: tensor-parallel ranks cost one fill per
-step, not one per rank.
+Each sequence's state and the answers it keeps for repeats are in sequence.py; the rows live in
+the session's ring of row buffers (row_buffers.py), and a repeat of a kept answer copies its rows
+instead of filling them again.
 """
 from __future__ import annotations
 
@@ -42,81 +40,23 @@ from maskd.server.doc_checks import DocumentChecks
 from maskd.server.engines import Engine, Matcher
 from maskd.server.grammar_cache import CacheEntry, GrammarCache, QueueFull
 from maskd.server.quotas import Quotas
+from maskd.server.row_buffers import RowBuffers
+from maskd.server.sequence import (
+    CLOSED_KEPT,
+    CLOSED_STEPS,
+    RECENT_STEPS,
+    Answer,
+    SequenceState,
+    digest,
+    record_step,
+)
 from maskd.specs import GrammarSpec, SpecError
 from maskd.v1 import maskd_pb2 as pb
 from maskd.v1.contract import Code, GrammarState, SeqStatus
 
 log = logging.getLogger("maskd.server.session")
-
-# Answers kept per sequence for repeats of older steps (a tensor-parallel rank that lags behind
-# the others by a step or two, or retries one), and closed sequences kept with their last answers
-# so that a rank whose last steps arrive after another rank's close still gets them.
-RECENT_STEPS = 4
-CLOSED_KEPT = 1024
-CLOSED_STEPS = 2
-# Row buffers per session: the steps whose rows kept answers can still point to, plus room for
-# replies still being encoded.
-ROW_BUFFERS = RECENT_STEPS + 2
-# WAITING answers are kept while a grammar compiles; this bounds them per sequence.
-MAX_KEPT_ANSWERS = 4096
 READY, WAITING, FAILED, FINISHED, CLOSED, ERROR = (
     SeqStatus.READY, SeqStatus.WAITING, SeqStatus.FAILED, SeqStatus.FINISHED, SeqStatus.CLOSED, SeqStatus.ERROR)
-
-
-class SequenceState:
-    """Server-side state of one sequence; a pure function of (grammar, accepted tokens)."""
-    __slots__ = (
-        "accepted",
-        "closed",
-        "dead_code",
-        "dead_reason",
-        "doc",
-        "entry",
-        "finished",
-        "handle",
-        "last_drafts",
-        "last_rollback",
-        "last_status",
-        "last_tokens",
-        "matcher",
-        "parts",
-        "pending",
-        "recent",
-        "seq_id",
-        "step",
-    )
-
-    def __init__(self, seq_id: str, entry: CacheEntry, step: int, handle: int) -> None:
-        self.seq_id = seq_id
-        self.handle = handle           # names it in columnar steps of its session
-        self.entry = entry
-        self.matcher: Matcher | None = None
-        self.doc = None                # complete JSON-schema mode: the output the validator checks
-        self.step = step               # last step applied
-        self.accepted = 0              # tokens the matcher consumed (bounds rollback)
-        self.pending: list[int] = []   # tokens received while the grammar compiled
-        self.dead_reason = ""          # set once the sequence failed
-        self.dead_code = Code.INVALID_ARGUMENT
-        self.last_tokens: tuple = ()
-        self.last_drafts: tuple = ()
-        self.last_rollback = 0
-        self.last_status = WAITING     # readiness decided for the last step
-        self.finished = False
-        # Opening parts received at the current step: history offset -> hash of their tokens.
-        self.parts: dict[int, int] | None = None
-        # The answers of the last RECENT_STEPS steps and of every step answered WAITING, so that a
-        # rank that lags behind the others, or retries, gets the answer every rank got.
-        self.recent: dict[int, _Answer] = {}
-        self.closed = False
-
-    @property
-    def history_length(self) -> int:
-        return self.accepted + len(self.pending)
-
-    @property
-    def waiting(self) -> bool:
-        return self.entry.state is GrammarState.COMPILING
-
 
 @dataclasses.dataclass
 class StepOutcome:
@@ -129,18 +69,6 @@ class StepOutcome:
     fill_seconds: float = 0.0
     plain: list[PlainResult] = dataclasses.field(default_factory=list)
     release: Callable[[], None] | None = None
-
-
-class _Answer:
-    """What one (sequence, step) was answered: its inputs, the result, and where its rows are (a
-    row buffer and its generation then, or a copy once the sequence is closed)."""
-    __slots__ = ("buffer", "drafts", "generation", "result", "rollback", "rows", "tokens")
-
-    def __init__(self, tokens: tuple, drafts: tuple, rollback: int, result: pb.SeqResult | PlainResult) -> None:
-        self.tokens, self.drafts, self.rollback, self.result = tokens, drafts, rollback, result
-        self.buffer = -1
-        self.generation = 0
-        self.rows: np.ndarray | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -170,10 +98,7 @@ class Session:
         self.vocab_limit = engine.width
         # Closed sequences whose last answers are kept (id -> state), oldest first.
         self.closed: collections.OrderedDict[str, SequenceState] = collections.OrderedDict()
-        self._buffers: list[np.ndarray | None] = [None] * ROW_BUFFERS
-        self._generations = [0] * ROW_BUFFERS
-        self._encoding = [False] * ROW_BUFFERS   # a reply is still encoding rows of this buffer
-        self._next_buffer = 0
+        self.buffers = RowBuffers(engine.allocate)
         self.checks = DocumentChecks(engine, cache.metrics)   # complete-mode hooks (doc_checks.py)
 
     # -- public -----------------------------------------------------------------------------------
@@ -190,7 +115,7 @@ class Session:
             else:
                 refusals["not_found"] += sum(1 for _, res in plain if res.status == ERROR)
             admitted = self._admit(rich + [e for e in plain if not e[1].status], refusals)
-            replays: list[tuple[pb.SeqResult | PlainResult, _Answer]] = []
+            replays: list[tuple[pb.SeqResult | PlainResult, Answer]] = []
             moving, repeats = self._route(admitted, refusals, replays)
             consume, fill = self._advance(moving, refusals)
             fill += repeats
@@ -366,12 +291,12 @@ class Session:
         offset = msg.history_offset
         known = seq.parts.get(offset) if seq.parts is not None else None
         if known is not None:
-            if known == _digest(msg.tokens) and tuple(msg.draft_tokens) == seq.last_drafts:
+            if known == digest(msg.tokens) and tuple(msg.draft_tokens) == seq.last_drafts:
                 self._answer_repeat(res, seq, repeats, replays)
             else:
                 self._divergence(res, seq, refusals)
         elif seq.parts is not None and offset == seq.history_length and offset > 0 and msg.tokens:
-            seq.parts[offset] = _digest(msg.tokens)
+            seq.parts[offset] = digest(msg.tokens)
             moving.append((msg, res, seq, msg.tokens))
         else:
             _refuse(res, refusals, Code.FAILED_PRECONDITION,
@@ -400,7 +325,7 @@ class Session:
                 return None
         self._handles += 1
         seq = SequenceState(sid, entry, msg.step, self._handles)
-        seq.parts = {0: _digest(msg.tokens)}
+        seq.parts = {0: digest(msg.tokens)}
         self.seqs[sid] = seq
         self.by_handle[seq.handle] = seq
         res.handle = seq.handle
@@ -442,7 +367,7 @@ class Session:
         """A repeat of an older step (a rank that lags, a retry, a step of a closed sequence): the
         answer it had, or a divergence when its inputs differ. False when that answer is gone."""
         answer = seq.recent.get(msg.step)
-        if answer is None or not self._rows_kept(answer):
+        if answer is None or not self.buffers.holds(answer):
             return False
         if msg.WhichOneof("open") is not None and seq.entry.grammar_id != self._open_grammar_id(msg):
             _refuse(res, refusals, Code.ALREADY_EXISTS,
@@ -454,20 +379,13 @@ class Session:
             replays.append((res, answer))
         return True
 
-    def _rows_kept(self, answer: _Answer) -> bool:
-        """Whether an answer's rows (if it has any) can still be given."""
-        if answer.rows is not None or answer.result.num_rows == 0:
-            return True
-        b = answer.buffer
-        return b >= 0 and self._generations[b] == answer.generation
-
     def _answer_repeat(self, res, seq: SequenceState, repeats: list[_Advance], replays: list) -> None:
         """A repeat is answered from the unchanged state; readiness is the one decided before. The
         rows come from the kept answer when they are still there (no second fill)."""
         status = seq.last_status
         answer = seq.recent.get(seq.step)
         if status in (READY, FINISHED) and answer is not None and answer.result.num_rows \
-                and self._rows_kept(answer):
+                and self.buffers.holds(answer):
             replays.append((res, answer))
         elif status == FAILED:
             _fail(res, seq, seq.dead_reason, seq.dead_code)
@@ -490,7 +408,7 @@ class Session:
         fill: list[_Advance] = []
         for msg, res, seq, tokens in moving:
             if seq.dead_reason:
-                _record(seq, msg, res)
+                record_step(seq, msg, res)
                 _fail(res, seq, seq.dead_reason, seq.dead_code)
                 continue
             entry = seq.entry
@@ -506,11 +424,11 @@ class Session:
                 if msg.rollback:
                     del seq.pending[-msg.rollback:]
                 seq.pending.extend(tokens)
-                _record(seq, msg, res)
+                record_step(seq, msg, res)
                 seq.last_status = res.status = WAITING
                 continue
             if entry.state is GrammarState.FAILED:
-                _record(seq, msg, res)
+                record_step(seq, msg, res)
                 seq.dead_reason = f"grammar {entry.grammar_id} does not compile: {entry.error}"
                 _fail(res, seq, seq.dead_reason, entry.error_code)
                 refusals["grammar_failed"] += 1
@@ -535,10 +453,10 @@ class Session:
                     seq.accepted -= msg.rollback
                     seq.finished = False
             except Exception as exc:   # an engine fault costs this sequence only
-                _record(seq, msg, res)
+                record_step(seq, msg, res)
                 self._internal(res, seq, "advancing", exc, refusals)
                 continue
-            _record(seq, msg, res)
+            record_step(seq, msg, res)
             (consume if tokens else fill).append(_Advance(res, seq, matcher, tokens, seq.last_drafts))
         return consume, fill
 
@@ -579,8 +497,10 @@ class Session:
         if any(type(j[0] if type(j) is tuple else j.res) is PlainResult for j in jobs):
             jobs.sort(key=_row_order)
         n_rows = sum(1 + len(j.drafts) if type(j) is _Advance else j[1].result.num_rows for j in jobs)
-        buffer, out = self._take_buffer(n_rows) if fill else (-1, self.engine.allocate(n_rows))
-        generation = self._generations[buffer] if buffer >= 0 else 0
+        if fill:        # never a buffer this step copies kept rows from: they would be overwritten
+            buffer, generation, out = self.buffers.take(n_rows, {a.buffer for _, a in replays if a.rows is None})
+        else:
+            buffer, generation, out = -1, 0, self.engine.allocate(n_rows)
         filled: list[_Advance] = []
         first_rows, drafts = [], []
         row = 0
@@ -593,8 +513,7 @@ class Session:
                 n = src.num_rows
                 if n:
                     res.first_row = row
-                    kept = answer.rows if answer.rows is not None else self._buffers[answer.buffer]
-                    out[row:row + n] = kept[src.first_row:src.first_row + n]
+                    out[row:row + n] = self.buffers.rows_of(answer)[src.first_row:src.first_row + n]
                     row += n
                 continue
             res, seq, d, m = job.res, job.seq, job.drafts, job.matcher
@@ -651,30 +570,7 @@ class Session:
                 if failed.any():
                     row = _drop_rows(out, failed, jobs)
         out = out[:row]
-        if buffer < 0:
-            return out, None
-        encoding = self._encoding
-        encoding[buffer] = True
-
-        def release() -> None:
-            encoding[buffer] = False
-        return out, release
-
-    def _take_buffer(self, n_rows: int) -> tuple[int, np.ndarray]:
-        """The next row buffer no reply is encoding (its old answers stop counting), grown to
-        n_rows; (-1, a new array) when every buffer is still being encoded."""
-        for k in range(ROW_BUFFERS):
-            b = (self._next_buffer + k) % ROW_BUFFERS
-            if not self._encoding[b]:
-                break
-        else:
-            return -1, self.engine.allocate(n_rows)
-        self._next_buffer = (b + 1) % ROW_BUFFERS
-        self._generations[b] += 1
-        buf = self._buffers[b]
-        if buf is None or buf.shape[0] < n_rows:
-            buf = self._buffers[b] = self.engine.allocate(max(n_rows, 64, 2 * (0 if buf is None else buf.shape[0])))
-        return b, buf[:n_rows]
+        return out, (self.buffers.encoding(buffer) if buffer >= 0 else None)
 
     @staticmethod
     def _internal(res: pb.SeqResult, seq: SequenceState, doing: str, exc: BaseException, refusals) -> None:
@@ -720,10 +616,6 @@ def spec_problem(spec: GrammarSpec, limits: Limits) -> str:
 
 
 # -- per-entry results ---------------------------------------------------------------------------
-def _digest(tokens) -> int:
-    return hash(tuple(tokens))
-
-
 def _drop_rows(out: np.ndarray, dropped: np.ndarray, jobs: list) -> int:
     """Removes rows from the front of ``out`` (moving the others up, first_row fixed); returns how
     many rows are left."""
@@ -750,25 +642,6 @@ def _copy_result(dst, src) -> None:
     dst.drafts_valid, dst.handle = src.drafts_valid, src.handle
     if src.forced_tokens:
         dst.forced_tokens.extend(src.forced_tokens)
-
-
-def _record(seq: SequenceState, msg: pb.SeqStep, res) -> None:
-    if msg.step != seq.step:
-        seq.parts = None          # restore parts are remembered only at the step they restored
-    seq.step = msg.step
-    seq.last_tokens = tuple(msg.tokens)
-    seq.last_drafts = tuple(msg.draft_tokens)
-    seq.last_rollback = msg.rollback
-    # The answer of this step (its rows are set by _fill); older ones beyond the window go, except
-    # WAITING ones: steps that poll a compiling grammar come as fast as a rank sends them, so the
-    # ranks' lag in steps is not bounded there (those answers are small, and end with the compile).
-    recent = seq.recent
-    recent[msg.step] = _Answer(seq.last_tokens, seq.last_drafts, msg.rollback, res)
-    old = recent.get(msg.step - RECENT_STEPS)
-    if old is not None and old.result.status != WAITING:
-        del recent[msg.step - RECENT_STEPS]
-    if len(recent) > MAX_KEPT_ANSWERS:
-        del recent[next(iter(recent))]
 
 
 def _refuse(res: pb.SeqResult, refusals, code: Code, message: str, kind: str | None = None) -> None:

@@ -10,6 +10,7 @@ import pytest
 from test_server import Stream, step
 
 from maskd.server import Limits, MaskServer, ServerConfig
+from maskd.server.row_buffers import ROW_BUFFERS
 from maskd.server.session import CLOSED_STEPS, RECENT_STEPS
 from maskd.v1 import maskd_pb2 as pb
 from maskd.v1 import maskd_pb2_grpc as pb_grpc
@@ -181,5 +182,29 @@ def test_garbage_old_steps_lose_nothing(stub, cl100k):
         assert r.results[0].status == pb.SEQ_STATUS_ERROR, entry
     r = a.send(step("g", n + 3, cl100k.encode("d")))
     assert r.results[0].status == pb.SEQ_STATUS_READY
+    a.close()
+    b.close()
+
+
+def test_a_lagging_rank_gets_its_rows_when_their_buffer_comes_round_again(stub, cl100k):
+    """Answers kept in a row buffer that this very step takes again (the ring came round): their
+    rows are copied out before the buffer is reused, never from rows this step already wrote."""
+    specs = {"p": {"regex": "a[0-9]"}, "q": {"regex": "b[a-z]"}, "r": {"regex": "x{0,40}"}}
+    warm = Stream(stub, session="lag-ring-warm")
+    for sid, spec in specs.items():
+        ready(warm, sid, spec)
+    warm.close()
+    a, b = Stream(stub, session="lag-ring"), Stream(stub, session="lag-ring")
+    first = a.send(*(step(sid, 0, spec=spec) for sid, spec in specs.items()))   # one buffer
+    assert [r.status for r in first.results] == [pb.SEQ_STATUS_READY] * 3
+    x = cl100k.encode("x")
+    for k in range(1, ROW_BUFFERS):                    # the other buffers, one step each
+        assert a.send(step("r", k, x)).results[0].status == pb.SEQ_STATUS_READY
+    # rank b: a step that fills (takes the first buffer again) and repeats of p's and q's opens
+    got = b.send(step("s", 0, spec=specs["r"]), step("p", 0, spec=specs["p"]), step("q", 0, spec=specs["q"]))
+    assert [r.status for r in got.results] == [pb.SEQ_STATUS_READY] * 3
+    for i in (0, 1):
+        assert answer(got, i + 1) == answer(first, i), "pq"[i]
+    assert answer(got, 0)[-1] == answer(first, 2)[-1]
     a.close()
     b.close()

@@ -1,0 +1,117 @@
+"""One sequence's server-side state and the answers it keeps for repeats.
+
+A sequence is a pure function of (grammar, accepted tokens); besides its matcher it remembers
+what its recent steps were answered (``Answer``), so that a tensor-parallel rank that lags behind
+the others, or retries, gets the answer every rank got. The step protocol (session.py) changes
+these; nothing here knows of requests or engines' batching.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from maskd.server.columns import PlainResult
+from maskd.server.engines import Matcher
+from maskd.server.grammar_cache import CacheEntry
+from maskd.v1 import maskd_pb2 as pb
+from maskd.v1.contract import Code, GrammarState, SeqStatus
+
+# Answers kept per sequence for repeats of older steps (a tensor-parallel rank that lags behind
+# the others by a step or two, or retries one), and closed sequences kept with their last answers
+# so that a rank whose last steps arrive after another rank's close still gets them.
+RECENT_STEPS = 4
+CLOSED_KEPT = 1024
+CLOSED_STEPS = 2
+# WAITING answers are kept while a grammar compiles; this bounds them per sequence.
+MAX_KEPT_ANSWERS = 4096
+
+
+class SequenceState:
+    """Server-side state of one sequence; a pure function of (grammar, accepted tokens)."""
+    __slots__ = (
+        "accepted",
+        "closed",
+        "dead_code",
+        "dead_reason",
+        "doc",
+        "entry",
+        "finished",
+        "handle",
+        "last_drafts",
+        "last_rollback",
+        "last_status",
+        "last_tokens",
+        "matcher",
+        "parts",
+        "pending",
+        "recent",
+        "seq_id",
+        "step",
+    )
+
+    def __init__(self, seq_id: str, entry: CacheEntry, step: int, handle: int) -> None:
+        self.seq_id = seq_id
+        self.handle = handle           # names it in columnar steps of its session
+        self.entry = entry
+        self.matcher: Matcher | None = None
+        self.doc = None                # complete JSON-schema mode: the output the validator checks
+        self.step = step               # last step applied
+        self.accepted = 0              # tokens the matcher consumed (bounds rollback)
+        self.pending: list[int] = []   # tokens received while the grammar compiled
+        self.dead_reason = ""          # set once the sequence failed
+        self.dead_code = Code.INVALID_ARGUMENT
+        self.last_tokens: tuple = ()
+        self.last_drafts: tuple = ()
+        self.last_rollback = 0
+        self.last_status = SeqStatus.WAITING     # readiness decided for the last step
+        self.finished = False
+        # Opening parts received at the current step: history offset -> hash of their tokens.
+        self.parts: dict[int, int] | None = None
+        # The answers of the last RECENT_STEPS steps and of every step answered WAITING, so that a
+        # rank that lags behind the others, or retries, gets the answer every rank got.
+        self.recent: dict[int, Answer] = {}
+        self.closed = False
+
+    @property
+    def history_length(self) -> int:
+        return self.accepted + len(self.pending)
+
+    @property
+    def waiting(self) -> bool:
+        return self.entry.state is GrammarState.COMPILING
+
+
+class Answer:
+    """What one (sequence, step) was answered: its inputs, the result, and where its rows are (a
+    row buffer and its generation then, or a copy once the sequence is closed)."""
+    __slots__ = ("buffer", "drafts", "generation", "result", "rollback", "rows", "tokens")
+
+    def __init__(self, tokens: tuple, drafts: tuple, rollback: int, result: pb.SeqResult | PlainResult) -> None:
+        self.tokens, self.drafts, self.rollback, self.result = tokens, drafts, rollback, result
+        self.buffer = -1
+        self.generation = 0
+        self.rows: np.ndarray | None = None
+
+
+def record_step(seq: SequenceState, msg: pb.SeqStep, res: pb.SeqResult | PlainResult) -> None:
+    """Makes ``msg`` the sequence's last step and keeps ``res`` as its answer."""
+    if msg.step != seq.step:
+        seq.parts = None          # restore parts are remembered only at the step they restored
+    seq.step = msg.step
+    seq.last_tokens = tuple(msg.tokens)
+    seq.last_drafts = tuple(msg.draft_tokens)
+    seq.last_rollback = msg.rollback
+    # The answer of this step (its rows are set by the fill phase); older ones beyond the window go, except
+    # WAITING ones: steps that poll a compiling grammar come as fast as a rank sends them, so the
+    # ranks' lag in steps is not bounded there (those answers are small, and end with the compile).
+    recent = seq.recent
+    recent[msg.step] = Answer(seq.last_tokens, seq.last_drafts, msg.rollback, res)
+    old = recent.get(msg.step - RECENT_STEPS)
+    if old is not None and old.result.status != SeqStatus.WAITING:
+        del recent[msg.step - RECENT_STEPS]
+    if len(recent) > MAX_KEPT_ANSWERS:
+        del recent[next(iter(recent))]
+
+
+def digest(tokens) -> int:
+    """What a restore part is remembered by: the hash of its tokens."""
+    return hash(tuple(tokens))
