@@ -188,7 +188,6 @@ def cmd_chaos(args) -> int:
 
 
 def _chaos_server(args) -> int:
-    from maskd_client import MaskClient
 
     log = lambda msg: print(msg, flush=True)
     out = pathlib.Path(args.out)
@@ -206,23 +205,14 @@ def _chaos_server(args) -> int:
             procs.append(serve(args.tokenizer, args.threads, port, out / "server.log"))
 
     try:
-        with MaskClient(f"127.0.0.1:{port}", timeout_s=300, retries=12, recovery_timeout_s=120) as mc:
-            replay = _replay(args, mc, log)
-            thread = threading.Thread(target=killer, daemon=True)
-            thread.start()
-            end = time.monotonic() + args.minutes * 60
-            while time.monotonic() < end:
-                replay.step()
-            stop.set()
-            thread.join(60)
-            recoveries = mc.recoveries
+        counts, recoveries = _replay_under_fire(args, f"127.0.0.1:{port}", killer, stop, log)
     finally:
         stop.set()
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGKILL)
                 p.wait(30)
-    return _chaos_report(args, replay.counts, len(kills), recoveries, "server processes (SIGKILL, restarted "
+    return _chaos_report(args, counts, len(kills), recoveries, "server processes (SIGKILL, restarted "
                          "on the same port)")
 
 
@@ -231,7 +221,6 @@ def _chaos_cluster(args) -> int:
     import ray
 
     from maskd.server import ServerConfig
-    from maskd_client import MaskClient
     from maskd_cluster import launcher
 
     log = lambda msg: print(msg, flush=True)
@@ -254,24 +243,32 @@ def _chaos_cluster(args) -> int:
                 kills.append(wid)
                 k += 1
 
-        with MaskClient("directory:" + directory, timeout_s=300, retries=12, recovery_timeout_s=120) as mc:
-            replay = _replay(args, mc, log)
-            thread = threading.Thread(target=killer, daemon=True)
-            thread.start()
-            end = time.monotonic() + args.minutes * 60
-            while time.monotonic() < end:
-                replay.step()
-            stop.set()
-            thread.join(60)
-            recoveries = mc.recoveries
+        counts, recoveries = _replay_under_fire(args, "directory:" + directory, killer, stop, log)
     finally:
         stop.set()
         try:
             launcher.down("maskd-chaos", grace_s=1.0)
         finally:
             ray.shutdown()
-    return _chaos_report(args, replay.counts, len(kills), recoveries, "Ray worker actors (ray.kill; Ray restarts "
+    return _chaos_report(args, counts, len(kills), recoveries, "Ray worker actors (ray.kill; Ray restarts "
                          "them)")
+
+
+def _replay_under_fire(args, target: str, killer, stop: threading.Event, log):
+    """Replays MaskBench against ``target`` for ``args.minutes`` while ``killer`` (a thread) kills
+    what serves it; returns (counts, the client's recoveries)."""
+    from maskd_client import MaskClient
+
+    with MaskClient(target, timeout_s=300, retries=12, recovery_timeout_s=120) as mc:
+        replay = _replay(args, mc, log)
+        thread = threading.Thread(target=killer, daemon=True)
+        thread.start()
+        end = time.monotonic() + args.minutes * 60
+        while time.monotonic() < end:
+            replay.step()
+        stop.set()
+        thread.join(60)
+        return replay.counts, mc.recoveries
 
 
 def _chaos_report(args, c, kills: int, recoveries: int, what: str) -> int:
