@@ -1,19 +1,21 @@
 """A session's ring of row buffers: where each step's mask rows are filled.
 
-A step that fills rows takes the next buffer that no reply is still encoding; the answers kept
-for repeats (sequence.py) point into it with the buffer's generation, so a reused buffer never
-answers for an older step. A repeat of a kept answer copies its rows instead of filling them
-again: tensor-parallel ranks cost one fill per step, not one per rank.
+A step that fills rows takes the next buffer that no reply is still encoding. The answers kept
+for repeats (sequence.py) point into it, so a repeat copies its rows instead of filling them
+again: tensor-parallel ranks cost one fill per step, not one per rank. When the ring comes round
+to a buffer, the rows of answers still kept there (a sequence stepped less often than its
+session, a rank that lags) are copied out first: a kept answer never loses its rows.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 
 import numpy as np
 
-from maskd.server.sequence import RECENT_STEPS, Answer
+from maskd.server.sequence import RECENT_STEPS, Answer, SequenceState
 
-# The steps whose rows kept answers can still point to, plus room for replies still being encoded.
+# In lockstep decoding (one request per step for every sequence) the answers of the last
+# RECENT_STEPS steps stay in their buffers; the others are for replies still being encoded.
 ROW_BUFFERS = RECENT_STEPS + 2
 
 
@@ -23,25 +25,33 @@ class RowBuffers:
         self._buffers: list[np.ndarray | None] = [None] * count
         self._generations = [0] * count
         self._encoding = [False] * count    # a reply is still encoding rows of this buffer
+        # The answers each buffer's last step recorded: (sequence, step, answer).
+        self._answers: list[list[tuple[SequenceState, int, Answer]]] = [[] for _ in range(count)]
         self._next = 0
 
-    def take(self, n_rows: int, reading: Collection[int] = ()) -> tuple[int, int, np.ndarray]:
-        """(buffer, generation, rows) for a step: the next buffer that no reply is encoding and
-        that the step does not copy kept rows from (``reading``), grown to ``n_rows``; its old
-        answers stop counting. (-1, 0, a new array) when every buffer is taken that way."""
+    def take(self, n_rows: int) -> tuple[int, int, np.ndarray]:
+        """(buffer, generation, rows) for a step: the next buffer no reply is encoding, grown to
+        ``n_rows``, the rows of its answers still kept copied out first; (-1, 0, a new array)
+        when every buffer is still being encoded."""
         count = len(self._buffers)
         for k in range(count):
             b = (self._next + k) % count
-            if not self._encoding[b] and b not in reading:
+            if not self._encoding[b]:
                 break
         else:
             return -1, 0, self._allocate(n_rows)
         self._next = (b + 1) % count
-        self._generations[b] += 1
         buf = self._buffers[b]
+        if self._answers[b]:
+            self._copy_out(b, buf)
+        self._generations[b] += 1
         if buf is None or buf.shape[0] < n_rows:
             buf = self._buffers[b] = self._allocate(max(n_rows, 64, 2 * (0 if buf is None else buf.shape[0])))
         return b, self._generations[b], buf[:n_rows]
+
+    def record(self, buffer: int, answers: list[tuple[SequenceState, int, Answer]]) -> None:
+        """The answers whose rows the step that took ``buffer`` filled there."""
+        self._answers[buffer] = answers
 
     def encoding(self, buffer: int) -> Callable[[], None]:
         """Marks ``buffer`` as read by a reply being encoded; the returned call ends that."""
@@ -60,9 +70,22 @@ class RowBuffers:
         return b >= 0 and self._generations[b] == answer.generation
 
     def rows_of(self, answer: Answer) -> np.ndarray:
-        """The rows a kept answer points into (``holds`` said they are still there)."""
+        """A kept answer's rows (``holds`` said they are still there)."""
+        res = answer.result
         if answer.rows is not None:
-            return answer.rows
+            first = res.first_row - answer.rows_from
+            return answer.rows[first:first + res.num_rows]
         buf = self._buffers[answer.buffer]
         assert buf is not None
-        return buf
+        return buf[res.first_row:res.first_row + res.num_rows]
+
+    def _copy_out(self, b: int, buf: np.ndarray | None) -> None:
+        generation = self._generations[b]
+        for seq, step, answer in self._answers[b]:
+            if seq.recent.get(step) is answer and answer.buffer == b and answer.generation == generation \
+                    and answer.rows is None and answer.result.num_rows and buf is not None:
+                first = answer.result.first_row
+                answer.rows = buf[first:first + answer.result.num_rows].copy()
+                answer.rows_from = first
+                answer.buffer = -1
+        self._answers[b] = []

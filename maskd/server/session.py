@@ -137,8 +137,9 @@ class Session:
     def close_all(self) -> int:
         with self.lock:
             n = len(self.seqs)
-            for seq in self.seqs.values():
+            for seq in [*self.seqs.values(), *self.closed.values()]:
                 seq.matcher = None
+                seq.recent = {}
             self.seqs.clear()
             self.by_handle.clear()
             self.closed.clear()
@@ -497,10 +498,8 @@ class Session:
         if any(type(j[0] if type(j) is tuple else j.res) is PlainResult for j in jobs):
             jobs.sort(key=_row_order)
         n_rows = sum(1 + len(j.drafts) if type(j) is _Advance else j[1].result.num_rows for j in jobs)
-        if fill:        # never a buffer this step copies kept rows from: they would be overwritten
-            buffer, generation, out = self.buffers.take(n_rows, {a.buffer for _, a in replays if a.rows is None})
-        else:
-            buffer, generation, out = -1, 0, self.engine.allocate(n_rows)
+        buffer, generation, out = self.buffers.take(n_rows) if fill else (-1, 0, self.engine.allocate(n_rows))
+        recorded: list = []                         # the answers whose rows this step fills
         filled: list[_Advance] = []
         first_rows, drafts = [], []
         row = 0
@@ -513,7 +512,7 @@ class Session:
                 n = src.num_rows
                 if n:
                     res.first_row = row
-                    out[row:row + n] = self.buffers.rows_of(answer)[src.first_row:src.first_row + n]
+                    out[row:row + n] = self.buffers.rows_of(answer)
                     row += n
                 continue
             res, seq, d, m = job.res, job.seq, job.drafts, job.matcher
@@ -539,7 +538,9 @@ class Session:
             if answer is not None:                  # its rows are these (a re-filled repeat too)
                 answer.result, answer.buffer, answer.generation, answer.rows = res, buffer, generation, None
                 if buffer < 0:
-                    answer.rows = out
+                    answer.rows, answer.rows_from = out, 0
+                else:
+                    recorded.append((seq, seq.step, answer))
             filled.append(job)
             first_rows.append(row)
             drafts.append(d)
@@ -570,7 +571,10 @@ class Session:
                 if failed.any():
                     row = _drop_rows(out, failed, jobs)
         out = out[:row]
-        return out, (self.buffers.encoding(buffer) if buffer >= 0 else None)
+        if buffer < 0:
+            return out, None
+        self.buffers.record(buffer, recorded)
+        return out, self.buffers.encoding(buffer)
 
     @staticmethod
     def _internal(res: pb.SeqResult, seq: SequenceState, doing: str, exc: BaseException, refusals) -> None:
@@ -600,7 +604,10 @@ class Session:
 
     def _drop_closed(self, sid: str) -> None:
         seq = self.closed.pop(sid, None)
-        if seq is not None and self.by_handle.get(seq.handle) is seq:
+        if seq is None:
+            return
+        seq.recent = {}                 # its answers' rows need not outlive it in the ring either
+        if self.by_handle.get(seq.handle) is seq:
             del self.by_handle[seq.handle]
 
 

@@ -1,5 +1,5 @@
-"""The session's ring of row buffers: which buffer a step takes, and when a kept answer's rows
-are still there."""
+"""The session's ring of row buffers: which buffer a step takes, and kept answers keep their
+rows when the ring comes round."""
 import numpy as np
 
 from maskd.server.columns import PlainResult
@@ -7,44 +7,54 @@ from maskd.server.row_buffers import RowBuffers
 from maskd.server.sequence import Answer
 
 
+class Seq:
+    """What the ring reads of a sequence: the answers it still keeps."""
+
+    def __init__(self):
+        self.recent = {}
+
+
 def allocate(n):
     return np.zeros((n, 3), np.int32)
 
 
-def kept(buffer, generation, num_rows=1):
+def answer(seq, step, buffer, generation, first_row=0, num_rows=1):
     res = PlainResult(0, "s", 0)
-    res.num_rows = num_rows
+    res.first_row, res.num_rows = first_row, num_rows
     a = Answer((), (), 0, res)
     a.buffer, a.generation = buffer, generation
+    seq.recent[step] = a
     return a
 
 
-def test_the_ring_skips_buffers_being_encoded_or_read_and_grows():
+def test_the_ring_skips_buffers_being_encoded_and_grows():
     ring = RowBuffers(allocate, count=3)
     assert [ring.take(2)[0] for _ in range(4)] == [0, 1, 2, 0]
     release = ring.encoding(1)
     assert ring.take(2)[0] == 2                          # 1 is still encoding
-    assert ring.take(2, reading={0})[0] == 2             # 0 is read by this step, 1 encoding
     release()
-    b, gen, rows = ring.take(100, reading={0, 2})
-    assert b == 1 and rows.shape == (100, 3)
+    b, gen, rows = ring.take(100)
+    assert b == 0 and rows.shape == (100, 3)
     for k in range(3):
         ring.encoding(k)
     b, gen, rows = ring.take(5)
     assert (b, gen) == (-1, 0) and rows.shape == (5, 3)  # every buffer busy: a new array
 
 
-def test_an_answer_holds_until_its_buffer_is_taken_again():
+def test_kept_answers_keep_their_rows_when_the_ring_comes_round():
     ring = RowBuffers(allocate, count=2)
-    b, gen, rows = ring.take(1)
-    rows[0] = 7
-    answer = kept(b, gen)
-    assert ring.holds(answer) and ring.rows_of(answer)[0].tolist() == [7, 7, 7]
+    s, gone = Seq(), Seq()
+    b, gen, rows = ring.take(4)
+    rows[:] = np.arange(12).reshape(4, 3)
+    kept = answer(s, 7, b, gen, first_row=1, num_rows=2)
+    dropped = answer(gone, 3, b, gen, first_row=3)
+    ring.record(b, [(s, 7, kept), (gone, 3, dropped)])
+    gone.recent = {}                                     # no longer kept: not copied
+    assert ring.holds(kept) and ring.rows_of(kept).tolist() == [[3, 4, 5], [6, 7, 8]]
     ring.take(1)
-    assert ring.holds(answer)
-    ring.take(1)                                         # the ring came round to b
-    assert not ring.holds(answer)
-    assert ring.holds(kept(-1, 0, num_rows=0))           # no rows: nothing to lose
-    copied = kept(-1, 0)
-    copied.rows = np.ones((1, 3), np.int32)
-    assert ring.holds(copied) and ring.rows_of(copied) is copied.rows
+    b2, _, rows2 = ring.take(4)                          # the ring came round to b
+    assert b2 == b
+    rows2[:] = -1
+    assert ring.holds(kept) and ring.rows_of(kept).tolist() == [[3, 4, 5], [6, 7, 8]]
+    assert kept.rows_from == 1 and dropped.rows is None and not ring.holds(dropped)
+    assert ring.holds(answer(s, 8, -1, 0, num_rows=0))   # no rows: nothing to lose
