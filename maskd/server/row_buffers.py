@@ -4,7 +4,9 @@ A step that fills rows takes the next buffer that no reply is still encoding. Th
 for repeats (sequence.py) point into it, so a repeat copies its rows instead of filling them
 again: tensor-parallel ranks cost one fill per step, not one per rank. When the ring comes round
 to a buffer, the rows of answers still kept there (a sequence stepped less often than its
-session, a rank that lags) are copied out first: a kept answer never loses its rows.
+session, a rank that lags) are packed out first with the row codec (its id lists: a few hundred
+bytes a row where the row itself is 16 KB for a 129k vocabulary): a kept answer never loses its
+rows, and a sequence that sits idle keeps little.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from maskd.rowcodec import ALLOWED_IDS, DENSE, REJECTED_IDS, RowBlockDecoder, RowBlockEncoder
 from maskd.server.sequence import RECENT_STEPS, Answer, SequenceState
 
 # In lockstep decoding (one request per step for every sequence) the answers of the last
@@ -20,8 +23,10 @@ ROW_BUFFERS = RECENT_STEPS + 2
 
 
 class RowBuffers:
-    def __init__(self, allocate: Callable[[int], np.ndarray], count: int = ROW_BUFFERS) -> None:
+    def __init__(self, allocate: Callable[[int], np.ndarray], width: int, count: int = ROW_BUFFERS) -> None:
         self._allocate = allocate
+        self._width = width
+        self._codec: tuple[RowBlockEncoder, RowBlockDecoder] | None = None   # stateless: no dictionary
         self._buffers: list[np.ndarray | None] = [None] * count
         self._generations = [0] * count
         self._encoding = [False] * count    # a reply is still encoding rows of this buffer
@@ -64,7 +69,7 @@ class RowBuffers:
 
     def holds(self, answer: Answer) -> bool:
         """Whether an answer's rows (if it has any) can still be given."""
-        if answer.rows is not None or answer.result.num_rows == 0:
+        if answer.rows is not None or answer.packed is not None or answer.result.num_rows == 0:
             return True
         b = answer.buffer
         return b >= 0 and self._generations[b] == answer.generation
@@ -72,9 +77,11 @@ class RowBuffers:
     def rows_of(self, answer: Answer) -> np.ndarray:
         """A kept answer's rows (``holds`` said they are still there)."""
         res = answer.result
+        if answer.packed is not None:
+            assert self._codec is not None
+            return self._codec[1].decode(answer.packed, res.num_rows)
         if answer.rows is not None:
-            first = res.first_row - answer.rows_from
-            return answer.rows[first:first + res.num_rows]
+            return answer.rows[res.first_row:res.first_row + res.num_rows]
         buf = self._buffers[answer.buffer]
         assert buf is not None
         return buf[res.first_row:res.first_row + res.num_rows]
@@ -82,10 +89,17 @@ class RowBuffers:
     def _copy_out(self, b: int, buf: np.ndarray | None) -> None:
         generation = self._generations[b]
         for seq, step, answer in self._answers[b]:
-            if seq.recent.get(step) is answer and answer.buffer == b and answer.generation == generation \
-                    and answer.rows is None and answer.result.num_rows and buf is not None:
+            n = answer.result.num_rows
+            if n and buf is not None and seq.recent.get(step) is answer and answer.buffer == b \
+                    and answer.generation == generation and answer.rows is None:
                 first = answer.result.first_row
-                answer.rows = buf[first:first + answer.result.num_rows].copy()
-                answer.rows_from = first
+                answer.packed = self._encoder(buf.shape[1]).encode(buf[first:first + n])
                 answer.buffer = -1
         self._answers[b] = []
+
+    def _encoder(self, words: int) -> RowBlockEncoder:
+        if self._codec is None:
+            kinds = (DENSE, ALLOWED_IDS, REJECTED_IDS)
+            self._codec = (RowBlockEncoder(words, self._width, dict_size=0, encodings=kinds, compress=False),
+                           RowBlockDecoder(words, self._width, dict_size=0, compression=""))
+        return self._codec[0]

@@ -82,17 +82,16 @@ class SequenceState:
 
 class Answer:
     """What one (sequence, step) was answered: its inputs, the result, and where its rows are: a
-    row buffer and its generation then, or ``rows`` (a block whose first row is row ``rows_from``
-    of that step's reply: the step's own array when no buffer was free, or a copy taken when the
-    ring of buffers came round)."""
-    __slots__ = ("buffer", "drafts", "generation", "result", "rollback", "rows", "rows_from", "tokens")
+    row buffer and its generation then, ``rows`` (that step's own array, when no buffer was free),
+    or ``packed`` (the row codec's bytes, once the ring of buffers came round)."""
+    __slots__ = ("buffer", "drafts", "generation", "packed", "result", "rollback", "rows", "tokens")
 
     def __init__(self, tokens: tuple, drafts: tuple, rollback: int, result: pb.SeqResult | PlainResult) -> None:
         self.tokens, self.drafts, self.rollback, self.result = tokens, drafts, rollback, result
         self.buffer = -1
         self.generation = 0
         self.rows: np.ndarray | None = None
-        self.rows_from = 0
+        self.packed: bytes | None = None
 
 
 def record_step(seq: SequenceState, msg: pb.SeqStep, res: pb.SeqResult | PlainResult) -> None:

@@ -98,7 +98,7 @@ class Session:
         self.vocab_limit = engine.width
         # Closed sequences whose last answers are kept (id -> state), oldest first.
         self.closed: collections.OrderedDict[str, SequenceState] = collections.OrderedDict()
-        self.buffers = RowBuffers(engine.allocate)
+        self.buffers = RowBuffers(engine.allocate, engine.width)
         self.checks = DocumentChecks(engine, cache.metrics)   # complete-mode hooks (doc_checks.py)
 
     # -- public -----------------------------------------------------------------------------------
@@ -536,9 +536,10 @@ class Session:
                 res.forced_tokens.extend(forced)
             answer = seq.recent.get(seq.step)
             if answer is not None:                  # its rows are these (a re-filled repeat too)
-                answer.result, answer.buffer, answer.generation, answer.rows = res, buffer, generation, None
+                answer.result, answer.buffer, answer.generation = res, buffer, generation
+                answer.rows = answer.packed = None
                 if buffer < 0:
-                    answer.rows, answer.rows_from = out, 0
+                    answer.rows = out
                 else:
                     recorded.append((seq, seq.step, answer))
             filled.append(job)

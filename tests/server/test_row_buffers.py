@@ -1,5 +1,5 @@
 """The session's ring of row buffers: which buffer a step takes, and kept answers keep their
-rows when the ring comes round."""
+rows (packed by the row codec) when the ring comes round."""
 import numpy as np
 
 from maskd.server.columns import PlainResult
@@ -28,7 +28,7 @@ def answer(seq, step, buffer, generation, first_row=0, num_rows=1):
 
 
 def test_the_ring_skips_buffers_being_encoded_and_grows():
-    ring = RowBuffers(allocate, count=3)
+    ring = RowBuffers(allocate, 96, count=3)
     assert [ring.take(2)[0] for _ in range(4)] == [0, 1, 2, 0]
     release = ring.encoding(1)
     assert ring.take(2)[0] == 2                          # 1 is still encoding
@@ -42,7 +42,7 @@ def test_the_ring_skips_buffers_being_encoded_and_grows():
 
 
 def test_kept_answers_keep_their_rows_when_the_ring_comes_round():
-    ring = RowBuffers(allocate, count=2)
+    ring = RowBuffers(allocate, 96, count=2)
     s, gone = Seq(), Seq()
     b, gen, rows = ring.take(4)
     rows[:] = np.arange(12).reshape(4, 3)
@@ -56,5 +56,6 @@ def test_kept_answers_keep_their_rows_when_the_ring_comes_round():
     assert b2 == b
     rows2[:] = -1
     assert ring.holds(kept) and ring.rows_of(kept).tolist() == [[3, 4, 5], [6, 7, 8]]
-    assert kept.rows_from == 1 and dropped.rows is None and not ring.holds(dropped)
+    assert kept.packed is not None and len(kept.packed) < 2 * 12           # packed, not copied
+    assert dropped.packed is None and not ring.holds(dropped)
     assert ring.holds(answer(s, 8, -1, 0, num_rows=0))   # no rows: nothing to lose
