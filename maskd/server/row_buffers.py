@@ -2,11 +2,14 @@
 
 A step that fills rows takes the next buffer that no reply is still encoding. The answers kept
 for repeats (sequence.py) point into it, so a repeat copies its rows instead of filling them
-again: tensor-parallel ranks cost one fill per step, not one per rank. When the ring comes round
-to a buffer, the rows of answers still kept there (a sequence stepped less often than its
-session, a rank that lags) are packed out first with the row codec (its id lists: a few hundred
-bytes a row where the row itself is 16 KB for a 129k vocabulary): a kept answer never loses its
-rows, and a sequence that sits idle keeps little.
+again: tensor-parallel ranks cost one fill per step, not one per rank.
+
+When the ring comes round to a buffer that still holds rows of kept answers (a session whose
+sequences step in turns, e.g. micro-batches, so that each steps less often than the session
+fills), the ring grows by a buffer instead, up to MAX_ROW_BUFFERS; past that, those rows are
+packed out with the row codec (its id lists: ~1.9 KB a row on MaskBench-dev against 16 KB dense
+for a 129k vocabulary) before the buffer is reused. A kept answer never loses its rows, and a
+sequence that sits idle keeps little.
 """
 from __future__ import annotations
 
@@ -20,11 +23,14 @@ from maskd.server.sequence import RECENT_STEPS, Answer, SequenceState
 # In lockstep decoding (one request per step for every sequence) the answers of the last
 # RECENT_STEPS steps stay in their buffers; the others are for replies still being encoded.
 ROW_BUFFERS = RECENT_STEPS + 2
+MAX_ROW_BUFFERS = 3 * ROW_BUFFERS
 
 
 class RowBuffers:
-    def __init__(self, allocate: Callable[[int], np.ndarray], width: int, count: int = ROW_BUFFERS) -> None:
+    def __init__(self, allocate: Callable[[int], np.ndarray], width: int, count: int = ROW_BUFFERS,
+                 max_count: int | None = None) -> None:
         self._allocate = allocate
+        self._max_count = max(count, MAX_ROW_BUFFERS if max_count is None else max_count)
         self._width = width
         self._codec: tuple[RowBlockEncoder, RowBlockDecoder] | None = None   # stateless: no dictionary
         self._buffers: list[np.ndarray | None] = [None] * count
@@ -36,8 +42,8 @@ class RowBuffers:
 
     def take(self, n_rows: int) -> tuple[int, int, np.ndarray]:
         """(buffer, generation, rows) for a step: the next buffer no reply is encoding, grown to
-        ``n_rows``, the rows of its answers still kept copied out first; (-1, 0, a new array)
-        when every buffer is still being encoded."""
+        ``n_rows`` (a new one while that one still holds kept rows and the ring may grow; else its
+        kept rows are packed out first); (-1, 0, a new array) when every buffer is being encoded."""
         count = len(self._buffers)
         for k in range(count):
             b = (self._next + k) % count
@@ -46,9 +52,13 @@ class RowBuffers:
         else:
             return -1, 0, self._allocate(n_rows)
         self._next = (b + 1) % count
-        buf = self._buffers[b]
         if self._answers[b]:
-            self._copy_out(b, buf)
+            kept = self._kept(b)
+            if kept and count < self._max_count:
+                b = self._grow()
+            else:
+                self._pack(b, kept)
+        buf = self._buffers[b]
         self._generations[b] += 1
         if buf is None or buf.shape[0] < n_rows:
             buf = self._buffers[b] = self._allocate(max(n_rows, 64, 2 * (0 if buf is None else buf.shape[0])))
@@ -86,14 +96,31 @@ class RowBuffers:
         assert buf is not None
         return buf[res.first_row:res.first_row + res.num_rows]
 
-    def _copy_out(self, b: int, buf: np.ndarray | None) -> None:
+    @property
+    def count(self) -> int:
+        return len(self._buffers)
+
+    def _kept(self, b: int) -> list[Answer]:
+        """The answers recorded in buffer b that their sequences still keep, with rows there."""
         generation = self._generations[b]
-        for seq, step, answer in self._answers[b]:
-            n = answer.result.num_rows
-            if n and buf is not None and seq.recent.get(step) is answer and answer.buffer == b \
-                    and answer.generation == generation and answer.rows is None:
+        return [answer for seq, step, answer in self._answers[b]
+                if answer.result.num_rows and seq.recent.get(step) is answer and answer.buffer == b
+                and answer.generation == generation and answer.rows is None]
+
+    def _grow(self) -> int:
+        self._buffers.append(None)
+        self._generations.append(0)
+        self._encoding.append(False)
+        self._answers.append([])
+        return len(self._buffers) - 1
+
+    def _pack(self, b: int, kept: list[Answer]) -> None:
+        buf = self._buffers[b]
+        if kept and buf is not None:
+            encoder = self._encoder(buf.shape[1])
+            for answer in kept:
                 first = answer.result.first_row
-                answer.packed = self._encoder(buf.shape[1]).encode(buf[first:first + n])
+                answer.packed = encoder.encode(buf[first:first + answer.result.num_rows])
                 answer.buffer = -1
         self._answers[b] = []
 

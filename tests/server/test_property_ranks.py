@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_server import Stream, step
 
-from maskd.server import MaskServer, ServerConfig
+from maskd.server import MaskServer, ServerConfig, row_buffers
 from maskd.server.session import RECENT_STEPS
 from maskd.v1 import maskd_pb2 as pb
 from maskd.v1 import maskd_pb2_grpc as pb_grpc
@@ -69,10 +69,19 @@ def answer(reply, i=0):
     return r.status, r.code, r.reason, r.accepting, list(r.forced_tokens), rows
 
 
-@settings(max_examples=60, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@pytest.fixture(params=["growing ring", "fixed ring"])
+def ring(request, monkeypatch):
+    """Sessions opened from now on: a ring that grows while buffers come round with kept rows, or
+    one that cannot grow (kept rows are packed out with the row codec)."""
+    if request.param == "fixed ring":
+        monkeypatch.setattr(row_buffers, "MAX_ROW_BUFFERS", row_buffers.ROW_BUFFERS)
+    return request.param
+
+
+@settings(max_examples=40, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data(), n_ranks=st.integers(2, 3), picks=st.lists(st.integers(0, len(SCRIPTS) - 1),
                                                                    min_size=2, max_size=5))
-def test_every_rank_gets_the_answer_a_single_rank_gets(stub, scripts, data, n_ranks, picks):
+def test_every_rank_gets_the_answer_a_single_rank_gets(stub, scripts, ring, data, n_ranks, picks):
     session = f"ranks-{next(_sessions)}"
     ranks = [Stream(stub, session=session) for _ in range(n_ranks)]
     seqs = {f"s{i}": scripts[p] for i, p in enumerate(picks)}

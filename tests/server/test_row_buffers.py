@@ -1,5 +1,5 @@
 """The session's ring of row buffers: which buffer a step takes, and kept answers keep their
-rows (packed by the row codec) when the ring comes round."""
+rows when the ring comes round (it grows, up to its cap; then they are packed by the row codec)."""
 import numpy as np
 
 from maskd.server.columns import PlainResult
@@ -42,7 +42,7 @@ def test_the_ring_skips_buffers_being_encoded_and_grows():
 
 
 def test_kept_answers_keep_their_rows_when_the_ring_comes_round():
-    ring = RowBuffers(allocate, 96, count=2)
+    ring = RowBuffers(allocate, 96, count=2, max_count=2)
     s, gone = Seq(), Seq()
     b, gen, rows = ring.take(4)
     rows[:] = np.arange(12).reshape(4, 3)
@@ -59,3 +59,23 @@ def test_kept_answers_keep_their_rows_when_the_ring_comes_round():
     assert kept.packed is not None and len(kept.packed) < 2 * 12           # packed, not copied
     assert dropped.packed is None and not ring.holds(dropped)
     assert ring.holds(answer(s, 8, -1, 0, num_rows=0))   # no rows: nothing to lose
+
+
+def test_the_ring_grows_while_buffers_come_round_with_kept_rows():
+    ring = RowBuffers(allocate, 96, count=2, max_count=3)
+    s = Seq()
+    b, gen, rows = ring.take(1)
+    rows[:] = 5
+    kept = answer(s, 1, b, gen)
+    ring.record(b, [(s, 1, kept)])
+    ring.take(1)
+    assert ring.take(1)[0] == 2 and ring.count == 3     # b still holds kept rows: a new buffer
+    assert kept.packed is None and ring.holds(kept) and ring.rows_of(kept).tolist() == [[5, 5, 5]]
+    assert [ring.take(1)[0] for _ in range(2)] == [1, 2]
+    assert ring.take(1)[0] == b and ring.count == 3      # at the cap: packed, then reused
+    assert kept.packed is not None and ring.rows_of(kept).tolist() == [[5, 5, 5]]
+    again = answer(s, 2, b, gen + 1)
+    ring.record(b, [(s, 2, again)])
+    s.recent = {}                                        # not kept any more: no growth, no packing
+    assert [ring.take(1)[0] for _ in range(3)] == [1, 2, 0] and ring.count == 3
+    assert again.packed is None
