@@ -46,6 +46,9 @@ class Limits:
     max_sequences: int = setting(131072, help="live sequences of the server")
     max_sequences_per_tenant: int = setting(65536, help="live sequences of one authenticated tenant")
     max_sequences_per_session: int = setting(65536, help="live sequences one session may hold")
+    max_row_buffers_per_session: int = setting(
+        6, help="row buffers a session's ring may grow to while sequences step in turns (e.g. pipeline "
+                "micro-batches); past it kept rows are packed (CPU instead of memory); 6 never grows")
     max_message_bytes: int = setting(64 << 20, help="largest request message, bytes")
     max_tokens_per_request: int = setting(262144, help="tokens and draft tokens one step message may carry")
     max_tokens_per_step: int = setting(4096, help="tokens one sequence may carry in one step (restores go in parts)")

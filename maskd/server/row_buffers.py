@@ -4,12 +4,12 @@ A step that fills rows takes the next buffer that no reply is still encoding. Th
 for repeats (sequence.py) point into it, so a repeat copies its rows instead of filling them
 again: tensor-parallel ranks cost one fill per step, not one per rank.
 
-When the ring comes round to a buffer that still holds rows of kept answers (a session whose
-sequences step in turns, e.g. micro-batches, so that each steps less often than the session
-fills), the ring grows by a buffer instead, up to MAX_ROW_BUFFERS; past that, those rows are
-packed out with the row codec (its id lists: ~1.9 KB a row on MaskBench-dev against 16 KB dense
-for a 129k vocabulary) before the buffer is reused. A kept answer never loses its rows, and a
-sequence that sits idle keeps little.
+When the ring comes round to a buffer that still holds rows of kept answers (sequences that step
+less often than their session fills: micro-batches stepped in turns, sequences left idle), the
+ring grows by a buffer instead, up to ``--max-row-buffers-per-session`` (default: it does not
+grow); past that, those rows are packed out with the row codec (its id lists: ~1.9 KB a row on
+MaskBench-dev against 16 KB dense for a 129k vocabulary, ~21 µs a row) before the buffer is
+reused. A kept answer never loses its rows; memory or CPU is the operator's choice.
 """
 from __future__ import annotations
 
@@ -23,14 +23,13 @@ from maskd.server.sequence import RECENT_STEPS, Answer, SequenceState
 # In lockstep decoding (one request per step for every sequence) the answers of the last
 # RECENT_STEPS steps stay in their buffers; the others are for replies still being encoded.
 ROW_BUFFERS = RECENT_STEPS + 2
-MAX_ROW_BUFFERS = 3 * ROW_BUFFERS
 
 
 class RowBuffers:
     def __init__(self, allocate: Callable[[int], np.ndarray], width: int, count: int = ROW_BUFFERS,
-                 max_count: int | None = None) -> None:
+                 max_count: int = ROW_BUFFERS) -> None:
         self._allocate = allocate
-        self._max_count = max(count, MAX_ROW_BUFFERS if max_count is None else max_count)
+        self._max_count = max(count, max_count)
         self._width = width
         self._codec: tuple[RowBlockEncoder, RowBlockDecoder] | None = None   # stateless: no dictionary
         self._buffers: list[np.ndarray | None] = [None] * count

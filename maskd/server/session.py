@@ -98,7 +98,7 @@ class Session:
         self.vocab_limit = engine.width
         # Closed sequences whose last answers are kept (id -> state), oldest first.
         self.closed: collections.OrderedDict[str, SequenceState] = collections.OrderedDict()
-        self.buffers = RowBuffers(engine.allocate, engine.width)
+        self.buffers = RowBuffers(engine.allocate, engine.width, max_count=limits.max_row_buffers_per_session)
         self.checks = DocumentChecks(engine, cache.metrics)   # complete-mode hooks (doc_checks.py)
 
     # -- public -----------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_server import Stream, step
 
-from maskd.server import MaskServer, ServerConfig, row_buffers
+from maskd.server import Limits, MaskServer, ServerConfig
 from maskd.server.session import RECENT_STEPS
 from maskd.v1 import maskd_pb2 as pb
 from maskd.v1 import maskd_pb2_grpc as pb_grpc
@@ -26,9 +26,13 @@ SCRIPTS = [("[xy]{0,40}", "xyxxyyxyxyyyxxyxyxyyxx"),
 _sessions = itertools.count()
 
 
-@pytest.fixture(scope="module")
-def server():
-    srv = MaskServer(ServerConfig(port=0, tokenizer="cl100k", threads=2, compile_threads=1)).start()
+@pytest.fixture(scope="module", params=["fixed ring", "growing ring"])
+def server(request):
+    """A ring that cannot grow (kept rows are packed out with the row codec), or one that grows
+    while buffers come round with kept rows."""
+    grow = request.param == "growing ring"
+    srv = MaskServer(ServerConfig(port=0, tokenizer="cl100k", threads=2, compile_threads=1,
+                                  limits=Limits(max_row_buffers_per_session=18 if grow else 6))).start()
     yield srv
     srv.stop(grace=1.0)
 
@@ -69,19 +73,10 @@ def answer(reply, i=0):
     return r.status, r.code, r.reason, r.accepting, list(r.forced_tokens), rows
 
 
-@pytest.fixture(params=["growing ring", "fixed ring"])
-def ring(request, monkeypatch):
-    """Sessions opened from now on: a ring that grows while buffers come round with kept rows, or
-    one that cannot grow (kept rows are packed out with the row codec)."""
-    if request.param == "fixed ring":
-        monkeypatch.setattr(row_buffers, "MAX_ROW_BUFFERS", row_buffers.ROW_BUFFERS)
-    return request.param
-
-
 @settings(max_examples=40, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data(), n_ranks=st.integers(2, 3), picks=st.lists(st.integers(0, len(SCRIPTS) - 1),
                                                                    min_size=2, max_size=5))
-def test_every_rank_gets_the_answer_a_single_rank_gets(stub, scripts, ring, data, n_ranks, picks):
+def test_every_rank_gets_the_answer_a_single_rank_gets(stub, scripts, data, n_ranks, picks):
     session = f"ranks-{next(_sessions)}"
     ranks = [Stream(stub, session=session) for _ in range(n_ranks)]
     seqs = {f"s{i}": scripts[p] for i, p in enumerate(picks)}
