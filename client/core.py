@@ -254,7 +254,11 @@ class ClientCore(Recovery):
         Input is checked before anything changes: a bad entry raises MaskClientError and leaves
         every sequence (and the closes waiting for this step) as it was."""
         advances = _parse(tokens_by_seq)
-        self.info()
+        info = self.info()
+        if not advances:   # nothing to ask: answered here, with no rows
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            done.set_result(StepResult({}, np.zeros((0, info.words_per_row), dtype=np.int32)))
+            return done
         with self._cond:
             if self._closed:
                 raise MaskClientError("client is shut down")

@@ -54,7 +54,8 @@ class RowBuffers:
         if self._answers[b]:
             kept = self._kept(b)
             if kept and count < self._max_count:
-                b = self._grow()
+                self._next = b                  # b again next time, one step older: the ring grows
+                b = self._grow()                # only until its oldest buffer is free to reuse
             else:
                 self._pack(b, kept)
         buf = self._buffers[b]

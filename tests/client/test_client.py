@@ -272,3 +272,12 @@ def test_tls(tmp_path, cl100k):
             MaskClient(f"localhost:{srv.port}", timeout_s=3).info()  # plaintext to a TLS port
     finally:
         srv.stop(grace=0)
+
+
+def test_an_empty_step_is_answered_at_once_with_no_rows(server):
+    with MaskClient(server.address) as mc:
+        res = mc.step({}, timeout=5)
+        assert res.ids == [] and res.bitmask.shape == (0, mc.info().words_per_row)
+        mc.open("e", {"regex": "[ab]"})
+        assert mc.step({"e": []}).seqs["e"].status in (SeqStatus.READY, SeqStatus.WAITING)
+        assert mc.step_async({}).result(5).ids == []          # with a sequence open too

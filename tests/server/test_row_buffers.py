@@ -71,11 +71,24 @@ def test_the_ring_grows_while_buffers_come_round_with_kept_rows():
     ring.take(1)
     assert ring.take(1)[0] == 2 and ring.count == 3     # b still holds kept rows: a new buffer
     assert kept.packed is None and ring.holds(kept) and ring.rows_of(kept).tolist() == [[5, 5, 5]]
-    assert [ring.take(1)[0] for _ in range(2)] == [1, 2]
-    assert ring.take(1)[0] == b and ring.count == 3      # at the cap: packed, then reused
+    assert ring.take(1)[0] == b and ring.count == 3      # b again, at the cap: packed, then reused
     assert kept.packed is not None and ring.rows_of(kept).tolist() == [[5, 5, 5]]
     again = answer(s, 2, b, gen + 1)
     ring.record(b, [(s, 2, again)])
     s.recent = {}                                        # not kept any more: no growth, no packing
     assert [ring.take(1)[0] for _ in range(3)] == [1, 2, 0] and ring.count == 3
     assert again.packed is None
+
+
+def test_the_ring_grows_only_to_the_size_the_kept_answers_need():
+    """A sequence keeps its last 4 answers and gets a step per take: 5 buffers, never packed."""
+    ring = RowBuffers(allocate, 96, count=2, max_count=12)
+    s = Seq()
+    answers = []
+    for t in range(40):
+        b, gen, _ = ring.take(1)
+        answers.append(answer(s, t, b, gen))
+        ring.record(b, [(s, t, answers[-1])])
+        s.recent.pop(t - 4, None)                       # it keeps steps t-3 .. t
+    assert ring.count == 5
+    assert all(a.packed is None for a in answers)
