@@ -101,11 +101,13 @@ class RowBuffers:
         return len(self._buffers)
 
     def _kept(self, b: int) -> list[Answer]:
-        """The answers recorded in buffer b that their sequences still keep, with rows there."""
+        """The answers recorded in buffer b that their live sequences still keep, with rows there
+        (a closed sequence's last answers last while the ring holds them: ranks lag by a step or
+        two, and packing every finished sequence's rows would cost each one that CPU)."""
         generation = self._generations[b]
         return [answer for seq, step, answer in self._answers[b]
-                if answer.result.num_rows and seq.recent.get(step) is answer and answer.buffer == b
-                and answer.generation == generation and answer.rows is None]
+                if answer.result.num_rows and not seq.closed and seq.recent.get(step) is answer
+                and answer.buffer == b and answer.generation == generation and answer.rows is None]
 
     def _grow(self) -> int:
         self._buffers.append(None)

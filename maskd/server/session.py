@@ -230,8 +230,9 @@ class Session:
                     res.status = CLOSED             # another rank closed it already
                 elif not self._replay(msg, res, seq, replays, refusals):
                     _refuse(res, refusals, Code.NOT_FOUND,
-                            f"sequence {sid!r} is closed; its step {msg.step} was not among its last "
-                            f"{CLOSED_STEPS} steps")
+                            f"sequence {sid!r} is closed; its step {msg.step} is not among its last "
+                            f"{CLOSED_STEPS} steps, or their rows are gone (kept until the session's row "
+                            "buffers come round)")
                 continue
             if seq is not None and msg.step < seq.step and not msg.close and not msg.history_offset:
                 if not self._replay(msg, res, seq, replays, refusals):

