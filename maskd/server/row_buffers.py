@@ -18,25 +18,30 @@ from collections.abc import Callable
 import numpy as np
 
 from maskd.rowcodec import ALLOWED_IDS, DENSE, REJECTED_IDS, RowBlockDecoder, RowBlockEncoder
-from maskd.server.sequence import RECENT_STEPS, Answer, SequenceState
+from maskd.server.sequence import RECENT_STEPS, Answer
 
 # In lockstep decoding (one request per step for every sequence) the answers of the last
 # RECENT_STEPS steps stay in their buffers; the others are for replies still being encoded.
 ROW_BUFFERS = RECENT_STEPS + 2
 
+# (handle, step) -> the answer a live sequence keeps for that step, or None.
+FindAnswer = Callable[[int, int], "Answer | None"]
+
 
 class RowBuffers:
-    def __init__(self, allocate: Callable[[int], np.ndarray], width: int, count: int = ROW_BUFFERS,
-                 max_count: int = ROW_BUFFERS) -> None:
+    def __init__(self, allocate: Callable[[int], np.ndarray], width: int, find: FindAnswer,
+                 count: int = ROW_BUFFERS, max_count: int = ROW_BUFFERS) -> None:
         self._allocate = allocate
+        self._find = find
         self._max_count = max(count, max_count)
         self._width = width
         self._codec: tuple[RowBlockEncoder, RowBlockDecoder] | None = None   # stateless: no dictionary
         self._buffers: list[np.ndarray | None] = [None] * count
         self._generations = [0] * count
         self._encoding = [False] * count    # a reply is still encoding rows of this buffer
-        # The answers each buffer's last step recorded: (sequence, step, answer).
-        self._answers: list[list[tuple[SequenceState, int, Answer]]] = [[] for _ in range(count)]
+        # Whose rows each buffer's last step filled: (sequence handles, steps). Plain ints, not the
+        # answers: holding those would keep them past their window and feed the garbage collector.
+        self._answers: list[tuple[list[int], list[int]] | None] = [None] * count
         self._next = 0
 
     def take(self, n_rows: int) -> tuple[int, int, np.ndarray]:
@@ -51,7 +56,7 @@ class RowBuffers:
         else:
             return -1, 0, self._allocate(n_rows)
         self._next = (b + 1) % count
-        if self._answers[b]:
+        if self._answers[b] is not None:
             kept = self._kept(b)
             if kept and count < self._max_count:
                 self._next = b                  # b again next time, one step older: the ring grows
@@ -64,9 +69,9 @@ class RowBuffers:
             buf = self._buffers[b] = self._allocate(max(n_rows, 64, 2 * (0 if buf is None else buf.shape[0])))
         return b, self._generations[b], buf[:n_rows]
 
-    def record(self, buffer: int, answers: list[tuple[SequenceState, int, Answer]]) -> None:
-        """The answers whose rows the step that took ``buffer`` filled there."""
-        self._answers[buffer] = answers
+    def record(self, buffer: int, handles: list[int], steps: list[int]) -> None:
+        """The (sequence handle, step) answers whose rows the step that took ``buffer`` filled."""
+        self._answers[buffer] = (handles, steps)
 
     def encoding(self, buffer: int) -> Callable[[], None]:
         """Marks ``buffer`` as read by a reply being encoded; the returned call ends that."""
@@ -101,19 +106,25 @@ class RowBuffers:
         return len(self._buffers)
 
     def _kept(self, b: int) -> list[Answer]:
-        """The answers recorded in buffer b that their live sequences still keep, with rows there
-        (a closed sequence's last answers last while the ring holds them: ranks lag by a step or
+        """The answers recorded in buffer b that live sequences still keep, with rows there (a
+        closed sequence's last answers last while the ring holds them: ranks lag by a step or
         two, and packing every finished sequence's rows would cost each one that CPU)."""
-        generation = self._generations[b]
-        return [answer for seq, step, answer in self._answers[b]
-                if answer.result.num_rows and not seq.closed and seq.recent.get(step) is answer
-                and answer.buffer == b and answer.generation == generation and answer.rows is None]
+        recorded = self._answers[b]
+        if recorded is None:
+            return []
+        generation, find, kept = self._generations[b], self._find, []
+        for handle, step in zip(*recorded):
+            a = find(handle, step)
+            if a is not None and a.buffer == b and a.generation == generation and a.rows is None \
+                    and a.result.num_rows:
+                kept.append(a)
+        return kept
 
     def _grow(self) -> int:
         self._buffers.append(None)
         self._generations.append(0)
         self._encoding.append(False)
-        self._answers.append([])
+        self._answers.append(None)
         return len(self._buffers) - 1
 
     def _pack(self, b: int, kept: list[Answer]) -> None:
@@ -124,7 +135,7 @@ class RowBuffers:
                 first = answer.result.first_row
                 answer.packed = encoder.encode(buf[first:first + answer.result.num_rows])
                 answer.buffer = -1
-        self._answers[b] = []
+        self._answers[b] = None
 
     def _encoder(self, words: int) -> RowBlockEncoder:
         if self._codec is None:

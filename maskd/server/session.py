@@ -98,7 +98,8 @@ class Session:
         self.vocab_limit = engine.width
         # Closed sequences whose last answers are kept (id -> state), oldest first.
         self.closed: collections.OrderedDict[str, SequenceState] = collections.OrderedDict()
-        self.buffers = RowBuffers(engine.allocate, engine.width, max_count=limits.max_row_buffers_per_session)
+        self.buffers = RowBuffers(engine.allocate, engine.width, self._kept_answer,
+                                  max_count=limits.max_row_buffers_per_session)
         self.checks = DocumentChecks(engine, cache.metrics)   # complete-mode hooks (doc_checks.py)
 
     # -- public -----------------------------------------------------------------------------------
@@ -500,7 +501,8 @@ class Session:
             jobs.sort(key=_row_order)
         n_rows = sum(1 + len(j.drafts) if type(j) is _Advance else j[1].result.num_rows for j in jobs)
         buffer, generation, out = self.buffers.take(n_rows) if fill else (-1, 0, self.engine.allocate(n_rows))
-        recorded: list = []                         # the answers whose rows this step fills
+        handles: list[int] = []                     # whose rows this step fills: (handle, step)
+        steps: list[int] = []
         filled: list[_Advance] = []
         first_rows, drafts = [], []
         row = 0
@@ -542,7 +544,8 @@ class Session:
                 if buffer < 0:
                     answer.rows = out
                 else:
-                    recorded.append((seq, seq.step, answer))
+                    handles.append(seq.handle)
+                    steps.append(seq.step)
             filled.append(job)
             first_rows.append(row)
             drafts.append(d)
@@ -575,8 +578,13 @@ class Session:
         out = out[:row]
         if buffer < 0:
             return out, None
-        self.buffers.record(buffer, recorded)
+        self.buffers.record(buffer, handles, steps)
         return out, self.buffers.encoding(buffer)
+
+    def _kept_answer(self, handle: int, step: int) -> Answer | None:
+        """The answer a live sequence keeps for a step (the ring must not lose its rows)."""
+        seq = self.by_handle.get(handle)
+        return None if seq is None or seq.closed else seq.recent.get(step)
 
     @staticmethod
     def _internal(res: pb.SeqResult, seq: SequenceState, doing: str, exc: BaseException, refusals) -> None:
