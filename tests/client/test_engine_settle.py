@@ -2,13 +2,14 @@
 ``ready``, refusals and failures to ``give_up`` with the server's reason, grammars still compiling
 are polled with empty steps and given up once the wait runs out."""
 import threading
+import time
 
 import numpy as np
 import pytest
 
 from conftest import allowed_ids, hold_compiles
 from maskd.server import MaskServer, ServerConfig
-from maskd_client import MaskClient
+from maskd_client import MaskClient, SeqStatus
 from maskd_client.engine_env import settle
 
 
@@ -36,7 +37,8 @@ def test_rows_refusals_and_a_grammar_that_compiles_late(server, cl100k):
     gate = threading.Event()
     with MaskClient(server.address, session="settle-1") as client:
         client.open("ok", {"regex": "[ab]"})
-        client.step_async({"ok": []}).result(30)                   # compiled before the gate
+        while client.step({"ok": []}).seqs["ok"].status is SeqStatus.WAITING:   # compiled before the gate
+            time.sleep(0.01)
         hold_compiles(server.cache, gate)
         client.open("late", {"regex": "[cd]"})
         client.open("bad", {"regex": "[ab]"})
