@@ -29,24 +29,30 @@ def pick(row_ids, rng):
     return int(rng.choice(sorted(row_ids)))
 
 
-def generate(client, seq_ids, seed, budget=60, on_step=None):
-    """Deterministic generations: each sequence samples uniformly among allowed ids."""
+def generate(client, seq_ids, seed, budget=60, on_step=None, in_flight=None):
+    """Deterministic generations: each sequence samples uniformly among allowed ids. on_step(n)
+    runs before step n goes out, in_flight(n) right after (while it is in flight); each once."""
     rng = np.random.default_rng(seed)
     eos = client.info().eos_token_ids[0]
     out = {s: [] for s in seq_ids}
     pending = {s: [] for s in seq_ids}
     live = set(seq_ids)
-    n = 0
+    n, called = 0, -1
     deadline = time.monotonic() + 120
     while live and n < budget:
-        if on_step:
+        first = n != called
+        called = n
+        if on_step and first:
             on_step(n)
-        res = client.step_async({s: pending[s] for s in sorted(live)}).result(30)
-        n += 1
-        if (res.status == SeqStatus.WAITING).any():   # a grammar still compiling: not a step of the budget
-            assert time.monotonic() < deadline, "grammars did not compile in 120 s"
-            n -= 1
-            time.sleep(0.01)
+        fut = client.step_async({s: pending[s] for s in sorted(live)})
+        if in_flight and first:
+            in_flight(n)
+        res = fut.result(60)
+        if (res.status == SeqStatus.WAITING).any():   # a grammar compiling (again, on a restarted
+            assert time.monotonic() < deadline, "grammars did not compile in 120 s"   # server): not
+            time.sleep(0.01)                                                      # a step of the budget
+        else:
+            n += 1
         for s in sorted(live):
             r = res.seqs[s]
             assert r.status in (SeqStatus.READY, SeqStatus.FINISHED, SeqStatus.WAITING), r

@@ -5,7 +5,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import numpy as np
 
@@ -108,42 +107,7 @@ def test_sixteen_sequences_in_flight_survive_fast_restarts(cl100k):
     """The probe's failure: a server killed and back within a moment, 16 sequences with a step in
     flight, came back as divergence errors. Three runs, killed at different steps: outputs equal the
     undisturbed run and no sequence errs."""
-    from test_client import SCHEMA, pick
-
-    from conftest import allowed_ids
-
-    def generate(client, seq_ids, seed, on_step=None, budget=60):
-        """Like test_client.generate, but on_step(n) runs right after step n went out (in flight)."""
-        rng = np.random.default_rng(seed)
-        eos = client.info().eos_token_ids[0]
-        out = {s: [] for s in seq_ids}
-        pending = {s: [] for s in seq_ids}
-        live, n, called = set(seq_ids), 0, -1
-        deadline = time.monotonic() + 120
-        while live and n < budget:
-            fut = client.step_async({s: pending[s] for s in sorted(live)})
-            if on_step and n != called:
-                called = n
-                on_step(n)
-            res = fut.result(60)
-            if (res.status == SeqStatus.WAITING).any():   # compiling (again, on a restarted server):
-                assert time.monotonic() < deadline, "grammars did not compile in 120 s"
-                time.sleep(0.01)                            # not a step of the budget
-            else:
-                n += 1
-            for s in sorted(live):
-                r = res.seqs[s]
-                assert r.status in (SeqStatus.READY, SeqStatus.FINISHED, SeqStatus.WAITING), r
-                if r.status is SeqStatus.WAITING:
-                    pending[s] = []
-                    continue
-                tok = pick(allowed_ids(res.bitmask[r.row]), rng)
-                if tok == eos:
-                    live.discard(s)
-                    continue
-                out[s].append(tok)
-                pending[s] = [tok]
-        return out
+    from test_client import SCHEMA, generate
 
     ids = [f"s{i}" for i in range(16)]
     with MaskServer(ServerConfig(port=0, tokenizer="cl100k", threads=1)) as ref_server, \
@@ -165,7 +129,7 @@ def test_sixteen_sequences_in_flight_survive_fast_restarts(cl100k):
             with MaskClient(f"127.0.0.1:{port}", tokenizer=cl100k, retries=10) as mc:
                 for s in ids:
                     mc.open(s, {"json_schema": SCHEMA, "whitespace": "compact"})
-                out = generate(mc, ids, seed=3, on_step=on_step)   # asserts no ERROR/FAILED status
+                out = generate(mc, ids, seed=3, in_flight=on_step)   # asserts no ERROR/FAILED status
                 assert mc.reconnects >= 1
         finally:
             for p in procs:
