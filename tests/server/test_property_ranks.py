@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from test_server import Stream, step
 
 from maskd.server import Limits, MaskServer, ServerConfig
-from maskd.server.session import RECENT_STEPS
+from maskd.server.session import CLOSED_STEPS, RECENT_STEPS
 from maskd.v1 import maskd_pb2 as pb
 from maskd.v1 import maskd_pb2_grpc as pb_grpc
 
@@ -106,3 +106,77 @@ def test_every_rank_gets_the_answer_a_single_rank_gets(stub, scripts, data, n_ra
     finally:
         for s in ranks:
             s.close()
+
+
+@settings(max_examples=40, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data(), picks=st.lists(st.integers(0, len(SCRIPTS) - 1), min_size=2, max_size=4))
+def test_ranks_after_another_ranks_close(stub, scripts, data, picks):
+    """Rank a steps and closes sequences; rank b lags. After a sequence's close, b's repeats of its
+    last CLOSED_STEPS steps get the single-rank answers (certainly while their rows are in the ring:
+    filled fewer than 6 requests ago; later they may be NOT_FOUND, never different), older or newer
+    steps are NOT_FOUND, and a second close is CLOSED. (b's opening step after the close would open a new
+    sequence, as the contract says: test_lagging_ranks covers that.)"""
+    session = f"closes-{next(_sessions)}"
+    a, b = Stream(stub, session=session), Stream(stub, session=session)
+    seqs = {f"s{i}": scripts[p] for i, p in enumerate(picks)}
+    lead = dict.fromkeys(seqs, 0)                        # rank a's next step
+    lag = dict.fromkeys(seqs, 0)                         # rank b's next step
+    closed_at: dict[str, tuple[int, int]] = {}           # sid -> (request index of the close, last step)
+    filled_at: dict[tuple[str, int], int] = {}           # (sid, step) -> request index that filled its rows
+    sent = 0
+
+    def msg(sid, n):
+        spec, tokens, _ = seqs[sid]
+        return step(sid, n, spec=spec) if n == 0 else step(sid, n, [tokens[n - 1]])
+
+    try:
+        for _ in range(data.draw(st.integers(5, 40), label="requests")):
+            if data.draw(st.booleans(), label="rank a"):
+                open_ = [sid for sid in seqs if sid not in closed_at and lead[sid] < len(seqs[sid][2])]
+                if not open_:
+                    continue
+                sid = data.draw(st.sampled_from(open_), label="sequence")
+                if lead[sid] > 0 and data.draw(st.integers(0, 3), label="close") == 0:
+                    reply = a.send(pb.SeqStep(seq_id=sid, step=lead[sid] - 1, close=True))
+                    assert reply.results[0].status == pb.SEQ_STATUS_CLOSED
+                    closed_at[sid] = (sent, lead[sid] - 1)
+                else:
+                    n = lead[sid]
+                    reply = a.send(msg(sid, n))
+                    if n >= lag[sid]:
+                        assert answer(reply) == seqs[sid][2][n], (sid, n)
+                        lead[sid] = n + 1
+                        filled_at[sid, n] = sent
+                sent += 1
+                continue
+            sid = data.draw(st.sampled_from(list(seqs)), label="sequence b")
+            n = lag[sid]
+            if sid not in closed_at:
+                if n >= lead[sid] or n <= lead[sid] - 1 - RECENT_STEPS:
+                    continue                             # b may lag, not lead; and only within the window
+                got = answer(b.send(msg(sid, n)))
+                assert got == seqs[sid][2][n], (sid, n)
+                lag[sid] = n + 1
+                sent += 1
+                continue
+            at, last = closed_at[sid]
+            if data.draw(st.booleans(), label="close again"):
+                assert b.send(pb.SeqStep(seq_id=sid, step=n, close=True)).results[0].status == pb.SEQ_STATUS_CLOSED
+                sent += 1
+                continue
+            if n == 0 or n >= len(seqs[sid][2]):
+                continue                                 # an opening step for a closed id opens a new
+            got = answer(b.send(msg(sid, n)))            # sequence (the contract), it is no repeat
+            lag[sid] = n + 1
+            # rows filled fewer than 6 requests ago are still in the ring (6 buffers): the answer is
+            # certain; later ones may be gone (NOT_FOUND), never different
+            held = sent - filled_at.get((sid, n), sent) <= 5
+            sent += 1
+            if last - CLOSED_STEPS < n <= last and (held or got[0] != pb.SEQ_STATUS_ERROR):
+                assert got == seqs[sid][2][n], (sid, n, last, got[:3])
+            else:
+                assert got[0] == pb.SEQ_STATUS_ERROR and got[1] == grpc.StatusCode.NOT_FOUND.value[0], \
+                    (sid, n, last, got[:3])
+    finally:
+        a.close()
+        b.close()
