@@ -138,9 +138,8 @@ class Session:
     def close_all(self) -> int:
         with self.lock:
             n = len(self.seqs)
-            for seq in [*self.seqs.values(), *self.closed.values()]:
+            for seq in self.seqs.values():
                 seq.matcher = None
-                seq.recent = {}
             self.seqs.clear()
             self.by_handle.clear()
             self.closed.clear()
@@ -614,10 +613,7 @@ class Session:
 
     def _drop_closed(self, sid: str) -> None:
         seq = self.closed.pop(sid, None)
-        if seq is None:
-            return
-        seq.recent = {}                 # its answers' rows need not outlive it in the ring either
-        if self.by_handle.get(seq.handle) is seq:
+        if seq is not None and self.by_handle.get(seq.handle) is seq:
             del self.by_handle[seq.handle]
 
 

@@ -101,3 +101,16 @@ def test_json_schema_mode_is_checked():
     assert ServerConfig().json_schema_mode == "complete"
     with pytest.raises(ConfigError, match="--json-schema-mode must be one of strict, complete"):
         ServerConfig(json_schema_mode="lenient").check()
+
+
+@pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(Limits)])
+def test_every_limit_refuses_garbage_naming_its_flag(field, capsys):
+    """0 or a negative value is a ConfigError naming the flag; a word is an argparse error."""
+    from maskd.server.config import ConfigError
+    flag = next(k for k, v in flag_names(ServerConfig).items() if v == ("limits", field))
+    for bad in (0, -3):
+        with pytest.raises(ConfigError, match=f"{flag} must be > 0"):
+            Limits(**{field: bad}).check()
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["serve", flag, "lots"])
+    assert flag in capsys.readouterr().err

@@ -35,8 +35,7 @@ try:
     mc0 = serve._client(srv.address)
     with mc0 as mc:
         errors = common.register_all(mc, schemas)
-    pool = [serve._Instance(s, GrammarSpec.from_dict(s.spec).to_proto(), t) for s in schemas if s.name not in errors for t in s.instances if t]
-    random.Random(0).shuffle(pool)
+    pool = common.instance_pool(schemas, errors, 0, "step_breakdown")
     svc = []
     with serve._client(srv.address) as mc:
         b = serve._Batch(mc, pool, B, tok.eos_token_ids[0], "p", 0)

@@ -46,6 +46,31 @@ class Schema:
         return {"json_schema": self.schema}
 
 
+@dataclasses.dataclass
+class Instance:
+    """One valid MaskBench instance to replay: its schema, the spec as sent, its tokens."""
+    schema: Schema
+    spec_pb: Any
+    tokens: list[int]
+
+
+def instance_pool(schemas: Sequence[Schema], errors: Iterable[str], seed: int | None, what: str,
+                  specs: dict[str, Any] | None = None) -> list[Instance]:
+    """Every valid instance of the schemas that compiled (not in ``errors``), shuffled with
+    ``seed``; ``specs``: the spec messages by file name (built from each schema otherwise)."""
+    import random
+
+    from maskd.specs import GrammarSpec
+
+    failed = set(errors)
+    pool = [Instance(s, specs[s.name] if specs else GrammarSpec.from_dict(s.spec).to_proto(), toks)
+            for s in schemas if s.name not in failed for toks in s.instances if toks]
+    random.Random(seed).shuffle(pool)
+    if not pool:
+        raise SystemExit(f"maskd bench {what}: no valid instance whose schema compiles")
+    return pool
+
+
 def spread(items: Sequence, limit: int | None) -> list:
     """``limit`` items evenly spaced over ``items`` (all of them when limit is None or >= len)."""
     items = list(items)

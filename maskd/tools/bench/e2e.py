@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import random
 import threading
 import time
 
@@ -55,16 +54,9 @@ STOP_STRING = "<|stop|>"       # a stop string that never occurs: the check runs
 
 
 @dataclasses.dataclass
-class _Instance:
-    schema: common.Schema
-    spec_pb: object
-    tokens: list[int]
-
-
-@dataclasses.dataclass
 class _Slot:
     sid: str
-    inst: _Instance
+    inst: common.Instance
     arrival: int
     pos: int = 0                                   # tokens of the instance sampled so far
     output: list[int] = dataclasses.field(default_factory=list)
@@ -74,7 +66,7 @@ class _Slot:
 class _Replay:
     """B slots over the instance pool, the same sequence of instances in every mode."""
 
-    def __init__(self, pool: list[_Instance], batch: int, eos: int, tag: str) -> None:
+    def __init__(self, pool: list[common.Instance], batch: int, eos: int, tag: str) -> None:
         self.pool, self.eos, self.tag = pool, eos, tag
         self.cursor = 0
         self.slots = [self._fresh() for _ in range(batch)]
@@ -281,7 +273,7 @@ def _loop_maskd(ctx, batch: int, forward_s: float, steps: int, warmup: int) -> _
 @dataclasses.dataclass
 class _Context:
     tok: object
-    pool: list[_Instance]
+    pool: list[common.Instance]
     eos: int
     address: str
     worker_threads: int
@@ -312,7 +304,6 @@ def _summary(mode: str, tally: _Tally) -> dict:
 
 def run(args, log=print) -> dict:
     from maskd.server.tokenizers import load_tokenizer
-    from maskd.specs import GrammarSpec
 
     limit = args.limit if args.limit is not None else (QUICK_LIMIT if args.quick else None)
     steps = args.steps if args.steps is not None else (40 if args.quick else 150)
@@ -341,11 +332,7 @@ def run(args, log=print) -> dict:
         with MaskClient(srv.address, timeout_s=600) as mc:
             info = mc.info()
             errors = common.register_all(mc, schemas)
-        pool = [_Instance(s, GrammarSpec.from_dict(s.spec).to_proto(), toks)
-                for s in schemas if s.name not in errors for toks in s.instances if toks]
-        random.Random(args.seed).shuffle(pool)
-        if not pool:
-            raise SystemExit("maskd bench e2e: no valid instance whose schema compiles")
+        pool = common.instance_pool(schemas, errors, args.seed, "e2e")
         ctx = _Context(tok, pool, tok.eos_token_ids[0], srv.address, worker_threads, _HostWork(tok),
                        common.Materializer(max(batches), (tok.logits_width + 31) // 32))
         log(f"e2e: {len(pool)} instances of {len(schemas) - len(errors)} schemas, server {srv.kind} at "

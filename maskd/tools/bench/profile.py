@@ -120,11 +120,9 @@ def step_path(stacks) -> tuple[list, int, int]:
 
 
 def run(args, log=print) -> dict:
-    import random
 
     from maskd.server.tokenizers import load_tokenizer
-    from maskd.specs import GrammarSpec
-    from maskd.tools.bench.serve import _Batch, _client, _Instance
+    from maskd.tools.bench.serve import _Batch, _client
 
     spy = py_spy_path()
     if spy is None:
@@ -142,9 +140,7 @@ def run(args, log=print) -> dict:
     try:
         with _client(srv.address) as mc:
             errors_c = common.register_all(mc, schemas)
-        pool = [_Instance(s, GrammarSpec.from_dict(s.spec).to_proto(), t)
-                for s in schemas if s.name not in errors_c for t in s.instances if t]
-        random.Random(args.seed).shuffle(pool)
+        pool = common.instance_pool(schemas, errors_c, args.seed, "profile")
         recording = threading.Event()
 
         def drive():

@@ -39,16 +39,9 @@ DEFAULT_STEPS = 200
 
 
 @dataclasses.dataclass
-class _Instance:
-    schema: common.Schema
-    spec_pb: object
-    tokens: list[int]
-
-
-@dataclasses.dataclass
 class _Slot:
     sid: str
-    inst: _Instance
+    inst: common.Instance
     applied: int = 0          # tokens the server has applied (as of the last reply)
     send: tuple = ()          # tokens the next request carries
     new: bool = True          # the next request opens it
@@ -74,7 +67,7 @@ class _Mirror(common.InProcessEngine):
 class _Batch:
     """B slots replaying instances through one MaskClient session."""
 
-    def __init__(self, mc, pool: list[_Instance], batch: int, eos: int, tag: str, start: int,
+    def __init__(self, mc, pool: list[common.Instance], batch: int, eos: int, tag: str, start: int,
                  mirror: _Mirror | None = None) -> None:
         self.mc, self.pool, self.eos, self.tag = mc, pool, eos, tag
         self.cursor = start
@@ -317,7 +310,6 @@ def _memory(args, tok, pool, n: int, log) -> dict:
 
 
 def run(args, log=print) -> dict:
-    import random
 
     from maskd.server.tokenizers import load_tokenizer
 
@@ -343,12 +335,7 @@ def run(args, log=print) -> dict:
             with _client(srv.address) as mc:
                 info = mc.info()
                 errors = common.register_all(mc, schemas)
-            from maskd.specs import GrammarSpec
-            pool = [_Instance(s, GrammarSpec.from_dict(s.spec).to_proto(), toks)
-                    for s in schemas if s.name not in errors for toks in s.instances if toks]
-            random.Random(args.seed).shuffle(pool)
-            if not pool:
-                raise SystemExit("maskd bench serve: no valid instance whose schema compiles")
+            pool = common.instance_pool(schemas, errors, args.seed, "serve")
             log(f"serve: {len(pool)} instances of {len(schemas) - len(errors)} schemas "
                 f"({len(errors)} do not compile), server {srv.kind} at {srv.address}, {server_threads} fill threads "
                 f"(in-process baseline {baseline_threads}), "

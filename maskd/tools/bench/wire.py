@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import queue
-import random
 import time
 import uuid
 
@@ -300,7 +299,6 @@ def _summary(batch: int, raw: dict) -> dict:
 def run(args, log=print) -> dict:
     from maskd.server.tokenizers import load_tokenizer
     from maskd.specs import GrammarSpec
-    from maskd.tools.bench.serve import _Instance
 
     limit = args.limit if args.limit is not None else (QUICK_LIMIT if args.quick else None)
     max_rows = args.max_rows if args.max_rows is not None else (QUICK_MAX_ROWS if args.quick else None)
@@ -323,8 +321,7 @@ def run(args, log=print) -> dict:
             if err:
                 errors[s.name] = err
         reg.close()
-        pool = [_Instance(s, specs[s.name], t) for s in schemas if s.name not in errors for t in s.instances if t]
-        random.Random(args.seed).shuffle(pool)
+        pool = common.instance_pool(schemas, errors, args.seed, "wire", specs)
         log(f"wire: {len(pool)} instances of {len(schemas) - len(errors)} schemas, server {srv.kind} at "
             f"{srv.address}, dense row {4 * info.words_per_row:,} B")
         for batch in batches:
