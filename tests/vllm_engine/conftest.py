@@ -1,0 +1,35 @@
+"""Fixtures of the real-engine tests: one maskd server (real gRPC on a loopback port, deepseek-v4,
+the model's vocabulary) and the reference engine (maskd installed, not configured: vLLM's own
+guidance backend). Engines that run maskd are started by the modules that test them."""
+import pathlib
+import sys
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+
+from harness import ENGINE_OPTIONS, vllm_engine
+
+from maskd.server import MaskServer, ServerConfig
+
+
+@pytest.fixture(scope="session")
+def logs(tmp_path_factory) -> pathlib.Path:
+    return tmp_path_factory.mktemp("vllm-logs")
+
+
+@pytest.fixture(scope="session")
+def maskd_server():
+    server = MaskServer(ServerConfig(host="127.0.0.1", port=0, tokenizer="deepseek-v4", threads=1,
+                                     compile_threads=1)).start()
+    yield server
+    server.stop(grace=1.0)
+
+
+@pytest.fixture(scope="session")
+def reference(logs):
+    """maskd installed and not configured (no MASKD_TARGET): vLLM's own guidance backend serves
+    structured outputs, exactly as without maskd."""
+    with vllm_engine(logs, *ENGINE_OPTIONS, name="reference") as engine:
+        yield engine
+

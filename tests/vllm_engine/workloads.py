@@ -1,0 +1,53 @@
+"""Requests the real-engine tests send, and the checks of their outputs."""
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import jsonschema
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 99},
+                                           "admin": {"type": "boolean"}},
+          "required": ["name", "age", "admin"], "additionalProperties": False}
+RECORDS = {"type": "object", "properties": {"items": {"type": "array", "minItems": 3, "maxItems": 3, "items": {
+    "type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9}, "ok": {"type": "boolean"}},
+    "required": ["id", "ok"], "additionalProperties": False}}}, "required": ["items"], "additionalProperties": False}
+CODE = r"[a-z]{3,6}-[0-9]{2}"
+CHOICES = ["yes", "no", "maybe"]
+GBNF = 'root ::= "[" digit ("," digit)* "]"\ndigit ::= [0-9]'
+PROMPTS = ["Reply in JSON:", "Example: {\"items\":[{\"id\":\"x\",\"ok\":\"yes\"}]} Now yours:", "Q: a code? A:"]
+
+
+def parity_requests() -> dict[str, dict[str, Any]]:
+    """Greedy requests whose constraint vLLM's guidance backend and maskd compile alike (compact
+    JSON): both must give the same bytes."""
+    out: dict[str, dict[str, Any]] = {}
+    for i, prompt in enumerate(PROMPTS):
+        base = {"prompt": prompt, "max_tokens": 64, "temperature": 0}
+        out[f"person-{i}"] = {**base, "structured_outputs": {"json": PERSON, "disable_any_whitespace": True}}
+        out[f"records-{i}"] = {**base, "max_tokens": 96,
+                               "structured_outputs": {"json": RECORDS, "disable_any_whitespace": True}}
+        out[f"regex-{i}"] = {**base, "structured_outputs": {"regex": CODE}}
+        out[f"choice-{i}"] = {**base, "structured_outputs": {"choice": CHOICES}}
+        out[f"gbnf-{i}"] = {**base, "max_tokens": 24, "structured_outputs": {"grammar": GBNF}}
+    return out
+
+
+def check(name: str, choice: dict[str, Any]) -> None:
+    """The output of one of the parity requests (or one like it) obeys its constraint."""
+    text = choice["text"] if "text" in choice else choice["message"]["content"]
+    kind = name.split("-")[0]
+    finished = choice["finish_reason"] == "stop"
+    if kind in ("person", "records"):
+        assert finished, (name, choice)
+        jsonschema.validate(json.loads(text), PERSON if kind == "person" else RECORDS)
+    elif kind == "regex":
+        assert finished and re.fullmatch(CODE, text), (name, text)
+    elif kind == "choice":
+        assert text in CHOICES, (name, text)
+    elif kind == "gbnf":
+        assert re.fullmatch(r"\[[0-9](,[0-9])*\]" if finished else r"\[[0-9](,[0-9])*,?", text), (name, text)
+    else:
+        raise AssertionError(f"unknown workload {name}")
