@@ -86,3 +86,20 @@ def test_a_reasoning_parser_keeps_the_grammar_off_the_thinking(tp_engine):
         reasoning = message.get("reasoning") or message.get("reasoning_content") or ""
         thought += bool(reasoning.strip()) and not reasoning.lstrip().startswith("{")
     assert thought, "no output had a free thinking part before its JSON"
+
+
+def test_bench_vllm_runs_end_to_end(tmp_path):
+    """``maskd bench vllm`` at its smallest: one engine, one workload, every mode, a report."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "bench"
+    done = subprocess.run([sys.executable, "-m", "maskd.cli", "bench", "vllm", "--engines", "guidance",
+                           "--workloads", "free-text", "--concurrency", "2", "--requests", "2", "--rounds", "1",
+                           "--max-tokens", "16", "--maskd-cpus", "", "--vllm-omp-cpus", "auto", "--out", str(out)],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((out / "vllm.json").read_text())
+    assert {r["mode"] for r in report["summary"]} == {"unconstrained", "guidance", "maskd"}
+    assert all(r["errors"] == 0 and r["tokens_per_s"] > 0 for r in report["summary"])
+    assert (out / "vllm.md").read_text().count("| guidance | free-text | 2 |") == 3

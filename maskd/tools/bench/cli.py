@@ -1,4 +1,4 @@
-"""``maskd bench {engines,serve,wire,profile,e2e}``: registered by maskd.cli through add_parser(sub).
+"""``maskd bench {engines,serve,wire,profile,e2e,vllm}``: registered by maskd.cli through add_parser(sub).
 
 Heavy imports (matplotlib, torch, xgrammar) happen inside the modes, so this module imports
 with the server extra alone and the subcommand is always listed.
@@ -11,7 +11,7 @@ import sys
 
 from maskd.tools.bench import common
 
-MODES = ("engines", "serve", "wire", "profile", "e2e")
+MODES = ("engines", "serve", "wire", "profile", "e2e", "vllm")
 
 
 def _common_args(p: argparse.ArgumentParser, mode: str) -> None:
@@ -47,7 +47,7 @@ def _pin_arg(p: argparse.ArgumentParser, default: str | None) -> None:
 
 
 def add_parser(sub) -> None:
-    bench = sub.add_parser("bench", help="benchmarks: engines, serve, wire, profile, e2e",
+    bench = sub.add_parser("bench", help="benchmarks: engines, serve, wire, profile, e2e, vllm",
                            description="maskd benchmarks; each mode writes JSON, a markdown table and PNG plots")
     modes = bench.add_subparsers(dest="bench_mode", required=True)
 
@@ -90,6 +90,13 @@ def add_parser(sub) -> None:
                    help="comma-separated modes to run (the ratios need unstructured)")
     p.add_argument("--seed", type=int, default=0, help="shuffles the instance order")
     p.set_defaults(func=_run_mode("e2e"))
+
+    p = modes.add_parser("vllm", help="tokens/s, TTFT and ITL in a real vLLM CPU engine: unconstrained, vLLM's "
+                                      "guidance and xgrammar backends, maskd (make vllm-setup first)")
+    _common_args(p, "vllm")
+    from maskd.tools.bench.vllm import add_arguments
+    add_arguments(p)
+    p.set_defaults(func=_run_mode("vllm"), threads=1)
 
     p = modes.add_parser("wire", help="bytes per mask row: per encoding and as sent")
     _common_args(p, "wire")
