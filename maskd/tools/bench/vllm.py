@@ -9,7 +9,10 @@ kinds of request at once, so every ratio compares requests of one engine in one 
   backend (``structured_outputs``) and maskd (``vllm_xargs``);
 * engine ``xgrammar``: the same with backend xgrammar.
 
-Per round, workload and concurrency, the modes run in a rotated order (interleaved repeats);
+Workloads: ``free-text`` (one free string field: nearly every token free) and ``records`` (four
+records of four typed fields: most tokens forced), compact JSON. After a warm-up of every mode at
+every concurrency (not measured), per round, workload and concurrency, the modes run in a rotated
+order (interleaved repeats);
 each mode sends ``--requests`` streaming completions ``--concurrency`` at a time and records
 tokens/s (completion tokens over wall time), time to first token and inter-token latency
 (between streamed chunks). Placement: the maskd server (``maskd serve``, a child process) on
@@ -36,8 +39,8 @@ RECORD = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 
                                            "kind": {"enum": ["alpha", "beta", "gamma"]},
                                            "score": {"type": "integer", "minimum": 0, "maximum": 9}},
           "required": ["id", "ok", "kind", "score"], "additionalProperties": False}
-RECORDS = {"type": "object", "properties": {"records": {"type": "array", "items": RECORD, "minItems": 8,
-                                                        "maxItems": 8}},
+RECORDS = {"type": "object", "properties": {"records": {"type": "array", "items": RECORD, "minItems": 4,
+                                                        "maxItems": 4}},
            "required": ["records"], "additionalProperties": False}
 WORKLOADS = {"free-text": FREE_TEXT, "records": RECORDS}
 ENGINES = {"guidance": ("unconstrained", "guidance", "maskd"), "xgrammar": ("unconstrained", "xgrammar", "maskd")}
@@ -88,9 +91,10 @@ def run(args, log: Callable[[str], None] = print) -> dict:
             prefix = pathlib.Path(args.vllm_venv) if args.vllm_venv else None
             with vllm_engine(out, "--structured-outputs-config", options, "--max-num-seqs",
                              str(max(concurrency)), env=env, name=f"vllm-{engine_name}", prefix=prefix) as engine:
-                for workload in workloads:   # warm-up: compiles, first steps
+                for workload in workloads:   # warm-up: compiles, and every batch shape a round will see
                     for mode in modes:
-                        _drive(engine.url, mode, WORKLOADS[workload], 2, 2, 16)
+                        for c in concurrency:
+                            _drive(engine.url, mode, WORKLOADS[workload], c, c, args.max_tokens)
                 for r in range(rounds):
                     for workload in workloads:
                         for c in concurrency:
