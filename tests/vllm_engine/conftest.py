@@ -1,6 +1,7 @@
 """Fixtures of the real-engine tests: one maskd server (real gRPC on a loopback port, deepseek-v4,
 the model's vocabulary) and the reference engine (maskd installed, not configured: vLLM's own
-guidance backend). Engines that run maskd are started by the modules that test them."""
+guidance backend), one per module that compares with it, so that no more than two engines share
+the machine's cores at a time. Engines that run maskd are started by the modules that test them."""
 import pathlib
 import sys
 
@@ -26,7 +27,7 @@ def maskd_server():
     server.stop(grace=1.0)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def reference(logs):
     """maskd installed and not configured (no MASKD_TARGET): vLLM's own guidance backend serves
     structured outputs, exactly as without maskd."""
