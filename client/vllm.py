@@ -57,7 +57,6 @@ import functools
 import json
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -331,7 +330,6 @@ class MaskdStructuredOutputs:
         self.compiles = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="maskd-compile")
         self.steps = 0
         self.polls = 0
-        self._lock = threading.Lock()
 
     # -- compiles -------------------------------------------------------------------------------
     def grammar(self, request: Any) -> concurrent.futures.Future:

@@ -143,3 +143,16 @@ def test_xargs_mode_leaves_standard_requests_to_vllm(target, monkeypatch):
     with pytest.raises(VLLMValidationError, match="tokenizer"):
         params._validate_structured_outputs(Vocabulary(100), CONFIG, tokenizer=None)
     assert params.structured_outputs._backend is None
+
+
+@pytest.mark.parametrize(("name", "value", "words"), [
+    ("MASKD_VLLM_REQUESTS", "some", "MASKD_VLLM_REQUESTS"),
+    ("MASKD_ADMISSION_WAIT_S", "soon", "MASKD_ADMISSION_WAIT_S"),
+    ("MASKD_ADMISSION_WAIT_S", "-1", "MASKD_ADMISSION_WAIT_S"),
+    ("MASKD_TIMEOUT_S", "0", "MASKD_TIMEOUT_S"),
+])
+def test_garbage_settings_refuse_maskd_requests_with_the_reason(target, server, monkeypatch, name, value, words):
+    monkeypatch.setenv(name, value)
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+"))
+    with pytest.raises(VLLMValidationError, match=words):
+        params._validate_structured_outputs(vocab(server), CONFIG, tokenizer=object())

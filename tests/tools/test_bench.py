@@ -149,6 +149,20 @@ def test_garbage_bench_flags_are_clear_errors(tmp_path, mode, flags, message):
     assert message in str(exc.value.code)
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--engines", "guidance,outlines"], "--engines"),
+    (["--workloads", "poetry"], "--workloads"),
+    (["--concurrency", "0"], "--concurrency"),
+    (["--rounds", "-1"], "--rounds"),
+    (["--maskd-cpus", "one"], "--maskd-cpus"),
+])
+def test_garbage_bench_vllm_flags_are_clear_errors(tmp_path, flags, message):
+    # refused before any engine or server starts
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "vllm", "--data", SAMPLE, "--tokenizer", "cl100k", "--out", str(tmp_path), *flags])
+    assert message in str(exc.value.code)
+
+
 def test_e2e(tmp_path):
     pin = "1+1" if len(os.sched_getaffinity(0)) >= 2 else "none"
     report, out = _run("e2e", tmp_path, "--batch-sizes", "3,8", "--forward-ms", "2", "--steps", "16",

@@ -70,7 +70,13 @@ def run(args, log: Callable[[str], None] = print) -> dict:
             raise SystemExit(f"{prog}: {name} {bad}: choose from {', '.join(known)}")
     concurrency = common.positive_list(args.concurrency, int, "--concurrency", prog)
     rounds = args.rounds or (1 if args.quick else 3)
-    maskd_cpus = [int(c) for c in args.maskd_cpus.split(",") if c.strip()]
+    for flag, value in (("--rounds", rounds), ("--requests", args.requests), ("--max-tokens", args.max_tokens)):
+        if value is not None and value < 1:
+            raise SystemExit(f"{prog}: {flag} {value}: must be at least 1")
+    try:
+        maskd_cpus = [int(c) for c in args.maskd_cpus.split(",") if c.strip()]
+    except ValueError:
+        raise SystemExit(f"{prog}: --maskd-cpus {args.maskd_cpus!r}: comma-separated CPU numbers") from None
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     server = common.subprocess_server(args.tokenizer, args.threads, log_path=out / "maskd-serve.log",
