@@ -36,9 +36,9 @@ import numpy as np
 from maskd.server import columns
 from maskd.server.columns import PlainResult, PlainStep
 from maskd.server.config import Limits
-from maskd.server.doc_checks import DocumentChecks
 from maskd.server.engines import Engine, Matcher
 from maskd.server.grammar_cache import CacheEntry, GrammarCache, QueueFull
+from maskd.server.json_schema import DocumentChecks
 from maskd.server.quotas import Quotas
 from maskd.server.row_buffers import RowBuffers
 from maskd.server.sequence import (

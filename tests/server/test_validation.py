@@ -5,10 +5,10 @@ import random
 
 import pytest
 
-from maskd.server.documents import DocumentBuffer, JsonDocumentChecker, TagSpan, ToolCallChecker
-from maskd.server.json_scan import JsonScanner
-from maskd.server.schema_relax import LENIENT_KEYWORDS
-from maskd.server.validation import SchemaValidator, ValidatorError, parse
+from maskd.server.json_schema.documents import DocumentBuffer, JsonDocumentChecker, TagSpan, ToolCallChecker
+from maskd.server.json_schema.relax import LENIENT_KEYWORDS
+from maskd.server.json_schema.scan import JsonScanner
+from maskd.server.json_schema.validation import SchemaValidator, ValidatorError, parse
 
 DOC = b'{"a": [1, {"b": "x\\"]}y", "c": [true, null]}], "d": -2.5e3, "k\\"ey": {}, "e": "\\\\"}'
 

@@ -32,7 +32,7 @@ class CompiledGrammar:
     compile_seconds: float
     prototype: Any = None  # backend's initial-state matcher that new matchers copy, if it has one
     # Complete JSON-schema mode: the grammar is a relaxation and finished documents are checked
-    # (a maskd.server.validation.DocumentChecker); None when the grammar enforces everything.
+    # (a maskd.server.json_schema.documents.DocumentChecker); None when the grammar enforces everything.
     checker: Any = None
 
 

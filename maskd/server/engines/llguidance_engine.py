@@ -17,11 +17,18 @@ import llguidance
 import numpy as np
 from llguidance.gbnf_to_lark import any_to_lark
 
-from maskd.server.documents import JsonDocumentChecker, TagSpan, ToolCallChecker
 from maskd.server.engines.base import CompiledGrammar, Engine, GrammarCompileError, Matcher, UnsupportedSpec
 from maskd.server.engines.llguidance_lark import Specials, StructuralTagLark, TagInfo, reasoning_lark
-from maskd.server.schema_relax import Relaxation, RelaxError, relax
-from maskd.server.validation import SchemaValidator, ValidatorError
+from maskd.server.json_schema import (
+    Relaxation,
+    RelaxError,
+    TagSpan,
+    ValidatorError,
+    document_checker,
+    relax_schema,
+    tag_span,
+    tool_call_checker,
+)
 from maskd.specs import GrammarSpec
 
 log = logging.getLogger("maskd.server.engines.llguidance")
@@ -175,11 +182,14 @@ class LLGuidanceEngine(Engine):
                 raise
             strict_error = str(exc)
         relaxed, compiled = self._relax(spec, schema, strict_error)
-        validator = self._validator(schema, relaxed, strict_error)
+        markers = (self.specials.marked(spec.reasoning_start), self.specials.marked(spec.reasoning_end))
+        try:
+            checker = document_checker(schema, self.tokenizer, markers, relaxed.keywords)
+        except ValidatorError as exc:
+            raise GrammarCompileError(f"{strict_error} (complete mode: {exc})") from exc
         log.info("json schema relaxed for complete mode (%s); the grammar refused it: %s",
                  relaxed.describe(), strict_error[:200])
-        markers = (self.specials.marked(spec.reasoning_start), self.specials.marked(spec.reasoning_end))
-        return compiled, JsonDocumentChecker(validator, self.tokenizer, markers)
+        return compiled, checker
 
     def _json_options(self, spec: GrammarSpec, schema: dict, lenient: bool) -> dict:
         """The schema's x-guidance options: ours for whitespace (unless the schema sets its own), never
@@ -225,7 +235,7 @@ class LLGuidanceEngine(Engine):
                 return str(exc)
 
         try:
-            relaxed = relax(schema, try_compile, self._regex_ok)
+            relaxed = relax_schema(schema, try_compile, self._regex_ok)
         except RelaxError as exc:
             raise GrammarCompileError(f"{strict_error} (complete mode: even the relaxed schema does not "
                                       f"compile: {_first_line(str(exc))})") from exc
@@ -240,13 +250,6 @@ class LLGuidanceEngine(Engine):
             return not is_error
         except ValueError:
             return False
-
-    @staticmethod
-    def _validator(schema: Any, relaxed: Relaxation, strict_error: str) -> SchemaValidator:
-        try:
-            return SchemaValidator(schema, relaxed.keywords)
-        except ValidatorError as exc:
-            raise GrammarCompileError(f"{strict_error} (complete mode: {exc})") from exc
 
     # -- structural tags -----------------------------------------------------------------------------
     def _structural_tag(self, spec: GrammarSpec):
@@ -282,7 +285,7 @@ class LLGuidanceEngine(Engine):
         checker = None
         if any(t.relaxed for t in builder.tags):
             markers = (self.specials.marked(spec.reasoning_start), self.specials.marked(spec.reasoning_end))
-            checker = ToolCallChecker([self._tag_span(t, relaxations) for t in builder.tags], self.tokenizer, markers)
+            checker = tool_call_checker([self._tag_span(t, relaxations) for t in builder.tags], self.tokenizer, markers)
         return (grammar, probe), checker
 
     def _tag_span(self, tag: TagInfo, relaxations: dict[str, Relaxation]) -> TagSpan:
@@ -291,12 +294,16 @@ class LLGuidanceEngine(Engine):
         def marked(x: str | int) -> bytes:
             return b"\xff" + names[x] if isinstance(x, int) else self.specials.marked(x)
 
-        validator = None
+        schema, keywords = None, None
         if tag.relaxed:
-            relaxed = relaxations[json.dumps(tag.json_schema, sort_keys=True)]
-            validator = self._validator(tag.json_schema, relaxed, "a tool's JSON schema does not compile")
+            schema = tag.json_schema
+            keywords = relaxations[json.dumps(tag.json_schema, sort_keys=True)].keywords
         label = tag.begin if isinstance(tag.begin, str) else names[tag.begin].decode("utf-8", "replace")
-        return TagSpan(marked(tag.begin), tuple(marked(e) for e in tag.ends), tag.is_json, validator, label[:80])
+        try:
+            return tag_span(marked(tag.begin), tuple(marked(e) for e in tag.ends), tag.is_json, schema, keywords,
+                            label[:80])
+        except ValidatorError as exc:
+            raise GrammarCompileError(f"a tool's JSON schema does not compile (complete mode: {exc})") from exc
 
     def new_matcher(self, grammar: CompiledGrammar) -> LLGuidanceMatcher:
         # A fresh matcher is a copy of the grammar's untouched prototype (microseconds), not a

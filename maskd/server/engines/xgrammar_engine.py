@@ -20,7 +20,7 @@ Semantics, against the llguidance backend (same tokenizer, same spec):
   spec's ``max_whitespace`` (0: unbounded), "compact" is no whitespace and separators ``(",", ":")``.
   The JSON schema mode does not change what xgrammar compiles (it loosens by itself: minItems,
   maxItems, ...); in complete mode every finished JSON document is also checked by the validator
-  before EOS (maskd.server.documents), so no invalid document ends with EOS on this backend either.
+  before EOS (maskd.server.json_schema.documents), so no invalid document ends with EOS on this backend either.
 - Where the grammar forces a literal, llguidance allows only the canonical token(s) of that text;
   xgrammar allows every token that is a prefix of it (e.g. ``h``, ``he`` ... ``hello``).
 - Regex ``.`` also matches newlines in xgrammar.
@@ -56,9 +56,8 @@ import numpy as np
 import xgrammar as xgr
 from xgrammar._version import version as _XGR_VERSION
 
-from maskd.server.documents import JsonDocumentChecker
 from maskd.server.engines.base import CompiledGrammar, Engine, GrammarCompileError, Matcher
-from maskd.server.validation import SchemaValidator, ValidatorError
+from maskd.server.json_schema import ValidatorError, document_checker
 from maskd.specs import GrammarSpec
 
 # Bumped when maskd changes how a spec maps onto xgrammar (it is part of every grammar id).
@@ -325,11 +324,10 @@ class XGrammarEngine(Engine):
         if spec.kind != "json_schema" or self.json_schema_mode != "complete":
             return None
         try:
-            validator = SchemaValidator(json.loads(spec.text), frozenset())
+            markers = (spec.reasoning_start.encode(), spec.reasoning_end.encode())   # markers are text here
+            return document_checker(json.loads(spec.text), self.tokenizer, markers)
         except ValidatorError as exc:
             raise GrammarCompileError(f"complete mode: {exc}") from exc
-        markers = (spec.reasoning_start.encode(), spec.reasoning_end.encode())   # markers are text here
-        return JsonDocumentChecker(validator, self.tokenizer, markers)
 
     def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         c = self.compiler

@@ -1,7 +1,7 @@
 """``maskd bench engines``: MaskBench-style TTFM and TBM, in-process llguidance vs xgrammar.
 
 ``maskd-complete`` is maskd's own llguidance engine in complete JSON-schema mode, in process: the
-relaxed grammar where llguidance refuses a schema, and the document checks (maskd.server.documents)
+relaxed grammar where llguidance refuses a schema, and the document checks (maskd.server.json_schema.documents)
 on every token of those, with EOS only where the finished document passes the validator.
 
 Definitions (the MaskBench ones, per engine, single thread of the caller):
@@ -73,8 +73,8 @@ def _run_llguidance(tok, schemas) -> dict:
 
 # -- maskd's llguidance engine in complete mode (this process) ----------------------------------
 def _run_maskd_complete(tok, schemas) -> dict:
-    from maskd.server.documents import DocumentBuffer
     from maskd.server.engines import GrammarCompileError, create_engine
+    from maskd.server.json_schema.documents import DocumentBuffer
     from maskd.specs import GrammarSpec
 
     engine = create_engine("llguidance", tok, threads=1, json_schema_mode="complete")

@@ -11,7 +11,7 @@ Two layouts:
 
 - ``JsonDocumentChecker``: one JSON document (a ``json_schema`` grammar), after the reasoning end
   marker when the grammar has one. Complete sub-documents are checked as they close (see
-  maskd.server.validation); the whole document is checked before EOS.
+  maskd.server.json_schema.validation); the whole document is checked before EOS.
 - ``ToolCallChecker``: the JSON arguments inside the tags of a structural tag (tool calls in free
   text); each tag's arguments are checked when they close.
 """
@@ -20,8 +20,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from maskd.server.json_scan import JsonScanner
-from maskd.server.validation import SchemaValidator, parse
+from maskd.server.json_schema.scan import JsonScanner
+from maskd.server.json_schema.validation import SchemaValidator, parse
 
 SPECIAL_MARK = b"\xff"
 

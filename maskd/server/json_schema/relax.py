@@ -2,7 +2,7 @@
 
 Every step here widens the set of documents the grammar allows (it drops or loosens constraints,
 never adds one), so a document that satisfies the original schema still satisfies the relaxed
-one; what the relaxation lets through is caught by the exact check of maskd.server.validation,
+one; what the relaxation lets through is caught by the exact check of maskd.server.json_schema.validation,
 which holds the original schema. The steps, in the order they are tried:
 
 1. llguidance's own ``lenient`` option: keywords it cannot enforce (``not``, ``if/then/else``,

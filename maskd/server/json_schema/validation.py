@@ -20,7 +20,7 @@ from typing import Any
 
 import jsonschema_rs
 
-from maskd.server.schema_relax import subschemas
+from maskd.server.json_schema.relax import subschemas
 
 _LEGACY_DRAFTS = ("draft-03", "draft-04", "draft-06", "draft-07")
 

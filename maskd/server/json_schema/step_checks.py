@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from maskd.server.documents import DocumentBuffer
+from maskd.server.json_schema.documents import DocumentBuffer
 from maskd.v1.contract import Code, SeqStatus
 
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None

@@ -6,7 +6,7 @@ import jsonschema_rs
 import pytest
 
 from maskd.server.engines import GrammarCompileError, create_engine
-from maskd.server.schema_relax import (
+from maskd.server.json_schema.relax import (
     RelaxError,
     drop_bad_regexes,
     drop_huge_bounds,

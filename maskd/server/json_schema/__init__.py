@@ -1,0 +1,66 @@
+"""JSON Schema exactness: what makes a JSON-schema request end in a document its schema accepts.
+
+A grammar engine enforces what it can of a schema; this package does the rest, and is the only
+place that knows how. Its modules:
+
+- ``relax``: complete mode's relaxed schema, for one the grammar engine refuses (a superset of the
+  schema's documents that the engine can compile).
+- ``validation``: the exact check (jsonschema-rs over the original schema, formats asserted as
+  MaskBench's reference validators do) and the map of sub-documents worth checking early.
+- ``formats``: the formats asserted whatever the schema's draft.
+- ``scan``: the incremental JSON structure of the output (where sub-documents open and close).
+- ``documents``: one sequence's output as the checks see it (bytes, scan state, rollbacks).
+- ``step_checks``: the hooks the step protocol calls (``DocumentChecks``).
+
+Engines use the functions below (they never reach into the modules); the step protocol uses
+``DocumentChecks``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from maskd.server.json_schema.documents import JsonDocumentChecker, TagSpan, ToolCallChecker
+from maskd.server.json_schema.relax import LENIENT_KEYWORDS, Relaxation, RelaxError, TryCompile, TryRegex, relax
+from maskd.server.json_schema.step_checks import DocumentChecks
+from maskd.server.json_schema.validation import SchemaValidator, ValidatorError
+
+__all__ = [
+    "LENIENT_KEYWORDS",
+    "DocumentChecks",
+    "RelaxError",
+    "Relaxation",
+    "TagSpan",
+    "ValidatorError",
+    "document_checker",
+    "relax_schema",
+    "tag_span",
+    "tool_call_checker",
+]
+
+Markers = tuple[bytes, bytes]
+
+
+def relax_schema(schema: Any, try_compile: TryCompile, try_regex: TryRegex) -> Relaxation:
+    """Complete mode's relaxed schema for one the grammar engine refused (RelaxError when even
+    that does not compile): see ``relax``."""
+    return relax(schema, try_compile, try_regex)
+
+
+def document_checker(schema: Any, tokenizer, markers: Markers = (b"", b""),
+                     relaxed: frozenset[str] = frozenset()) -> JsonDocumentChecker:
+    """The checker of one JSON document against ``schema``: the final check before EOS, and early
+    checks of sub-documents where the grammar may not enforce one of the ``relaxed`` keywords
+    (none for a grammar that enforces the schema whole). ValidatorError when the validator cannot
+    take the schema."""
+    return JsonDocumentChecker(SchemaValidator(schema, relaxed), tokenizer, markers)
+
+
+def tag_span(begin: bytes, ends: tuple[bytes, ...], is_json: bool, schema: Any = None,
+             relaxed: frozenset[str] | None = None, name: str = "") -> TagSpan:
+    """One tag of a structural tag; its JSON content is checked when ``schema`` is given."""
+    validator = SchemaValidator(schema, relaxed or frozenset()) if schema is not None else None
+    return TagSpan(begin, ends, is_json, validator, name)
+
+
+def tool_call_checker(spans: list[TagSpan], tokenizer, markers: Markers = (b"", b"")) -> ToolCallChecker:
+    return ToolCallChecker(spans, tokenizer, markers)
