@@ -243,15 +243,30 @@ def test_eos_token_on_an_unfinished_invalid_document_fails_the_sequence(mc, cl10
     assert "oneOf" in res.reason or "is not valid under any" in res.reason
 
 
-def test_plain_grammars_have_no_document_checks(complete, mc, cl100k):
-    """A schema llguidance enforces whole gets no checker: nothing runs beside its fill."""
+def test_grammars_compiled_whole_get_the_final_check_only(complete, mc, cl100k):
+    """A schema llguidance enforces whole gets no early checks (nothing is scanned while it decodes),
+    only the validator's check of the finished document."""
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     before = complete.metrics.registry.get_sample_value("maskd_validation_seconds_count") or 0
     n, r = drive(mc, "plain", {"json_schema": schema}, cl100k.encode('{"a": 1}'))
     assert r.seqs["plain"].status is FINISHED
-    entry = complete.cache.get(mc.register({"json_schema": schema}))
-    assert entry.compiled.checker is None
-    assert (complete.metrics.registry.get_sample_value("maskd_validation_seconds_count") or 0) == before
+    checker = complete.cache.get(mc.register({"json_schema": schema})).compiled.checker
+    assert checker is not None and not checker.scans
+    assert (complete.metrics.registry.get_sample_value("maskd_validation_seconds_count") or 0) == before + 1
+
+
+@pytest.mark.parametrize("mode", ["strict", "complete"])
+def test_every_finished_document_is_validated_whichever_mode_compiled_it(mode, request, cl100k):
+    """llguidance's date format is a regex: it takes 2023-02-29 (no leap-year rule). The schema
+    compiles whole in both modes, and in both the validator keeps the document from finishing."""
+    server = request.getfixturevalue(mode)
+    schema = {"type": "object", "properties": {"d": {"type": "string", "format": "date"}}, "required": ["d"]}
+    eos = cl100k.eos_token_ids[0]
+    with MaskClient(server.address, want_forced_tokens=False) as client:
+        n, r = drive(client, "leap", {"json_schema": schema}, cl100k.encode('{"d": "2023-02-29"}'))
+        assert r.seqs["leap"].status is FAILED and "2023-02-29" in r.seqs["leap"].reason
+        n, r = drive(client, "ok", {"json_schema": schema}, cl100k.encode('{"d": "2024-02-29"}'))
+        assert r.seqs["ok"].status in (READY, FINISHED) and bit(r, "ok", eos)
 
 
 def test_xgrammar_backend_checks_what_it_loosens(cl100k):

@@ -5,6 +5,7 @@ import random
 
 import pytest
 
+from maskd.server.json_schema import checker_from_description, describe_checker
 from maskd.server.json_schema.documents import DocumentBuffer, JsonDocumentChecker, TagSpan, ToolCallChecker
 from maskd.server.json_schema.relax import LENIENT_KEYWORDS
 from maskd.server.json_schema.scan import JsonScanner
@@ -125,6 +126,31 @@ def test_tool_call_checker_checks_each_call_and_skips_the_others(cl100k):
     assert "tool call 3 (f)" in doc.advance()
 
 
+def test_checkers_rebuilt_from_their_description_check_the_same(cl100k):
+    """Compiled grammars travel between processes and replicas; their checkers travel as descriptions."""
+    json_checker = JsonDocumentChecker(SchemaValidator(SCHEMA, LENIENT_KEYWORDS), cl100k, (b"<t>", b"</t>"))
+    v = SchemaValidator({"type": "object", "properties": {"n": {"type": "integer", "not": {"const": 1}}}},
+                        LENIENT_KEYWORDS)
+    tool_checker = ToolCallChecker([TagSpan(b"<f>", (b"</f>", b"\xffend"), True, v, "f"),
+                                    TagSpan(b"<g>", (b"</g>",), True, None, "g")], cl100k)
+    texts = {id(json_checker): ['<t></t>{"tags": ["a", "a"]}', '<t>x</t>{"tags": ["a"], "pair": [1, "x"]}'],
+             id(tool_checker): ['<g>{"n": 1}</g><f>{"n": 2}</f>', '<f>{"n": 1}</f>']}
+    for checker in (json_checker, tool_checker):
+        desc = json.loads(json.dumps(describe_checker(checker)))
+        rebuilt = checker_from_description(desc, cl100k)
+        assert type(rebuilt) is type(checker) and describe_checker(rebuilt) == desc
+        verdicts = []
+        for text in texts[id(checker)]:
+            a, b = DocumentBuffer(checker), DocumentBuffer(rebuilt)
+            a.extend(tokens(cl100k, text))
+            b.extend(tokens(cl100k, text))
+            assert a.final() == b.final()
+            verdicts.append(b.final() is None)
+        assert verdicts == ([False, True] if checker is json_checker else [True, False])
+    with pytest.raises(ValueError, match="unknown document checker kind"):
+        checker_from_description({"kind": "yaml", "markers": ["", ""]}, cl100k)
+
+
 @pytest.mark.parametrize("schema,message", [
     ({"type": 12}, "cannot use this schema"),
     ({"$ref": "https://example.com/schema.json"}, "cannot use this schema"),
@@ -150,3 +176,25 @@ def test_values_the_validator_cannot_take_give_a_message():
     value, problem = parse(b'"\\ud800"')
     assert problem is None
     assert "the validator cannot check this document" in v.check(value)
+
+
+@pytest.mark.parametrize("draft", ["http://json-schema.org/draft-04/schema#", "http://json-schema.org/draft-07/schema#",
+                                   "https://json-schema.org/draft/2020-12/schema"])
+@pytest.mark.parametrize(("fmt", "good", "bad"), [
+    ("iri", "https://example.com/caf\u00e9", "not an iri"),
+    ("uuid", "123e4567-e89b-12d3-a456-426614174000", "123e4567-e89b-12d3-a456"),
+    ("uri-reference", "/a/b?c#d", "\\\\ not a reference"),
+    ("json-pointer", "/a/b", "a/b"),
+    ("duration", "P3D", "3 days"),
+    ("date", "2024-02-29", "2023-02-29"),
+])
+def test_every_known_format_is_asserted_whatever_the_draft(draft, fmt, good, bad):
+    # As MaskBench's reference validators do; draft-04 alone would let "not an iri" pass.
+    v = SchemaValidator({"$schema": draft, "type": "string", "format": fmt}, frozenset())
+    assert v.check(good) is None
+    assert "not a" in v.check(bad) and fmt in v.check(bad)
+
+
+def test_a_format_no_draft_defines_is_not_asserted():
+    v = SchemaValidator({"$schema": "http://json-schema.org/draft-04/schema#", "format": "textFile"}, frozenset())
+    assert v.check("anything at all") is None

@@ -31,8 +31,9 @@ class CompiledGrammar:
     handle: Any            # backend object (llguidance grammar string, xgrammar CompiledGrammar)
     compile_seconds: float
     prototype: Any = None  # backend's initial-state matcher that new matchers copy, if it has one
-    # Complete JSON-schema mode: the grammar is a relaxation and finished documents are checked
-    # (a maskd.server.json_schema.documents.DocumentChecker); None when the grammar enforces everything.
+    # JSON documents in the output are checked by the validator: every finished one, and in complete
+    # mode the sub-documents a relaxed grammar may not enforce (a maskd.server.json_schema
+    # DocumentChecker); None for grammars without JSON schemas.
     checker: Any = None
 
 

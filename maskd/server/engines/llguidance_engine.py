@@ -24,6 +24,8 @@ from maskd.server.json_schema import (
     RelaxError,
     TagSpan,
     ValidatorError,
+    checker_from_description,
+    describe_checker,
     document_checker,
     relax_schema,
     tag_span,
@@ -34,8 +36,9 @@ from maskd.specs import GrammarSpec
 log = logging.getLogger("maskd.server.engines.llguidance")
 
 # Bumped when maskd changes how a spec maps onto llguidance (it is part of every grammar id).
-_MAPPING_REVISION = 1
-_RELAXED_MAGIC = b"maskd-relaxed-grammar-v1"
+_MAPPING_REVISION = 2
+# A serialized grammar with document checks: magic, 8-byte length, the checker's description, grammar.
+_CHECKED_MAGIC = b"maskd-checked-grammar-v2\n"
 # x-guidance options that loosen the schema: only complete mode relaxes (and then validates).
 _LOOSENING = ("lenient", "coerce_one_of")
 _WHITESPACE_KEYS = {"whitespace_flexible", "whitespace_pattern"}
@@ -175,14 +178,16 @@ class LLGuidanceEngine(Engine):
     # -- JSON schemas --------------------------------------------------------------------------------
     def _json_schema(self, spec: GrammarSpec):
         schema = json.loads(spec.text)
+        markers = (self.specials.marked(spec.reasoning_start), self.specials.marked(spec.reasoning_end))
         try:
-            return self._json_grammar(spec, schema, lenient=False), None
+            compiled = self._json_grammar(spec, schema, lenient=False)
         except GrammarCompileError as exc:
             if self.json_schema_mode != "complete" or not isinstance(schema, dict):
                 raise
             strict_error = str(exc)
+        else:
+            return compiled, self._final_check(schema, markers)
         relaxed, compiled = self._relax(spec, schema, strict_error)
-        markers = (self.specials.marked(spec.reasoning_start), self.specials.marked(spec.reasoning_end))
         try:
             checker = document_checker(schema, self.tokenizer, markers, relaxed.keywords)
         except ValidatorError as exc:
@@ -190,6 +195,16 @@ class LLGuidanceEngine(Engine):
         log.info("json schema relaxed for complete mode (%s); the grammar refused it: %s",
                  relaxed.describe(), strict_error[:200])
         return compiled, checker
+
+    def _final_check(self, schema: Any, markers: tuple[bytes, bytes]):
+        """The validator's check of every finished document of a grammar llguidance compiled whole:
+        microseconds per document, and it catches the grammar engine's own mistakes. A schema the
+        validator cannot take keeps the grammar alone (it compiled exactly), with a log line."""
+        try:
+            return document_checker(schema, self.tokenizer, markers)
+        except ValidatorError as exc:
+            log.info("json schema enforced by the grammar alone: %s", exc)
+            return None
 
     def _json_options(self, spec: GrammarSpec, schema: dict, lenient: bool) -> dict:
         """The schema's x-guidance options: ours for whitespace (unless the schema sets its own), never
@@ -283,7 +298,7 @@ class LLGuidanceEngine(Engine):
         grammar = self._lark(text)
         probe = self._checked(grammar)
         checker = None
-        if any(t.relaxed for t in builder.tags):
+        if any(t.is_json and t.json_schema is not None for t in builder.tags):   # every call's arguments checked
             markers = (self.specials.marked(spec.reasoning_start), self.specials.marked(spec.reasoning_end))
             checker = tool_call_checker([self._tag_span(t, relaxations) for t in builder.tags], self.tokenizer, markers)
         return (grammar, probe), checker
@@ -294,14 +309,18 @@ class LLGuidanceEngine(Engine):
         def marked(x: str | int) -> bytes:
             return b"\xff" + names[x] if isinstance(x, int) else self.specials.marked(x)
 
-        schema, keywords = None, None
-        if tag.relaxed:
-            schema = tag.json_schema
-            keywords = relaxations[json.dumps(tag.json_schema, sort_keys=True)].keywords
         label = tag.begin if isinstance(tag.begin, str) else names[tag.begin].decode("utf-8", "replace")
+        begin, ends = marked(tag.begin), tuple(marked(e) for e in tag.ends)
+        schema = tag.json_schema if tag.is_json else None
+        if not tag.relaxed:   # compiled whole: the final check only, if the validator takes the schema
+            try:
+                return tag_span(begin, ends, tag.is_json, schema, frozenset(), label[:80])
+            except ValidatorError as exc:
+                log.info("a tool's JSON schema is enforced by the grammar alone: %s", exc)
+                return tag_span(begin, ends, tag.is_json, None, None, label[:80])
+        keywords = relaxations[json.dumps(tag.json_schema, sort_keys=True)].keywords
         try:
-            return tag_span(marked(tag.begin), tuple(marked(e) for e in tag.ends), tag.is_json, schema, keywords,
-                            label[:80])
+            return tag_span(begin, ends, tag.is_json, schema, keywords, label[:80])
         except ValidatorError as exc:
             raise GrammarCompileError(f"a tool's JSON schema does not compile (complete mode: {exc})") from exc
 
@@ -350,19 +369,27 @@ class LLGuidanceEngine(Engine):
         self.executor.unsafe_compute_mask_ptr_with_draft_token(jobs, out.ctypes.data, out.shape[1] * 4, batch)
 
     def serialize(self, grammar: CompiledGrammar) -> bytes:
-        if grammar.checker is not None:
-            return _RELAXED_MAGIC   # its checker is rebuilt from the spec: recompiled where it is needed
-        return grammar.handle.encode()
+        if grammar.checker is None:
+            return grammar.handle.encode()
+        head = json.dumps(describe_checker(grammar.checker), ensure_ascii=False).encode()
+        return _CHECKED_MAGIC + len(head).to_bytes(8, "little") + head + grammar.handle.encode()
 
     def deserialize(self, spec: GrammarSpec, data: bytes) -> CompiledGrammar:
         """A grammar compiled elsewhere (a compile worker, another replica): its prototype matcher is
-        built here, off the step path. A relaxed grammar (complete mode) carries a validator that
-        does not serialize: it is compiled again here."""
-        if data == _RELAXED_MAGIC:
-            return self.compile(spec)
+        built here, off the step path, and its document checker (validators do not serialize) is
+        built again from the description that came with it."""
+        checker = None
+        if data.startswith(_CHECKED_MAGIC):
+            at = len(_CHECKED_MAGIC)
+            size = int.from_bytes(data[at:at + 8], "little")
+            try:
+                checker = checker_from_description(json.loads(data[at + 8:at + 8 + size]), self.tokenizer)
+            except (ValueError, KeyError, TypeError, ValidatorError) as exc:
+                raise GrammarCompileError(f"cannot load the serialized grammar's document checks: {exc}") from exc
+            data = data[at + 8 + size:]
         t0 = time.perf_counter()
         grammar = data.decode()
         probe = llguidance.LLMatcher(self.ll, grammar, log_level=0)
         if probe.is_error():
             raise GrammarCompileError(_first_line(probe.get_error()))
-        return CompiledGrammar(spec, grammar, time.perf_counter() - t0, _Prototype(probe))
+        return CompiledGrammar(spec, grammar, time.perf_counter() - t0, _Prototype(probe), checker=checker)

@@ -47,6 +47,7 @@ measured, a 90 ms batch fill in one thread stalled a Python loop in another for 
 from __future__ import annotations
 
 import json
+import logging
 import re
 import time
 import zlib
@@ -59,6 +60,8 @@ from xgrammar._version import version as _XGR_VERSION
 from maskd.server.engines.base import CompiledGrammar, Engine, GrammarCompileError, Matcher
 from maskd.server.json_schema import ValidatorError, document_checker
 from maskd.specs import GrammarSpec
+
+log = logging.getLogger("maskd.server.engines.xgrammar")
 
 # Bumped when maskd changes how a spec maps onto xgrammar (it is part of every grammar id).
 _MAPPING_REVISION = 2
@@ -319,14 +322,18 @@ class XGrammarEngine(Engine):
         return CompiledGrammar(spec, handle, time.perf_counter() - t0, checker=self._checker(spec))
 
     def _checker(self, spec: GrammarSpec):
-        """Complete mode: xgrammar loosens JSON schemas by itself (minItems, maxItems, ...), so every
-        finished JSON document is checked by the validator before EOS (no early checks)."""
-        if spec.kind != "json_schema" or self.json_schema_mode != "complete":
+        """xgrammar loosens JSON schemas by itself (minItems, maxItems, ...), so every finished JSON
+        document is checked by the validator before EOS (no early checks), in either mode. A schema
+        the validator cannot take is refused in complete mode and left to the grammar in strict."""
+        if spec.kind != "json_schema":
             return None
         try:
             markers = (spec.reasoning_start.encode(), spec.reasoning_end.encode())   # markers are text here
             return document_checker(json.loads(spec.text), self.tokenizer, markers)
         except ValidatorError as exc:
+            if self.json_schema_mode != "complete":
+                log.info("json schema enforced by the grammar alone: %s", exc)
+                return None
             raise GrammarCompileError(f"complete mode: {exc}") from exc
 
     def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:

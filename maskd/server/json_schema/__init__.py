@@ -19,7 +19,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from maskd.server.json_schema.documents import JsonDocumentChecker, TagSpan, ToolCallChecker
+from maskd.server.json_schema.documents import (
+    DocumentChecker,
+    JsonDocumentChecker,
+    TagSpan,
+    ToolCallChecker,
+    checker_from_description,
+)
 from maskd.server.json_schema.relax import LENIENT_KEYWORDS, Relaxation, RelaxError, TryCompile, TryRegex, relax
 from maskd.server.json_schema.step_checks import DocumentChecks
 from maskd.server.json_schema.validation import SchemaValidator, ValidatorError
@@ -31,6 +37,8 @@ __all__ = [
     "Relaxation",
     "TagSpan",
     "ValidatorError",
+    "checker_from_description",
+    "describe_checker",
     "document_checker",
     "relax_schema",
     "tag_span",
@@ -60,6 +68,12 @@ def tag_span(begin: bytes, ends: tuple[bytes, ...], is_json: bool, schema: Any =
     """One tag of a structural tag; its JSON content is checked when ``schema`` is given."""
     validator = SchemaValidator(schema, relaxed or frozenset()) if schema is not None else None
     return TagSpan(begin, ends, is_json, validator, name)
+
+
+def describe_checker(checker: DocumentChecker) -> dict:
+    """A JSON-able description that rebuilds ``checker`` in another process or replica
+    (``checker_from_description``): compiled grammars travel, validators are built again."""
+    return checker.describe()
 
 
 def tool_call_checker(spans: list[TagSpan], tokenizer, markers: Markers = (b"", b"")) -> ToolCallChecker:

@@ -119,6 +119,9 @@ class DocumentChecker:
     def closed(self, state: Any, data: bytearray) -> bool:
         return False
 
+    def describe(self) -> dict:
+        raise NotImplementedError
+
     @property
     def scans(self) -> bool:
         """Whether the output is scanned as it grows (early checks); if not, only the final check."""
@@ -147,6 +150,11 @@ class JsonDocumentChecker(DocumentChecker):
 
     def new_state(self) -> _DocState:
         return _DocState()
+
+    def describe(self) -> dict:
+        """What rebuilds this checker elsewhere (``checker_from_description``)."""
+        return {"kind": "json", "markers": [self.reasoning_start.hex(), self.reasoning_end.hex()],
+                "schema": self.validator.schema, "relaxed": sorted(self.validator.relaxed)}
 
     @property
     def scans(self) -> bool:
@@ -222,6 +230,13 @@ class ToolCallChecker(DocumentChecker):
     def new_state(self) -> _ToolState:
         return _ToolState()
 
+    def describe(self) -> dict:
+        """What rebuilds this checker elsewhere (``checker_from_description``)."""
+        tags = [{"begin": t.begin.hex(), "ends": [e.hex() for e in t.ends], "json": t.json, "name": t.name,
+                 "schema": None if t.validator is None else t.validator.schema,
+                 "relaxed": None if t.validator is None else sorted(t.validator.relaxed)} for t in self.tags]
+        return {"kind": "tools", "markers": [self.reasoning_start.hex(), self.reasoning_end.hex()], "tags": tags}
+
     def scan(self, st: _ToolState, data: bytearray) -> str | None:
         if st.body < 0:
             st.body = self.body_start(data)
@@ -273,3 +288,16 @@ class ToolCallChecker(DocumentChecker):
         if st.tag is not None and st.scanner is not None and not st.after_json and st.tag.validator is not None:
             return "a tool call's arguments are not finished"
         return None
+
+
+def checker_from_description(desc: dict, tokenizer) -> DocumentChecker:
+    """The checker ``describe`` described (its validators built again: they do not serialize)."""
+    markers = (bytes.fromhex(desc["markers"][0]), bytes.fromhex(desc["markers"][1]))
+    if desc["kind"] == "json":
+        return JsonDocumentChecker(SchemaValidator(desc["schema"], frozenset(desc["relaxed"])), tokenizer, markers)
+    if desc["kind"] == "tools":
+        tags = [TagSpan(bytes.fromhex(t["begin"]), tuple(bytes.fromhex(e) for e in t["ends"]), t["json"],
+                        None if t["relaxed"] is None else SchemaValidator(t["schema"], frozenset(t["relaxed"])),
+                        t["name"]) for t in desc["tags"]]
+        return ToolCallChecker(tags, tokenizer, markers)
+    raise ValueError(f"unknown document checker kind {desc['kind']!r}")

@@ -20,6 +20,7 @@ from typing import Any
 
 import jsonschema_rs
 
+from maskd.server.json_schema.formats import FORMAT_CHECKERS
 from maskd.server.json_schema.relax import subschemas
 
 _LEGACY_DRAFTS = ("draft-03", "draft-04", "draft-06", "draft-07")
@@ -42,9 +43,10 @@ def _where(prefix: str, path) -> str:
 
 
 def build(schema: Any):
-    """A jsonschema-rs validator (formats asserted, no network), or ValidatorError."""
+    """A jsonschema-rs validator (draft 2020-12's formats asserted in every draft, see formats.py; no
+    network), or ValidatorError."""
     try:
-        return jsonschema_rs.validator_for(schema, validate_formats=True, offline=True)
+        return jsonschema_rs.validator_for(schema, formats=FORMAT_CHECKERS, validate_formats=True, offline=True)
     except (jsonschema_rs.ValidationError, ValueError, TypeError) as exc:
         raise ValidatorError(f"the JSON Schema validator cannot use this schema: {_message(exc)}") from exc
     except Exception as exc:   # a panic or a referencing error surfaces as another type
@@ -85,9 +87,15 @@ class SchemaValidator:
         self._pins: dict[str, bool] = {}
         self._nodes: dict[str, Any] = {}
         self._by_node: dict[int, bool] = {}   # id(subschema) -> holds a relaxed keyword (the schema is kept alive)
-        self.root_ctx = self._expand("") if isinstance(schema, dict) else None
-        if self.root_ctx is not None and not any(self._subtree_relaxed(p) for p in self.root_ctx):
-            self.root_ctx = None    # nothing below the root to check early
+        self.root_ctx: frozenset[str] | None = None   # None: nothing below the root to check early
+        if relaxed_keywords and isinstance(schema, dict):
+            try:
+                root = self._expand("")
+                if any(self._subtree_relaxed(p) for p in root):
+                    self.root_ctx = root
+            except RecursionError:   # references chained deeper than a walk can follow: the final check only
+                self._pins.clear()
+                self._by_node.clear()
 
     def check(self, value: Any) -> str | None:
         return check(self.root, value)
@@ -119,7 +127,8 @@ class SchemaValidator:
     def _validator(self, ptr: str):
         if self._map is None:
             try:
-                self._map = jsonschema_rs.validator_map_for(self.schema, validate_formats=True, offline=True)
+                self._map = jsonschema_rs.validator_map_for(self.schema, formats=FORMAT_CHECKERS, validate_formats=True,
+                                                             offline=True)
             except Exception:
                 self._map = False
         return self._map.get("#" + ptr) if self._map else None
