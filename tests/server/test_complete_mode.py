@@ -133,6 +133,8 @@ def test_invalid_instances_never_get_eos(mc, cl100k, keyword):
         res = r.seqs[sid]
         if res.status is FAILED:
             assert "JSON schema" in res.reason and res.code is not None, res.reason
+        elif n < len(tokens):   # a row refused one of its tokens (a closer kept off): it never gets there
+            assert res.status is READY and not bit(r, sid, tokens[n]), (value, n, res)
         else:   # every token went in and the document may still grow into a valid one (a number)
             assert n == len(tokens) and res.status is READY, (value, n, res)
             assert not res.accepting and not bit(r, sid, eos)
@@ -289,3 +291,58 @@ def test_rolling_back_an_eos_takes_back_only_the_eos(mc, cl100k):
     assert r.seqs["rb-eos"].status is FINISHED
     r = mc.step({"rb-eos": StepInput(tokens=cl100k.encode("2"), rollback=1)})   # "42": both branches
     assert r.seqs["rb-eos"].status is READY and not bit(r, "rb-eos", eos) and not r.seqs["rb-eos"].accepting
+
+
+# A schema llguidance refuses (uniqueItems), so complete mode relaxes it: keys in any order, and
+# "required" left to the validator and to the rows (closers kept off while a key is missing).
+ANY_ORDER = {"type": "object", "required": ["id", "o"], "additionalProperties": {"type": "string"},
+             "properties": {"id": {"type": "integer"},
+                            "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True},
+                            "o": {"type": "object", "required": ["x"],
+                                  "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}}}}}
+
+
+@pytest.mark.parametrize("value", [{"$schema": "s", "o": {"y": 1, "x": 2}, "id": 1},
+                                   {"tags": ["a"], "id": 2, "note": "n", "o": {"x": 1}}])
+def test_keys_in_any_order_are_accepted(mc, cl100k, value):
+    """MaskBench's most common refusal: a key the schema does not declare ("$schema") or a declared
+    one written before an earlier-declared one."""
+    eos = cl100k.eos_token_ids[0]
+    tokens = cl100k.encode(text(value))
+    n, r = drive(mc, "order", {"json_schema": ANY_ORDER}, tokens)
+    res = r.seqs["order"]
+    assert n == len(tokens) and res.accepting and bit(r, "order", eos), (value, n, res)
+    mc.close("order")
+
+
+def one_token(tok, s):
+    ids = tok.encode(s)
+    assert len(ids) == 1, (s, ids)
+    return ids[0]
+
+
+def test_an_object_missing_a_required_key_cannot_close(mc, cl100k):
+    eos = cl100k.eos_token_ids[0]
+    closers = {s: one_token(cl100k, s) for s in ("}", "}}", "},", " }")}
+
+    def feed(s):
+        nonlocal r
+        for t in cl100k.encode(s):
+            assert bit(r, "veto", t), (s, t)
+            r = mc.step({"veto": [t]})
+        assert r.seqs["veto"].status in (READY, FINISHED)
+
+    r = opened(mc, "veto", {"json_schema": ANY_ORDER})
+    feed('{"o": {"y": 1')                      # o misses x, the root misses id
+    assert not any(bit(r, "veto", t) for t in closers.values())
+    assert bit(r, "veto", one_token(cl100k, ","))
+    feed(', "x": 2')                           # o may close; the root may not
+    assert bit(r, "veto", closers["}"]) and bit(r, "veto", closers["},"])
+    assert not bit(r, "veto", closers["}}"])
+    feed('}, "s": "abc')                       # inside a string: '"}' would close it and the root
+    assert not bit(r, "veto", one_token(cl100k, '"}')) and bit(r, "veto", one_token(cl100k, '",'))
+    feed('", "id": 3')
+    assert bit(r, "veto", closers["}"])
+    feed("}")
+    assert r.seqs["veto"].accepting and bit(r, "veto", eos)
+    mc.close("veto")

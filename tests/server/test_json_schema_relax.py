@@ -8,6 +8,7 @@ import pytest
 from maskd.server.engines import GrammarCompileError, create_engine
 from maskd.server.json_schema.relax import (
     RelaxError,
+    any_key_order,
     drop_bad_regexes,
     drop_huge_bounds,
     drop_property_counts,
@@ -50,6 +51,8 @@ INSTANCES = [{}, {"a": 1}, {"a": "x"}, {"ab": 1, "b": 2}, {"x1": 5, "y": [1, 2]}
     (first_of_all_of, {"allOf": [{"type": "object"}, {"required": ["a"]}, {"maxProperties": 1}]}),
     (without_all_of, {"allOf": [{"type": "object"}, {"required": ["a"]}]}),
     (drop_property_counts, {"type": "object", "properties": {"a": {}, "b": {}}, "minProperties": 2}),
+    (any_key_order, {"type": "object", "properties": {"a": {"type": "integer"}, "b": {}}, "required": ["a", "b"],
+                     "additionalProperties": False, "anyOf": [{"required": ["x1"]}, {"required": ["ab"]}]}),
 ])
 def test_every_rewrite_widens(rewrite, schema):
     relaxed = rewrite(json.loads(json.dumps(schema)), no_regex_ok)
@@ -80,8 +83,10 @@ def test_rewrites_reach_ref_targets_outside_schema_keywords():
       "propertyNames": {"maxLength": 3}}, "overlapping patternProperties merged"),
     ({"type": "integer", "minimum": -9223372036854775808, "maximum": 9223372036854775807, "not": {"const": 0}},
      "number bounds"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "allOf": [{"properties": {"b": {}}}],
+      "minProperties": 1, "not": {"const": {}}}, "min/maxProperties"),
     ({"type": "object", "properties": {"a": {"type": "integer"}}, "minProperties": 1, "not": {"const": {}}},
-     "min/maxProperties"),
+     "properties in any order"),
 ])
 def test_relax_gets_past_each_kind_of_refusal(engine, schema, step):
     with pytest.raises(GrammarCompileError):
@@ -120,3 +125,48 @@ def test_a_loosening_asked_for_inside_the_schema_is_not_taken(cl100k):
     schema = {"x-guidance": {"lenient": True, "coerce_one_of": True}, "type": "integer", "not": {"const": 1}}
     with pytest.raises(GrammarCompileError, match="not"):
         strict.compile(GrammarSpec.create("json_schema", schema))
+
+
+def test_any_key_order_turns_declared_properties_into_literal_patterns():
+    schema = {"type": "object", "properties": {"a.b": {"type": "integer"}, "c d": {"type": "string"}},
+              "required": ["a.b"], "additionalProperties": {"type": "boolean"},
+              "$defs": {"inner": {"properties": {"x": {"properties": {"y": {}}, "required": ["y"]}}}}}
+    out = any_key_order(schema, lambda p: True)
+    assert out["patternProperties"] == {"^a\\.b$": {"type": "integer"}, "^c d$": {"type": "string"}}
+    assert "properties" not in out and "required" not in out and out["additionalProperties"] == {"type": "boolean"}
+    inner = out["$defs"]["inner"]["patternProperties"]["^x$"]   # nested and $defs too, deepest first
+    assert inner == {"patternProperties": {"^y$": {}}}
+
+
+@pytest.mark.parametrize("schema,path", [
+    # llguidance merges declared properties by name where schemas intersect, pattern properties it does not
+    ({"allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]}, ("allOf", 0)),
+    ({"properties": {"a": {}}, "anyOf": [{"properties": {"b": {}}}]}, ()),
+    ({"properties": {"a": {}}, "anyOf": [{"properties": {"b": {}}}]}, ("anyOf", 0)),
+    ({"$defs": {"t": {"properties": {"a": {}}}}, "$ref": "#/$defs/t", "required": ["a"]}, ("$defs", "t")),
+    # its own pattern may match a declared name: both would apply to that key
+    ({"properties": {"ab": {}}, "patternProperties": {"^a": {"type": "integer"}}}, ()),
+])
+def test_any_key_order_leaves_intersected_objects_in_order(schema, path):
+    out = any_key_order(schema, lambda p: True)
+    node = out
+    for part in path:
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    assert "properties" in node
+
+
+def test_any_key_order_follows_a_ref_whose_siblings_constrain_nothing():
+    schema = {"$schema": "http://json-schema.org/draft-04/schema#", "$ref": "#/definitions/t", "comments": ["x"],
+              "definitions": {"t": {"properties": {"a": {}}, "required": ["a"]}}}
+    assert any_key_order(schema, lambda p: True)["definitions"]["t"] == {"patternProperties": {"^a$": {}}}
+
+
+def test_relaxed_grammar_takes_keys_in_any_order_and_keeps_the_order_where_it_must(engine):
+    from maskd.specs import GrammarSpec
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
+              "required": ["a"], "additionalProperties": {"type": "boolean"}, "not": {"const": {}}}
+    compiled = engine.compile(GrammarSpec.create("json_schema", schema))
+    m = engine.new_matcher(compiled)
+    for text, ok in (('{"z": true, "b": "x", "a": 1}', True), ('{"b": 1}', False), ('{"z": 1}', False)):
+        tokens = engine.tokenizer.encode(text)
+        assert (m.validate(tokens) == len(tokens)) is ok, text

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from maskd.server.json_schema.closers import CloserTable, closer_table
 from maskd.server.json_schema.scan import JsonScanner
 from maskd.server.json_schema.validation import SchemaValidator, parse
 
@@ -102,6 +103,8 @@ class DocumentBuffer:
 class DocumentChecker:
     """Per grammar: where its documents are in the output and how each is checked."""
 
+    closers: CloserTable | None = None   # set where rows must keep objects open (JsonDocumentChecker)
+
     def __init__(self, tokenizer, reasoning: tuple[bytes, bytes] = (b"", b"")) -> None:
         self.tokenizer = tokenizer
         self.eos = frozenset(int(t) for t in tokenizer.eos_token_ids)
@@ -121,6 +124,9 @@ class DocumentChecker:
 
     def describe(self) -> dict:
         raise NotImplementedError
+
+    def open_requirement(self, state: Any) -> tuple[int, bool] | None:
+        return None
 
     @property
     def scans(self) -> bool:
@@ -147,6 +153,9 @@ class JsonDocumentChecker(DocumentChecker):
     def __init__(self, validator: SchemaValidator, tokenizer, reasoning: tuple[bytes, bytes] = (b"", b"")) -> None:
         super().__init__(tokenizer, reasoning)
         self.validator = validator
+        # The grammar may not know which keys are required: rows keep such objects open (closers.py).
+        self.closers = (closer_table(tokenizer)
+                        if "required" in validator.relaxed and validator.root_ctx is not None else None)
 
     def new_state(self) -> _DocState:
         return _DocState()
@@ -176,6 +185,29 @@ class JsonDocumentChecker(DocumentChecker):
             if problem is not None:
                 return f"the document cannot match the JSON schema: {problem}"
         return None
+
+    def open_requirement(self, state: _DocState) -> tuple[int, bool] | None:
+        """(k, inside a string) when the k-th open container (1: the innermost) is the innermost
+        pinned object that still misses a required key: tokens that would close it must not be
+        allowed. None when closing is up to the grammar."""
+        sc = state.scanner
+        if self.closers is None or sc is None or not sc.stack or sc.escape or sc.done:
+            return None
+        for k, frame in enumerate(reversed(sc.stack), 1):
+            if frame.is_object and frame.ctx is not None and self._misses_a_key(frame.ctx[0], frame.keys):
+                return k, sc.in_string
+        return None
+
+    def _misses_a_key(self, ptrs, keys: list[str]) -> bool:
+        v = self.validator
+        for ptr in ptrs:
+            node = v._node(ptr)
+            if not isinstance(node, dict) or (v.legacy and "$ref" in node):
+                continue
+            required = node.get("required")
+            if isinstance(required, list) and any(isinstance(r, str) and r not in keys for r in required):
+                return True
+        return False
 
     def _watch(self, ctx, key):
         ptrs, where = ctx

@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -68,13 +69,26 @@ TryRegex = Callable[[str], bool]
 
 
 def relax(schema: Any, try_compile: TryCompile, try_regex: TryRegex, *, max_rounds: int = 8) -> Relaxation:
-    """The relaxed schema for one the engine refused (RelaxError when even that fails)."""
+    """The relaxed schema for one the engine refused (RelaxError when even that fails): with
+    properties in any order where the engine can build that, else in the schema's order."""
     if not isinstance(schema, dict):
         raise RelaxError("only an object schema can be relaxed")
+    ordered = any_key_order(schema, try_regex)
+    if ordered != schema:
+        try:
+            found = _relax(ordered, schema, try_compile, try_regex, max_rounds)
+            return dataclasses.replace(found, steps=(found.steps[0], _ANY_ORDER, *found.steps[1:]),
+                                       keywords=found.keywords | {"required"})
+        except RelaxError:
+            pass
+    return _relax(schema, schema, try_compile, try_regex, max_rounds)
+
+
+def _relax(start: Any, schema: Any, try_compile: TryCompile, try_regex: TryRegex, max_rounds: int) -> Relaxation:
     steps = ["lenient: unenforceable keywords left to the validator, oneOf as anyOf"]
     keywords = set(LENIENT_KEYWORDS)
-    current = drop_property_counts(schema, try_regex)
-    if current != schema:
+    current = drop_property_counts(start, try_regex)
+    if current != start:
         steps.append("min/maxProperties beside optional properties left to the validator")
     error = try_compile(current, True)
     tried: set[str] = set()
@@ -216,6 +230,164 @@ def drop_bad_regexes(schema: Any, try_regex: TryRegex) -> Any:
 
 def merge_pattern_properties(schema: Any, try_regex: TryRegex) -> Any:
     return map_schemas(schema, lambda node: _fold_pattern_properties(node, [], merged=True))
+
+
+_ANY_ORDER = "properties in any order (required ones left to the validator)"
+_REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")
+
+
+def _literal(name: str) -> str:
+    """A regex matching exactly ``name`` (only regex metacharacters escaped)."""
+    return "^" + "".join("\\" + c if c in _REGEX_META else c for c in name) + "$"
+
+
+def any_key_order(schema: Any, try_regex: TryRegex) -> Any:
+    """Every ``properties`` entry becomes an anchored literal ``patternProperties`` entry: llguidance
+    fixes declared properties to the schema's order but takes pattern properties in any order, and a
+    document may list its keys in any order. ``required`` goes with it (the engine would put required
+    keys first): the validator checks it. Only objects that stand alone are rewritten: llguidance
+    merges declared properties by name where schemas intersect (``allOf``, a branch beside the
+    parent's own properties, ``$ref`` with siblings) but not pattern properties, so those keep
+    their order; so does a node whose own patternProperties may match a declared name."""
+    if not isinstance(schema, dict):
+        return schema
+    blocked = _intersected(schema)
+    out = schema
+    for path in sorted(_object_nodes(schema), key=len, reverse=True):   # deepest first: paths stay valid
+        if path in blocked:
+            continue
+        node = _at(out, path)
+        props = node.get("properties")
+        pp = node.get("patternProperties", {})
+        if not isinstance(pp, dict) or (pp and not _names_outside(props, pp)):
+            continue
+        literals = {_literal(name): sub for name, sub in props.items()}
+        if not all(try_regex(p) for p in literals):
+            continue
+        rewritten = {k: v for k, v in node.items()
+                     if k not in ("properties", "required", "patternProperties", "allOf", "anyOf", "oneOf")}
+        rewritten["patternProperties"] = {**literals, **pp}   # the combinators held "required" only
+        out = _put(out, path, rewritten)
+    return out
+
+
+_COMBINATORS = ("allOf", "anyOf", "oneOf", "$ref")
+_OBJECT_WORDS = ("properties", "patternProperties", "additionalProperties", "required")
+# Siblings of a $ref that make llguidance intersect the target with them.
+_INTERSECTING = frozenset({*_OBJECT_WORDS, "allOf", "anyOf", "oneOf", "unevaluatedProperties"})
+# What a branch may hold and still be dropped whole once its "required" goes to the validator.
+_ANNOTATIONS = frozenset({"required", "title", "description", "$comment", "examples"})
+
+
+def _walk(schema: Any, path: tuple = ()):
+    """(path, node) of every subschema object, at schema positions only."""
+    if not isinstance(schema, dict):
+        return
+    yield path, schema
+    for key in _ONE:
+        if isinstance(schema.get(key), dict):
+            yield from _walk(schema[key], (*path, key))
+    for key in _LIST:
+        if isinstance(schema.get(key), list):
+            for i, sub in enumerate(schema[key]):
+                yield from _walk(sub, (*path, key, str(i)))
+    for key in _MAP:
+        if isinstance(schema.get(key), dict):
+            for name, sub in schema[key].items():
+                yield from _walk(sub, (*path, key, name))
+
+
+def _object_nodes(schema: Any) -> list[tuple]:
+    """Objects with declared properties that intersect with nothing, or only with branches that
+    hold nothing but ``required`` ("one of these keys must be there")."""
+    return [path for path, node in _walk(schema)
+            if isinstance(node.get("properties"), dict) and node["properties"] and "$ref" not in node
+            and all(_required_only(node.get(k)) for k in ("allOf", "anyOf", "oneOf") if k in node)]
+
+
+def _required_only(branches: Any, depth: int = 0) -> bool:
+    if not isinstance(branches, list) or depth > 16:
+        return False
+    for b in branches:
+        if not isinstance(b, dict):
+            return False
+        for key, value in b.items():
+            if key in ("allOf", "anyOf", "oneOf"):
+                if not _required_only(value, depth + 1):
+                    return False
+            elif key not in _ANNOTATIONS:
+                return False
+    return True
+
+
+def _intersected(schema: Any) -> set[tuple]:
+    """Paths of subschemas llguidance intersects with another one holding object keywords."""
+    blocked: set[tuple] = set()
+
+    def block(path: tuple, depth: int = 0) -> None:
+        if path in blocked or depth > 64:
+            return
+        blocked.add(path)
+        node = _at(schema, path)
+        if not isinstance(node, dict):
+            return
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#/"):
+            block(_pointer(ref), depth + 1)
+        for key in ("allOf", "anyOf", "oneOf"):
+            if isinstance(node.get(key), list):
+                for i in range(len(node[key])):
+                    block((*path, key, str(i)), depth + 1)
+
+    for path, node in _walk(schema):
+        has_words = any(k in node for k in _OBJECT_WORDS)
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#/") and any(k in _INTERSECTING for k in node):
+            block(_pointer(ref))
+        for key in ("allOf", "anyOf", "oneOf"):
+            if isinstance(node.get(key), list) and (key == "allOf" or has_words):
+                for i in range(len(node[key])):
+                    block((*path, key, str(i)))
+    return blocked
+
+
+def _pointer(ref: str) -> tuple:
+    return tuple(p.replace("~1", "/").replace("~0", "~") for p in ref[2:].split("/"))
+
+
+def _at(doc: Any, path: tuple) -> Any:
+    for part in path:
+        if isinstance(doc, dict) and part in doc:
+            doc = doc[part]
+        elif isinstance(doc, list) and part.isdigit() and int(part) < len(doc):
+            doc = doc[int(part)]
+        else:
+            return None
+    return doc
+
+
+def _put(doc: Any, path: tuple, value: Any) -> Any:
+    """A copy of ``doc`` with the node at ``path`` replaced (copies along the path only)."""
+    if not path:
+        return value
+    head, rest = path[0], path[1:]
+    if isinstance(doc, dict):
+        return {**doc, head: _put(doc[head], rest, value)}
+    i = int(head)
+    return [*doc[:i], _put(doc[i], rest, value), *doc[i + 1:]]
+
+
+def _names_outside(props: dict, patterns: dict) -> bool:
+    """Whether no declared name can match one of the patterns (checked with Python's regexes; a
+    pattern Python cannot read counts as matching)."""
+    for pattern in patterns:
+        try:
+            compiled = re.compile(pattern)
+        except re.error:
+            return False
+        if any(compiled.search(name) for name in props):
+            return False
+    return True
 
 
 def drop_property_counts(schema: Any, try_regex: TryRegex) -> Any:

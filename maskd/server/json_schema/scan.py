@@ -22,12 +22,13 @@ Watch = Callable[[Any, "str | int"], Any]
 
 
 class _Frame:
-    __slots__ = ("child_ctx", "child_start", "ctx", "expect_key", "index", "is_object", "key")
+    __slots__ = ("child_ctx", "child_start", "ctx", "expect_key", "index", "is_object", "key", "keys")
 
     def __init__(self, is_object: bool, ctx: Any) -> None:
         self.is_object = is_object
         self.ctx = ctx                # this container's context (None: children are not watched)
         self.key: str | None = None   # object: the key of the value being read
+        self.keys: list[str] = []     # object: every key read so far
         self.index = 0                # array: the index of the value being read
         self.expect_key = is_object
         self.child_start = -1
@@ -145,6 +146,7 @@ class JsonScanner:
         if top is not None and top.is_object and top.expect_key:
             try:
                 top.key = json.loads(bytes(data[start:end]))
+                top.keys.append(top.key)
             except ValueError:
                 top.key = None
             return

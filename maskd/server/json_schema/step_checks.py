@@ -133,10 +133,27 @@ class DocumentChecks:
                 if not out[res.first_row].any():
                     self._fail(adv, out, job.problem, refusals, "final")
                     continue
+            if job.doc.checker.closers is not None and self._keep_open(adv, job.doc, out, refusals):
+                continue
             if adv.drafts:
                 self._check_drafts(adv, out)
 
     # -- helpers --------------------------------------------------------------------------------------
+    def _keep_open(self, adv, doc: DocumentBuffer, out: np.ndarray, refusals) -> bool:
+        """Takes the tokens that would close an object still missing a required key out of the row
+        (draft rows keep what the grammar allows); True when that left nothing and the sequence failed."""
+        closers = doc.checker.closers
+        need = doc.checker.open_requirement(doc.state)
+        if need is None or closers is None:
+            return False
+        row = adv.res.first_row
+        closers.veto(out[row], *need)
+        if out[row].any():
+            return False
+        self._fail(adv, out, "the document cannot match the JSON schema: an object misses a required key "
+                             "and nothing the grammar allows can add it", refusals, "early")
+        return True
+
     def _check_drafts(self, adv, out: np.ndarray) -> None:
         """Draft positions: EOS only where the document with the drafts up to there passes, and no
         draft EOS counts as valid on a document that does not pass."""
