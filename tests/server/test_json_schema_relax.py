@@ -15,6 +15,7 @@ from maskd.server.json_schema.relax import (
     drop_ref_siblings,
     first_of_all_of,
     map_schemas,
+    open_cycles,
     merge_pattern_properties,
     relax,
     without_all_of,
@@ -170,3 +171,35 @@ def test_relaxed_grammar_takes_keys_in_any_order_and_keeps_the_order_where_it_mu
     for text, ok in (('{"z": true, "b": "x", "a": 1}', True), ('{"b": 1}', False), ('{"z": 1}', False)):
         tokens = engine.tokenizer.encode(text)
         assert (m.validate(tokens) == len(tokens)) is ok, text
+
+
+def test_a_cycle_llguidance_cannot_build_is_opened_one_level_down(engine):
+    """llguidance refuses a recursive reference reached through intersecting siblings (a declared
+    property that a patternProperties entry also matches): the references back to the target inside
+    it become {}, so the grammar recurses once and the validator checks what lies deeper."""
+    node = {"anyOf": [{"$ref": "#/definitions/item"}, {"type": "string"}]}   # lenient reads oneOf so too
+    schema = {"$schema": "http://json-schema.org/draft-04/schema#", "$ref": "#/definitions/item",
+              "definitions": {"item": {"type": "object", "properties": {"basic": node, "n": {"type": "integer"}},
+                                       "patternProperties": {".*": node}, "dependencies": {"n": ["basic"]}}}}
+    opened = open_cycles(schema, "#/definitions/item")
+    assert opened["$ref"] == "#/definitions/item"   # the way in stays
+    assert opened["definitions"]["item"]["properties"]["basic"]["anyOf"][0] == {}
+    for value in INSTANCES + [{"basic": {"basic": {"x": 1}}}, {"basic": "s", "n": 1}]:
+        if valid(schema, value):
+            assert valid(opened, value), value
+    from maskd.specs import GrammarSpec
+    compiled = engine.compile(GrammarSpec.create("json_schema", schema))
+    assert compiled.checker is not None
+    steps = relax(schema, _try(engine), engine._regex_ok).steps
+    assert any("references back to #/definitions/item" in s for s in steps), steps
+
+
+def test_a_pattern_written_for_ecma_262_is_read_as_ecma_262():
+    """jsonschema-rs's regex engine reads "[[a-z]" as a nested class and refuses a lone "]" in a
+    draft-04 schema; ECMA-262 (JSON Schema's dialect) reads both as literals."""
+    from maskd.server.json_schema.validation import SchemaValidator, ecma_regex
+    assert ecma_regex("^[[a-z]*[-]?[a-z]*]*$") == "^[\\[a-z]*[-]?[a-z]*\\]*$"
+    assert ecma_regex("[^\\]a&&b]x\\[") == "[^\\]a\\&&b]x\\["
+    schema = {"$schema": "http://json-schema.org/draft-04/schema#", "type": "string", "pattern": "^[[a-z]*]*$"}
+    v = SchemaValidator(schema, frozenset())
+    assert v.check("[ab]]") is None and v.check("AB") is not None

@@ -114,10 +114,52 @@ def _relax(start: Any, schema: Any, try_compile: TryCompile, try_regex: TryRegex
 
 def _pick(error: str, tried: set[str]):
     low = error.lower()
+    cycle = _CYCLE.search(error)
+    if cycle is not None and f"cycle {cycle.group(1)}" not in tried:   # one rewrite per reference named
+        target = cycle.group(1)
+        return (f"cycle {target}", lambda schema, try_regex: open_cycles(schema, target),
+                f"references back to {target} inside it left to the validator", frozenset({"$ref"}))
     for name, needle, fn, what, words in _REWRITES:
         if name not in tried and any(n in low for n in needle):
             return name, fn, what, words
     return None
+
+
+# llguidance: "circular references with sibling keys are not supported: json-schema:///#/definitions/x"
+_CYCLE = re.compile(r"circular references[^:]*:\s*\S*?(#/[^\s,;)]+)")
+
+
+def open_cycles(schema: Any, target: str) -> Any:
+    """Every ``$ref`` to ``target`` found inside the target (directly or through other local
+    references) becomes ``{}``: the recursion stops after one level and the validator checks the
+    deeper documents, so llguidance need not build a cycle it cannot (a reference with siblings).
+    A wider branch widens the grammar because the relaxed schema is compiled lenient: ``oneOf`` is
+    read as ``anyOf`` and ``not`` is ignored."""
+    if not target.startswith("#/"):
+        return schema
+    inside: set[tuple] = set()
+    todo = [_pointer(target)]
+    while todo:
+        path = todo.pop()
+        if path in inside:
+            continue
+        inside.add(path)
+        for _, node in _walk(_at(schema, path), path):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/") and ref != target:
+                todo.append(_pointer(ref))
+    out = schema
+    for path in inside:
+        out = _put(out, path, _unref(_at(out, path), target))
+    return out
+
+
+def _unref(node: Any, target: str) -> Any:
+    def fix(sub: dict) -> dict:
+        if sub.get("$ref") == target:
+            return {k: v for k, v in sub.items() if k != "$ref"}
+        return sub
+    return _map(node, fix)
 
 
 # -- walking the subschemas of a schema ------------------------------------------------------------

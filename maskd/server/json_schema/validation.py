@@ -21,7 +21,7 @@ from typing import Any
 import jsonschema_rs
 
 from maskd.server.json_schema.formats import FORMAT_CHECKERS
-from maskd.server.json_schema.relax import subschemas
+from maskd.server.json_schema.relax import map_schemas, subschemas
 
 _LEGACY_DRAFTS = ("draft-03", "draft-04", "draft-06", "draft-07")
 
@@ -54,6 +54,65 @@ def build(schema: Any):
                              f"{type(exc).__name__}: {_message(exc)}") from exc
 
 
+def ecma_regex(pattern: str) -> str:
+    """An ECMA-262 regex (JSON Schema's dialect) in the syntax of jsonschema-rs's engine: inside a
+    character class, ``[`` is a literal in ECMA-262 but opens a nested class in Rust's regex, and
+    ``&&`` / ``~~`` are set operations there; outside one, a lone ``]`` is a literal. Those are
+    escaped."""
+    out: list[str] = []
+    in_class = False
+    i = 0
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\" and i + 1 < len(pattern):
+            out.append(pattern[i:i + 2])
+            i += 2
+            continue
+        if not in_class:
+            in_class = c == "["
+            out.append("\\]" if c == "]" else c)   # a lone "]" is a literal (ECMA-262 Annex B)
+            if in_class and pattern[i + 1:i + 2] == "^":
+                out.append("^")
+                i += 1
+        elif c == "]":
+            in_class = False
+            out.append(c)
+        elif c == "[" or (c in "&~" and pattern[i + 1:i + 2] == c):
+            out.append("\\" + c)
+        else:
+            out.append(c)
+        i += 1
+    return "".join(out)
+
+
+def _ecma_patterns(schema: Any) -> Any:
+    def fix(node: dict) -> dict:
+        out = dict(node)
+        if isinstance(node.get("pattern"), str):
+            out["pattern"] = ecma_regex(node["pattern"])
+        if isinstance(node.get("patternProperties"), dict):
+            out["patternProperties"] = {ecma_regex(k): v for k, v in node["patternProperties"].items()}
+        return out
+    return map_schemas(schema, fix)
+
+
+def build_ecma(schema: Any) -> tuple[Any, Any]:
+    """(validator, the schema it holds): where the validator's regex engine refuses a pattern, the
+    schema again with its patterns read as ECMA-262 (``ecma_regex``); ValidatorError if that fails too."""
+    try:
+        return build(schema), schema
+    except ValidatorError as exc:
+        if 'is not a "regex"' not in str(exc):
+            raise
+        translated = _ecma_patterns(schema)
+        if translated == schema:
+            raise
+        try:
+            return build(translated), translated
+        except ValidatorError:
+            raise exc from None
+
+
 def check(validator, value: Any, where: str = "") -> str | None:
     """None when ``value`` passes, else the first error as a message a person can act on."""
     try:
@@ -78,8 +137,8 @@ class SchemaValidator:
     """The original schema's validator plus the map of sub-documents worth checking early."""
 
     def __init__(self, schema: Any, relaxed_keywords: frozenset[str]) -> None:
-        self.schema = schema
-        self.root = build(schema)
+        self.root, self.schema = build_ecma(schema)
+        schema = self.schema
         self.relaxed = relaxed_keywords
         sch = schema.get("$schema", "") if isinstance(schema, dict) else ""
         self.legacy = isinstance(sch, str) and any(d in sch for d in _LEGACY_DRAFTS)
