@@ -12,6 +12,10 @@ schema the grammar cannot enforce whole is compiled relaxed and each finished do
 by a JSON Schema validator, so an invalid instance may also be rejected by the sequence failing
 with the validator's message (counted as ``validator_rejects``). ``server_us_per_mask`` is the
 server's own time per mask row (``server_seconds`` of every step over its rows).
+
+``passing`` is MaskBench's verdict per schema: it compiles, every valid instance is accepted and
+every invalid one rejected. ``by_keyword`` breaks schemas, passing and false verdicts down by the
+JSON Schema keywords each schema holds.
 """
 from __future__ import annotations
 
@@ -223,11 +227,63 @@ def run_in_process(tokenizer_spec: str, suite) -> dict:
     return _report(suite, compile_errors, tally, time.perf_counter() - t0, "in-process llguidance", "strict")
 
 
+# Keywords the report breaks results down by (a schema counts under each keyword it holds anywhere).
+KEYWORDS = ("$ref", "allOf", "anyOf", "oneOf", "not", "if", "dependencies", "dependentRequired",
+            "dependentSchemas", "patternProperties", "additionalProperties", "propertyNames", "minProperties",
+            "maxProperties", "required", "uniqueItems", "contains", "prefixItems", "pattern", "format",
+            "enum", "const", "multipleOf", "unevaluatedProperties")
+
+
+def schema_keywords(schema, depth: int = 0) -> set[str]:
+    """The keywords of ``KEYWORDS`` a schema holds anywhere (property names are not keywords)."""
+    found: set[str] = set()
+    if depth > 200:
+        return found
+    if isinstance(schema, dict):
+        for key, value in schema.items():
+            if key in KEYWORDS:
+                found.add(key)
+            if key in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas") \
+                    and isinstance(value, dict):
+                for sub in value.values():
+                    found |= schema_keywords(sub, depth + 1)
+            elif key not in ("enum", "const", "default", "examples"):
+                found |= schema_keywords(value, depth + 1)
+    elif isinstance(schema, list):
+        for item in schema:
+            found |= schema_keywords(item, depth + 1)
+    return found
+
+
+def passing_by_keyword(suite, compile_errors: dict, failing: set[str], tally: _Tally) -> list[dict]:
+    """Per keyword: schemas holding it, how many pass, and the false rejects / accepts among them."""
+    rows: dict[str, dict] = {}
+    rejects = collections.Counter(x["file"] for x in tally.false_rejects)
+    accepts = collections.Counter(x["file"] for x in tally.false_accepts)
+    for name, schema, _ in suite:
+        for kw in schema_keywords(schema):
+            row = rows.setdefault(kw, {"keyword": kw, "schemas": 0, "passing": 0, "compile_errors": 0,
+                                       "false_rejects": 0, "false_accepts": 0})
+            row["schemas"] += 1
+            row["passing"] += name not in failing
+            row["compile_errors"] += name in compile_errors
+            row["false_rejects"] += rejects[name]
+            row["false_accepts"] += accepts[name]
+    return sorted(rows.values(), key=lambda r: (r["passing"] - r["schemas"], -r["schemas"], r["keyword"]))
+
+
 def _report(suite, compile_errors: dict, tally: _Tally, seconds: float, target: str, mode: str) -> dict:
+    # MaskBench's verdict per schema: it passes when it compiles, every valid instance is accepted
+    # and every invalid one rejected.
+    failing = set(compile_errors) | {x["file"] for x in tally.false_rejects} | {x["file"] for x in tally.false_accepts}
     return {
         "target": target,
         "json_schema_mode": mode,
         "schemas": len(suite),
+        "passing": len(suite) - len(failing),
+        "passing_percent": round(100.0 * (len(suite) - len(failing)) / len(suite), 2) if suite else None,
+        "failing_files": sorted(failing),
+        "by_keyword": passing_by_keyword(suite, compile_errors, failing, tally),
         "compiled": len(suite) - len(compile_errors),
         "compile_errors": len(compile_errors),
         "valid_total": tally.valid_total,
@@ -249,7 +305,7 @@ def _report(suite, compile_errors: dict, tally: _Tally, seconds: float, target: 
 
 def summary_line(report: dict) -> str:
     return (f"{report['target']} ({report['json_schema_mode']} JSON schemas): schemas {report['schemas']}, "
-            f"compiled {report['compiled']}, "
+            f"passing {report['passing']} ({report['passing_percent']} %), compiled {report['compiled']}, "
             f"compile errors {report['compile_errors']}, valid accepted {report['valid_accepted']}/"
             f"{report['valid_total']}, invalid rejected {report['invalid_rejected']}/{report['invalid_total']}, "
             f"false accepts {len(report['false_accepts'])}, false rejects {len(report['false_rejects'])}, "
@@ -323,6 +379,8 @@ def cmd_conformance(args) -> int:
         print(f"  false reject: {item['file']} test {item['test']}: {item['why'][:200]}")
     for line in compile_error_lines(report):
         print(line)
+    for line in keyword_lines(report):
+        print(line)
     if args.json_out:
         pathlib.Path(args.json_out).write_text(json.dumps(report, indent=2))
     return 1 if report["false_accepts"] or report["false_rejects"] else 0
@@ -347,6 +405,18 @@ def _reachable_target(prog: str, target: str, connect_timeout_s: float) -> str:
 
 
 _GRAMMAR_PREFIX = re.compile(r"^grammar \S+ does not compile: ")
+
+
+def keyword_lines(report: dict) -> list[str]:
+    """The keywords under which some schema fails (all of them with -v style detail in the JSON)."""
+    rows = [r for r in report["by_keyword"] if r["passing"] < r["schemas"]]
+    if not rows:
+        return []
+    lines = ["failing schemas by keyword (schemas holding it: passing / all, false rejects, false accepts, "
+             "compile errors):"]
+    lines += [f"  {r['keyword']:<22} {r['passing']}/{r['schemas']}, {r['false_rejects']}, {r['false_accepts']}, "
+              f"{r['compile_errors']}" for r in rows]
+    return lines
 
 
 def reason_of(message: str) -> str:

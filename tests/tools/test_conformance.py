@@ -90,6 +90,40 @@ def test_cli_embedded_writes_report(tmp_path, mode):
         assert key in report
     assert report["valid_accepted"] == report["valid_total"] and report["compiled"] == report["schemas"]
     assert report["json_schema_mode"] == mode and f"({mode} JSON schemas)" in proc.stdout
+    assert report["passing"] == report["schemas"] and report["passing_percent"] == 100.0
+    assert f"passing {report['schemas']} (100.0 %)" in proc.stdout
+
+
+def test_passing_is_per_schema_and_broken_down_by_keyword():
+    suite = [("a.json", {"type": "object", "properties": {"x": {"oneOf": [{"type": "integer"}]}}}, []),
+             ("b.json", {"anyOf": [{"type": "string", "format": "date"}], "enum": [{"oneOf": 1}]}, []),
+             ("c.json", {"not": {"type": "null"}}, []),
+             ("d.json", {"type": "integer"}, [])]
+    tally = conformance._Tally()
+    tally.false_rejects = [{"file": "a.json", "test": 0, "why": ""}, {"file": "a.json", "test": 1, "why": ""}]
+    tally.false_accepts = [{"file": "b.json", "test": 0}]
+    report = conformance._report(suite, {"c.json": "refused"}, tally, 1.0, "t", "complete")
+    assert report["passing"] == 1 and report["passing_percent"] == 25.0
+    assert report["failing_files"] == ["a.json", "b.json", "c.json"]
+    rows = {r["keyword"]: r for r in report["by_keyword"]}
+    assert rows["oneOf"] == {"keyword": "oneOf", "schemas": 1, "passing": 0, "compile_errors": 0,
+                             "false_rejects": 2, "false_accepts": 0}   # "oneOf" inside enum data is not a keyword
+    assert rows["format"]["false_accepts"] == 1 and rows["not"]["compile_errors"] == 1
+    assert "properties" not in rows and "x" not in rows
+
+
+@needs_maskbench
+def test_maskbench_dev_in_the_default_mode(complete_server):
+    """Issue 20's bar on the whole of MaskBench-dev: passing >= 99.5 %, no false accept, and no valid
+    instance refused that llguidance in strict mode accepts."""
+    suite = conformance.load_suite(MASKBENCH)
+    wire = conformance.run_through_server(complete_server.address, "deepseek-v4", suite, batch=64)
+    strict = conformance.run_in_process("deepseek-v4", suite)
+    assert wire["json_schema_mode"] == "complete"
+    assert wire["passing_percent"] >= 99.5, (wire["passing"], wire["failing_files"])
+    assert not wire["false_accepts"]
+    strict_ok = {name for name, _, _ in suite} - set(strict["failing_files"])
+    assert not [x for x in wire["false_rejects"] if x["file"] in strict_ok]
 
 
 @pytest.mark.parametrize("args,message", [
