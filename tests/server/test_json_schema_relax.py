@@ -15,6 +15,7 @@ from maskd.server.json_schema.relax import (
     drop_ref_siblings,
     first_of_all_of,
     map_schemas,
+    merge_object_intersections,
     open_cycles,
     merge_pattern_properties,
     relax,
@@ -84,8 +85,8 @@ def test_rewrites_reach_ref_targets_outside_schema_keywords():
       "propertyNames": {"maxLength": 3}}, "overlapping patternProperties merged"),
     ({"type": "integer", "minimum": -9223372036854775808, "maximum": 9223372036854775807, "not": {"const": 0}},
      "number bounds"),
-    ({"type": "object", "properties": {"a": {"type": "integer"}}, "allOf": [{"properties": {"b": {}}}],
-      "minProperties": 1, "not": {"const": {}}}, "min/maxProperties"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "anyOf": [{"$ref": "#/$defs/b"}],
+      "$defs": {"b": {"properties": {"b": {}}}}, "minProperties": 1, "not": {"const": {}}}, "min/maxProperties"),
     ({"type": "object", "properties": {"a": {"type": "integer"}}, "minProperties": 1, "not": {"const": {}}},
      "properties in any order"),
 ])
@@ -203,3 +204,40 @@ def test_a_pattern_written_for_ecma_262_is_read_as_ecma_262():
     schema = {"$schema": "http://json-schema.org/draft-04/schema#", "type": "string", "pattern": "^[[a-z]*]*$"}
     v = SchemaValidator(schema, frozenset())
     assert v.check("[ab]]") is None and v.check("AB") is not None
+
+
+SHAPES = {"type": "object", "propertyNames": {"maxLength": 6},   # llguidance refuses propertyNames whole
+          "properties": {"shape": {"enum": ["circle", "square"]}, "r": {"type": "number"},
+                         "side": {"type": "number"}},
+          "oneOf": [{"properties": {"shape": {"const": "circle"}}, "required": ["shape", "r"]},
+                    {"properties": {"shape": {"const": "square"}, "side": {}, "colour": {"type": "string"}},
+                     "required": ["side"], "additionalProperties": False}]}
+
+
+def test_object_intersections_are_written_out_exactly():
+    """P and (B1 or B2) as (P and B1) or (P and B2): the same documents, each branch an object that
+    stands alone (so its keys may come in any order)."""
+    merged = merge_object_intersections(SHAPES, lambda p: True)
+    assert "properties" not in merged and len(merged["oneOf"]) == 2
+    square = merged["oneOf"][1]
+    assert square["properties"]["shape"] == {"allOf": [{"enum": ["circle", "square"]}, {"const": "square"}]}
+    assert square["properties"]["r"] is False   # declared by P only: the branch's additionalProperties
+    assert square["properties"]["side"] == {"type": "number"}
+    assert square["properties"]["colour"] == {"type": "string"} and square["required"] == ["side"]
+    cases = [{"shape": "circle", "r": 1}, {"r": 1, "shape": "circle"}, {"shape": "square", "side": 2},
+             {"side": 2, "colour": "red"}, {"shape": "square", "side": 2, "r": 1}, {"shape": "circle"},
+             {"side": "2"},
+             {"shape": "circle", "r": 1, "colour": 5}, {"colour": 1, "side": 2}, *INSTANCES]
+    for value in cases:
+        assert valid(merged, value) == valid(SHAPES, value), value
+    folded = merge_object_intersections({"allOf": [{"properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                                                   {"properties": {"a": {"minimum": 2}, "b": {}}}]}, lambda p: True)
+    assert folded == {"properties": {"a": {"allOf": [{"type": "integer"}, {"minimum": 2}]}, "b": {}}, "required": ["a"]}
+
+
+def test_shapes_take_their_keys_in_any_order_once_relaxed(engine):
+    from maskd.specs import GrammarSpec
+    compiled = engine.compile(GrammarSpec.create("json_schema", SHAPES))   # oneOf: llguidance refuses it whole
+    for text in ('{"r": 2, "shape": "circle"}', '{"colour": "red", "side": 1, "shape": "square"}'):
+        tokens = engine.tokenizer.encode(text)
+        assert engine.new_matcher(compiled).validate(tokens) == len(tokens), text

@@ -73,7 +73,7 @@ def relax(schema: Any, try_compile: TryCompile, try_regex: TryRegex, *, max_roun
     properties in any order where the engine can build that, else in the schema's order."""
     if not isinstance(schema, dict):
         raise RelaxError("only an object schema can be relaxed")
-    ordered = any_key_order(schema, try_regex)
+    ordered = any_key_order(merge_object_intersections(schema, try_regex), try_regex)
     if ordered != schema:
         try:
             found = _relax(ordered, schema, try_compile, try_regex, max_rounds)
@@ -310,6 +310,90 @@ def any_key_order(schema: Any, try_regex: TryRegex) -> Any:
                      if k not in ("properties", "required", "patternProperties", "allOf", "anyOf", "oneOf")}
         rewritten["patternProperties"] = {**literals, **pp}   # the combinators held "required" only
         out = _put(out, path, rewritten)
+    return out
+
+
+def merge_object_intersections(schema: Any, try_regex: TryRegex) -> Any:
+    """Where an object's declared properties meet those of ``allOf`` members or of ``anyOf`` /
+    ``oneOf`` branches, the intersection is written out (``P and (B1 or B2)`` as ``(P and B1) or
+    (P and B2)``; ``allOf`` folded into the object), so that each object stands alone and can take
+    its keys in any order. The meet is exact for what JSON Schema says of objects: a name declared
+    on one side only meets the other side's ``additionalProperties``, names meet as ``allOf``,
+    ``required`` is the union. Members holding anything else that concerns keys (references,
+    combinators, pattern properties, a non-object type) are left as they are."""
+    def fix(node: dict) -> dict:
+        if "$ref" in node or "patternProperties" in node or not _object_typed(node):
+            return node
+        all_of = node.get("allOf")
+        if isinstance(all_of, list) and all_of and all(_fragment(b) for b in all_of):
+            merged: dict | None = _own(node)
+            for b in all_of:
+                merged = _meet(merged, b) if merged is not None else None
+            if merged is None:
+                return node
+            node = {**{k: v for k, v in node.items() if k not in _MEET_KEYS and k != "allOf"}, **merged}
+        for key in ("anyOf", "oneOf"):
+            branches = node.get(key)
+            if not (isinstance(branches, list) and branches and isinstance(node.get("properties"), dict)
+                    and all(_fragment(b) for b in branches)):
+                continue
+            own = _own(node)
+            meets = [_meet(own, b) for b in branches]
+            if any(m is None for m in meets):
+                continue
+            node = {**{k: v for k, v in node.items() if k not in _MEET_KEYS}, key: meets}
+        return node
+    return map_schemas(schema, fix)
+
+
+_MEET_KEYS = ("properties", "required", "additionalProperties")
+
+
+def _object_typed(node: dict) -> bool:
+    t = node.get("type")
+    return t is None or t == "object"
+
+
+def _fragment(b: Any) -> bool:
+    """A member that says only what keys an object has (and what the validator checks anyway)."""
+    return (isinstance(b, dict) and _object_typed(b) and not any(k in b for k in _COMBINATORS)
+            and "patternProperties" not in b and "unevaluatedProperties" not in b
+            and isinstance(b.get("properties", {}), dict) and isinstance(b.get("required", []), list))
+
+
+def _own(node: dict) -> dict:
+    return {k: node[k] for k in _MEET_KEYS if k in node}
+
+
+def _and(a: Any, b: Any) -> Any:
+    if a is True or a == {}:
+        return b
+    if b is True or b == {}:
+        return a
+    if a is False or b is False:
+        return False
+    return {"allOf": [a, b]}
+
+
+def _meet(a: dict, b: dict) -> dict | None:
+    """The exact intersection of two object fragments, or None where their other keywords clash."""
+    pa, pb = a.get("properties", {}), b.get("properties", {})
+    xa, xb = a.get("additionalProperties", True), b.get("additionalProperties", True)
+    props = {name: _and(pa.get(name, xa), pb.get(name, xb)) for name in [*pa, *(n for n in pb if n not in pa)]}
+    out = {k: v for k, v in a.items() if k not in _MEET_KEYS}
+    for k, v in b.items():
+        if k in _MEET_KEYS:
+            continue
+        if k in out and out[k] != v and k != "type":
+            return None
+        out[k] = v
+    out["properties"] = props
+    required = [*a.get("required", []), *(r for r in b.get("required", []) if r not in a.get("required", []))]
+    if required:
+        out["required"] = required
+    extra = _and(xa, xb)
+    if extra is not True:
+        out["additionalProperties"] = extra
     return out
 
 
