@@ -19,13 +19,16 @@ Two functions, one meaning per name:
   row ``k`` masks logits row ``logits_rows[k]``.
 
 On CUDA the work is one Triton kernel when ``triton`` can be imported; elsewhere (CPU, or CUDA
-without Triton) it is a few vectorized torch ops. Triton is imported lazily, only on the first
+without Triton) it is a few vectorized torch ops. On CPU, words of all ones (-1, 32 allowed
+tokens) are skipped first: rows of them only are not touched, and rows with few disallowed tokens
+get only those written; the rest are expanded whole. Triton is imported lazily, only on the first
 CUDA call, so a CPU-only worker never imports it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -46,8 +49,8 @@ _LOGITS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Words per Triton program: a (BLOCK_WORDS, 32) tile, i.e. 1,024 logits per program.
 _BLOCK_WORDS = 32
 
-# The torch path expands bits into an int32 temporary of (rows, 32 * words); process rows in
-# chunks so that temporary stays near this many elements (16 MiB) whatever the batch.
+# The torch path expands bits into an int32 (or int16) temporary of (rows, 32 * words); process
+# rows in chunks so that temporary stays near this many elements (16 MiB) whatever the batch.
 _TORCH_CHUNK_ELEMS = 1 << 22
 
 IndicesLike = Any  # None, a sequence of ints, a numpy integer array or an integer torch tensor
@@ -168,38 +171,228 @@ def _validate(
 # --------------------------------------------------------------------------------------------
 
 
-def _mask_rows_torch(target: torch.Tensor, bm: torch.Tensor, shifts: torch.Tensor) -> None:
-    """Mask ``target`` (c, vocab) with ``bm`` (c, words) in place."""
-    c, vocab = target.shape
-    words = bm.shape[1]
+# Rows are expanded whole with integer ops on the logits' own bits: x ^= bits(-inf); x &= keep
+# (all ones where the token is allowed, 0 where not); x ^= bits(-inf). That is masked_fill(-inf)
+# bit for bit, whatever the value (NaN, +inf and -0.0 included), and several times faster on CPU,
+# where masked_fill_ with a bool mask runs at ~1.7 ns per element.
+_NEG_INF_BITS = {torch.float32: -8388608, torch.float16: -1024, torch.bfloat16: -128}  # ff800000, fc00, ff80
+
+# On CPU, words that are all ones (-1) allow all 32 of their tokens and are skipped: a row of them
+# only is not touched. A row whose other words plus their disallowed tokens number at most
+# _SPARSE_LIMIT x its words is masked word by word: only its disallowed tokens are written, in one
+# scattered store. Other rows, and rows where over _DENSE_WORDS of the words hold a disallowed
+# token, are expanded whole, which costs about the same per row whatever its bits. On the 2-core AMD EPYC of
+# docs/benchmarks.md the two routes cost the same near 4 x the row's words with one torch thread;
+# the whole-row route gains from more threads and the word-by-word one does not, hence 2.5.
+_SPARSE_LIMIT = 2.5
+_DENSE_WORDS = 0.5
+
+_LITTLE_ENDIAN = sys.byteorder == "little"
+
+_keep_luts: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _keep_lut(device: torch.device, int_dtype: torch.dtype) -> torch.Tensor:
+    """(256, 8) ``int_dtype``: ``[b, j]`` is -1 where bit j of byte b is set, else 0."""
+    key = (device, int_dtype)
+    lut = _keep_luts.get(key)
+    if lut is None:
+        b = torch.arange(256, dtype=torch.int32).unsqueeze(1)
+        lut = (-((b >> torch.arange(8, dtype=torch.int32)) & 1)).to(device, int_dtype)
+        _keep_luts[key] = lut  # a race computes the same table twice, harmlessly
+    return lut
+
+
+def _token_bytes(bm: torch.Tensor) -> torch.Tensor:
+    """(c, words) int32 -> (c * words * 4,) int32: the bytes of the words in token order."""
+    if _LITTLE_ENDIAN:
+        return bm.contiguous().view(torch.uint8).reshape(-1).to(torch.int32)
+    shifts = torch.tensor([0, 8, 16, 24], dtype=torch.int32, device=bm.device)
+    return ((bm.unsqueeze(-1) >> shifts) & 255).reshape(-1)
+
+
+def _mask_block(target: torch.Tensor, bm: torch.Tensor, covered: int) -> None:
+    """Mask ``target[:, :covered]`` (c rows) with ``bm`` (c, ceil(covered / 32)) in place."""
+    c, words = bm.shape
+    int_dtype = torch.int32 if target.element_size() == 4 else torch.int16
+    keep = _keep_lut(bm.device, int_dtype).index_select(0, _token_bytes(bm))  # (c * words * 4, 8)
+    keep = keep.view(c, 32 * words)[:, :covered]
+    neg_inf = _NEG_INF_BITS[target.dtype]
+    raw = target[:, :covered].view(int_dtype)  # same element size: a view for any strides
+    raw.bitwise_xor_(neg_inf).bitwise_and_(keep).bitwise_xor_(neg_inf)
+
+
+_POP8 = np.array([bin(b).count("1") for b in range(256)], dtype=np.uint8)
+_bitwise_count = getattr(np, "bitwise_count", None)  # numpy >= 2.0
+
+
+def _popcount(words: np.ndarray) -> np.ndarray:
+    """Set bits of each int32 word."""
+    as_unsigned = words.view(np.uint32)  # bitwise_count counts the bits of |x| for signed types
+    if _bitwise_count is not None:
+        return _bitwise_count(as_unsigned)
+    return _POP8[as_unsigned.view(np.uint8)].reshape(-1, 4).sum(1, dtype=np.uint8)
+
+
+def _lone_bit(x: np.ndarray) -> np.ndarray:
+    """The index of the one set bit of each int32 word: its exponent as a float32 (exact)."""
+    return (x.view(np.uint32).astype(np.float32).view(np.int32) >> 23) - 127
+
+
+def _bit_offsets(base: np.ndarray, inv: np.ndarray, single: bool, step: int) -> np.ndarray:
+    """``base[i] + j * step`` for every set bit j of ``inv[i]`` (int32 words, none 0; ``single``:
+    none has more than one set bit)."""
+    if single:  # one disallowed token per word: typical of mostly-allowed rows
+        return base + (_lone_bit(inv) if step == 1 else _lone_bit(inv) * step)
+    found = []
+    for _ in range(3):  # peel the lowest set bit off, three times at most
+        low = inv & -inv  # int32 wraps: the lowest bit of INT_MIN is INT_MIN
+        found.append(base + (_lone_bit(low) if step == 1 else _lone_bit(low) * step))
+        inv = inv ^ low
+        more = np.flatnonzero(inv != 0)  # a bool array: several times faster than on int32
+        if more.size == 0:
+            return np.concatenate(found)
+        base, inv = base[more], inv[more]
+    # Words with more bits left are unpacked whole (token order on any host).
+    bits = np.unpackbits(inv.astype("<i4").view(np.uint8), bitorder="little")
+    hit = np.flatnonzero(bits.view(np.bool_))  # 32 * word + bit
+    found.append(base[hit >> 5] + (hit & 31) * step)
+    return np.concatenate(found)
+
+
+_NO_ROWS = np.empty(0, dtype=np.int64)
+
+
+def _mask_sparse_cpu(
+    logits2d: torch.Tensor, words: np.ndarray, idx: np.ndarray | None, covered: int
+) -> np.ndarray:
+    """Write -inf to the disallowed tokens of the rows that have few; return the other rows.
+
+    words: (n, ceil(covered / 32)) int32, C-contiguous. Returns the bitmask rows (each with a
+    word that is not all ones) to expand whole.
+    """
+    n, cw = words.shape
+    partial = words != -1  # words that are not all ones
+    if not partial.any():
+        return _NO_ROWS
+    flat = np.flatnonzero(partial)  # row-major word numbers
+    limit = _SPARSE_LIMIT * cw
+    dense = None
+    starts = counts = None
+    if flat.size > _DENSE_WORDS * cw:
+        # Rows where over half the words hold a disallowed token (random rows, rows that allow
+        # few tokens) are expanded whole without looking at their bits.
+        starts = np.searchsorted(flat, np.arange(n + 1) * cw)
+        counts = np.diff(starts)
+        over = counts > _DENSE_WORDS * cw
+        if over.all():
+            return np.arange(n)
+        if over.any():
+            dense = over
+            flat = flat[np.repeat(~over, counts)]
+            if flat.size == 0:
+                return np.flatnonzero(dense)
+            counts[over] = 0
+            starts[1:] = np.cumsum(counts)
+    inv = words.reshape(-1)[flat]  # a copy
+    np.invert(inv, out=inv)  # set bits: disallowed tokens
+    if covered % 32:  # bits past the logits width, in each row's last word, are ignored
+        inv[flat % cw == cw - 1] &= (1 << (covered % 32)) - 1
+    pop = _popcount(inv)
+    most = int(pop.max())
+    if flat.size * (1 + most) > limit:  # some row may be over the limit: count its tokens
+        if starts is None or counts is None:
+            starts = np.searchsorted(flat, np.arange(n + 1) * cw)
+            counts = np.diff(starts)
+        rows = np.flatnonzero(counts)  # reduceat's segments: these rows' words
+        over = counts[rows] + np.add.reduceat(pop, starts[rows], dtype=np.int64) > limit
+        if over.any():
+            if dense is None:
+                dense = np.zeros(n, dtype=bool)
+            dense[rows[over]] = True
+            keep = np.repeat(~over, counts[rows])
+            flat, inv, pop = flat[keep], inv[keep], pop[keep]
+    if covered % 32:
+        keep = pop != 0  # a last word with no disallowed token inside the width
+        flat, inv = flat[keep], inv[keep]
+    if flat.size:
+        s0, s1 = logits2d.stride()
+        if idx is None and s0 == 32 * cw * s1:
+            base = flat * (32 * s1)  # word (r, w) starts at r * s0 + 32 * w * s1
+        else:
+            r = flat // cw
+            base = (r if idx is None else idx[r]) * s0 + (flat - r * cw) * (32 * s1)
+        offsets = _bit_offsets(base, inv, most == 1, s1)
+        # One scattered write through numpy (a few thousand stores gain nothing from torch's
+        # thread pool); bfloat16, which numpy lacks, as its bits.
+        value: float
+        if logits2d.dtype == torch.bfloat16:
+            raw, value = logits2d.detach().view(torch.int16).numpy(), _NEG_INF_BITS[torch.bfloat16]
+        else:
+            raw, value = logits2d.detach().numpy(), -np.inf
+        if raw.flags.c_contiguous:
+            raw_flat = raw.reshape(-1)
+        else:
+            span = (raw.shape[0] - 1) * s0 + (raw.shape[1] - 1) * s1 + 1
+            raw_flat = np.lib.stride_tricks.as_strided(raw, shape=(span,), strides=(raw.itemsize,))
+        raw_flat[offsets] = value
+    return _NO_ROWS if dense is None else np.flatnonzero(dense)
+
+
+def _apply_autograd(logits2d: torch.Tensor, bitmask2d: torch.Tensor, idx: np.ndarray | None) -> None:
+    """masked_fill_, which autograd sees, for logits that require grad while grad is enabled
+    (the fast paths write the logits' bits behind autograd's back)."""
+    n, words = bitmask2d.shape
+    vocab = logits2d.shape[1]
+    shifts = torch.arange(32, dtype=torch.int32, device=logits2d.device)
+    bits = (bitmask2d.unsqueeze(-1) >> shifts) & 1  # (n, words, 32)
+    disallowed = torch.ones(n, vocab, dtype=torch.bool, device=logits2d.device)
     covered = min(vocab, 32 * words)
-    if covered > 0:
-        bits = (bm.unsqueeze(-1) >> shifts) & 1  # (c, words, 32), bit j of word w at [.., w, j]
-        disallowed = bits.reshape(c, 32 * words)[:, :covered] == 0
-        target[:, :covered].masked_fill_(disallowed, float("-inf"))
-    if vocab > covered:
-        target[:, covered:].fill_(float("-inf"))
+    disallowed[:, :covered] = bits.reshape(n, 32 * words)[:, :covered] == 0
+    if idx is None:
+        logits2d.masked_fill_(disallowed, float("-inf"))
+    else:
+        rows = torch.from_numpy(idx).to(logits2d.device)
+        logits2d[rows] = logits2d[rows].masked_fill(disallowed, float("-inf"))
 
 
 def _apply_torch(logits2d: torch.Tensor, bitmask2d: torch.Tensor, idx: np.ndarray | None) -> None:
-    n = bitmask2d.shape[0]
-    words = bitmask2d.shape[1]
+    if logits2d.requires_grad and torch.is_grad_enabled():
+        _apply_autograd(logits2d, bitmask2d, idx)
+        return
+    n, words = bitmask2d.shape
+    vocab = logits2d.shape[1]
     device = logits2d.device
-    shifts = torch.arange(32, dtype=torch.int32, device=device)
-    chunk = max(1, _TORCH_CHUNK_ELEMS // max(1, 32 * words))
-    idx_t = None
-    if idx is not None:
-        idx_t = torch.from_numpy(idx).to(device, non_blocking=True)
-    for start in range(0, n, chunk):
-        stop = min(n, start + chunk)
-        bm = bitmask2d[start:stop]
-        if idx_t is None:
-            _mask_rows_torch(logits2d[start:stop], bm, shifts)
+    covered = min(vocab, 32 * words)
+    if vocab > covered:  # logits columns past the bitmask's bits
+        if idx is None:
+            logits2d[:, covered:].fill_(float("-inf"))
         else:
-            rows = idx_t[start:stop]
-            sub = logits2d.index_select(0, rows)
-            _mask_rows_torch(sub, bm, shifts)
-            logits2d.index_copy_(0, rows, sub)
+            rows_t = torch.from_numpy(idx).to(device, non_blocking=True)
+            logits2d[:, covered:].index_fill_(0, rows_t, float("-inf"))
+    if covered == 0:
+        return
+    cw = (covered + 31) // 32
+    bm = bitmask2d if cw == words else bitmask2d[:, :cw]  # words past the logits are not read
+    if device.type == "cpu":
+        words_np = bm.numpy()
+        if not words_np.flags.c_contiguous:
+            words_np = np.ascontiguousarray(words_np)
+        dense_k = _mask_sparse_cpu(logits2d, words_np, idx, covered)
+    else:  # CUDA without Triton: every row expanded, no host synchronization
+        dense_k = np.arange(n)
+    if dense_k.size == 0:
+        return
+    # Runs of rows consecutive in both the bitmask and the logits, in chunks that keep the
+    # (rows, 32 * words) temporary near _TORCH_CHUNK_ELEMS elements.
+    dense_l = dense_k if idx is None else idx[dense_k]
+    breaks = np.flatnonzero((np.diff(dense_k) != 1) | (np.diff(dense_l) != 1)) + 1
+    chunk = max(1, _TORCH_CHUNK_ELEMS // (32 * cw))
+    for run_k, run_l in zip(np.split(dense_k, breaks), np.split(dense_l, breaks)):
+        k0, l0 = int(run_k[0]), int(run_l[0])
+        for s in range(0, run_k.size, chunk):
+            e = min(run_k.size, s + chunk)
+            _mask_block(logits2d[l0 + s : l0 + e], bm[k0 + s : k0 + e], covered)
 
 
 # --------------------------------------------------------------------------------------------
@@ -231,23 +424,27 @@ def _bitmask_kernel(
     # ceil(vocab / 32) words, so columns past 32 * words are reached and masked too.
     mask_row = tl.program_id(0)
     block = tl.program_id(1)
-    if HAS_INDICES:
-        logits_row = tl.load(indices_ptr + mask_row).to(tl.int64)
-    else:
-        logits_row = mask_row.to(tl.int64)
     word = block * BLOCK_WORDS + tl.arange(0, BLOCK_WORDS)
     packed = tl.load(
         bitmask_ptr + mask_row.to(tl.int64) * bitmask_row_stride + word,
         mask=word < words,
         other=0,  # words past the row: no bit set, token disallowed
     )
-    bit = tl.arange(0, 32)
-    allowed = (packed[:, None] >> bit[None, :]) & 1  # (BLOCK_WORDS, 32)
-    token = word[:, None].to(tl.int64) * 32 + bit[None, :]
-    disallowed = (allowed == 0) & (token < vocab)
-    ptrs = logits_ptr + logits_row * logits_row_stride + token * logits_col_stride
-    neg_inf = tl.full([BLOCK_WORDS, 32], float("-inf"), logits_ptr.dtype.element_ty)
-    tl.store(ptrs, neg_inf, mask=disallowed)
+    # The logits are only ever stored to, under a mask of the disallowed tokens, so a word of
+    # all ones (-1) touches none of them; a block of such words (nearly-all-allowed rows) skips
+    # the rest outright: no index load, no (BLOCK_WORDS, 32) expansion, no store.
+    if tl.sum((packed != -1).to(tl.int32), axis=0) > 0:
+        if HAS_INDICES:
+            logits_row = tl.load(indices_ptr + mask_row).to(tl.int64)
+        else:
+            logits_row = mask_row.to(tl.int64)
+        bit = tl.arange(0, 32)
+        allowed = (packed[:, None] >> bit[None, :]) & 1  # (BLOCK_WORDS, 32)
+        token = word[:, None].to(tl.int64) * 32 + bit[None, :]
+        disallowed = (allowed == 0) & (token < vocab)
+        ptrs = logits_ptr + logits_row * logits_row_stride + token * logits_col_stride
+        neg_inf = tl.full([BLOCK_WORDS, 32], float("-inf"), logits_ptr.dtype.element_ty)
+        tl.store(ptrs, neg_inf, mask=disallowed)
 
 
 def _load_triton() -> bool:

@@ -232,6 +232,219 @@ def test_many_rows_cross_chunk_boundaries(monkeypatch):
     assert_bit_equal(logits, ref)
 
 
+# -------------------------------------------------------------------------------------------
+# The CPU path's row shapes: all-ones words skipped, few disallowed tokens written one by one,
+# other rows expanded whole (every case against the reference, on both routes and the default)
+# -------------------------------------------------------------------------------------------
+
+ROW_KINDS = ["all_ones", "one_zero_bit", "few_zero_bits", "some_zero_words", "random", "sparse", "none", "tail_only"]
+
+
+def shaped_bitmask(gen: torch.Generator, kinds: list[str], words: int, vocab: int) -> torch.Tensor:
+    """One row per kind: all ones; one zero bit; 1-3 zero bits in ~3 % of the words (bit 31
+    included); a few words of many zero bits among all-ones words; random; mostly 0; all 0; all
+    ones but zero bits past ``vocab`` in the last word."""
+    out = torch.full((len(kinds), words), -1, dtype=torch.int32)
+    for r, kind in enumerate(kinds):
+        if words == 0 or kind == "all_ones":
+            continue
+        if kind == "one_zero_bit":
+            w = int(torch.randint(0, words, (1,), generator=gen))
+            out[r, w] = ~(1 << int(torch.randint(0, 32, (1,), generator=gen)))
+        elif kind == "few_zero_bits":
+            pick = (torch.rand(words, generator=gen) < 0.03).nonzero().flatten().tolist() or [0]
+            for w in pick:
+                for b in torch.randint(0, 32, (int(torch.randint(1, 4, (1,), generator=gen)),), generator=gen):
+                    out[r, w] &= ~(1 << int(b)) if int(b) != 31 else 0x7FFFFFFF
+        elif kind == "some_zero_words":
+            pick = torch.randperm(words, generator=gen)[: max(1, words // 20)]
+            out[r, pick] = torch.randint(-(2**31), 2**31, (pick.numel(),), dtype=torch.int32, generator=gen)
+            out[r, pick[::2]] = 0
+        elif kind == "random":
+            out[r] = torch.randint(-(2**31), 2**31, (words,), dtype=torch.int32, generator=gen)
+        elif kind == "sparse":
+            out[r] = 0
+            out[r, :: max(1, words // 3)] = 1 << 4
+        elif kind == "none":
+            out[r] = 0
+        elif kind == "tail_only" and vocab % 32 and 32 * words >= vocab:
+            out[r, (vocab - 1) // 32] = (1 << (vocab % 32)) - 1  # zero bits past vocab only
+    return out
+
+
+def special_logits(gen: torch.Generator, rows: int, vocab: int, dtype: torch.dtype) -> torch.Tensor:
+    x = random_logits(gen, rows, vocab, dtype)
+    if vocab > 5:
+        x[:, 3] = float("nan")  # values survive bit for bit where allowed
+        x[:, 4] = float("-inf")
+        x[:, 5] = 0.0
+    return x
+
+
+@pytest.fixture(params=["default", "all_expanded", "all_word_by_word"])
+def cpu_route(request, monkeypatch):
+    """The default routing, every row with a zero bit expanded whole, and every such row word by
+    word."""
+    import maskd_client.apply as mod
+
+    if request.param == "all_expanded":
+        monkeypatch.setattr(mod, "_SPARSE_LIMIT", 0.0)
+    elif request.param == "all_word_by_word":
+        monkeypatch.setattr(mod, "_SPARSE_LIMIT", 1e9)
+        monkeypatch.setattr(mod, "_DENSE_WORDS", 2.0)
+    return request.param
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize(
+    "vocab,words",
+    [(1, 1), (31, 1), (64, 2), (100, 4), (100, 3), (100, 7), (1000, 32), (1000, 31), (995, 40), (4096, 128),
+     (5000, 157)],
+)
+def test_row_shapes_match_reference(vocab, words, dtype, cpu_route):
+    gen = torch.Generator().manual_seed(vocab * 31 + words)
+    bm = shaped_bitmask(gen, ROW_KINDS, words, vocab)
+    logits = special_logits(gen, len(ROW_KINDS), vocab, dtype)
+    out = logits.clone()
+    apply_token_bitmask_inplace(out, bm)
+    assert_bit_equal(out, apply_token_bitmask_reference(logits.clone(), bm))
+    # the all-ones row (and the row whose zero bits all lie past the vocabulary) is untouched
+    # where the bitmask covers it
+    covered = min(vocab, 32 * words)
+    assert_bit_equal(out[0, :covered], logits[0, :covered])
+    if vocab % 32 and 32 * words >= vocab:
+        assert_bit_equal(out[-1], logits[-1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("vocab,words", [(100, 4), (1000, 32), (995, 31), (995, 40), (5000, 157)])
+def test_row_shapes_with_indices_match_reference(vocab, words, dtype, cpu_route):
+    gen = torch.Generator().manual_seed(vocab + 7 * words)
+    kinds = ROW_KINDS + ROW_KINDS[::-1]
+    bm = shaped_bitmask(gen, kinds, words, vocab)
+    batch = len(kinds) + 3
+    logits = special_logits(gen, batch, vocab, dtype)
+    for idx in (torch.randperm(batch, generator=gen)[: len(kinds)].tolist(), list(range(2, 2 + len(kinds)))):
+        out = logits.clone()
+        apply_packed_token_bitmask_inplace(out, bm, idx)
+        assert_bit_equal(out, apply_token_bitmask_reference(logits.clone(), bm, idx))
+        untouched = sorted(set(range(batch)) - set(idx))
+        assert_bit_equal(out[untouched], logits[untouched])
+    # xgrammar's meaning of indices: logits[i] with bitmask[i]
+    sub = sorted(torch.randperm(len(kinds), generator=gen)[:5].tolist())
+    out = logits[: len(kinds)].clone()
+    apply_token_bitmask_inplace(out, bm, indices=sub)
+    assert_bit_equal(out, apply_token_bitmask_reference(logits[: len(kinds)].clone(), bm[sub], sub))
+
+
+def test_row_shapes_on_strided_logits(cpu_route):
+    gen = torch.Generator().manual_seed(23)
+    bm = shaped_bitmask(gen, ROW_KINDS, 8, 250)
+    base = special_logits(gen, 2 * len(ROW_KINDS), 300, torch.float32)
+    view = base[::2, 20:270]  # row stride 600, a window of 250 columns
+    expected = base.clone()
+    apply_token_bitmask_reference(expected[::2, 20:270], bm)
+    apply_token_bitmask_inplace(view, bm)
+    assert_bit_equal(base, expected)
+
+    t = special_logits(gen, 250, len(ROW_KINDS), torch.bfloat16).t()  # column stride 8
+    ref = apply_token_bitmask_reference(t.clone(), bm)
+    apply_packed_token_bitmask_inplace(t, bm, list(range(len(ROW_KINDS))))
+    assert_bit_equal(t, ref)
+
+
+@pytest.mark.parametrize("vocab,words", [(100, 4), (995, 32), (1024, 32), (129280, 4040)])
+def test_all_ones_rows_are_untouched(vocab, words):
+    gen = torch.Generator().manual_seed(vocab)
+    bm = torch.full((3, words), -1, dtype=torch.int32)
+    logits = special_logits(gen, 4, vocab, torch.bfloat16)
+    out = logits.clone()
+    apply_packed_token_bitmask_inplace(out, bm, [3, 0, 1])
+    assert_bit_equal(out, logits)
+    out = logits[:3].clone()
+    apply_token_bitmask_inplace(out, bm)
+    assert_bit_equal(out, logits[:3])
+
+
+def test_mixed_batch_across_chunks(monkeypatch):
+    """Expanded rows come in runs of consecutive rows (in both tensors), cut into chunks."""
+    import maskd_client.apply as mod
+
+    monkeypatch.setattr(mod, "_TORCH_CHUNK_ELEMS", 2 * 32 * 40)  # 2 rows per chunk
+    gen = torch.Generator().manual_seed(29)
+    kinds = ["random", "random", "random", "all_ones", "sparse", "none", "one_zero_bit", "random", "none"]
+    bm = shaped_bitmask(gen, kinds, 40, 1270)
+    logits = special_logits(gen, 12, 1270, torch.float16)
+    for idx in (None, [0, 1, 2, 3, 4, 5, 6, 7, 8], [3, 4, 5, 0, 1, 2, 9, 10, 11], [11, 10, 9, 8, 7, 6, 5, 4, 3]):
+        lg = logits[: len(kinds)] if idx is None else logits
+        out = lg.clone()
+        if idx is None:
+            apply_token_bitmask_inplace(out, bm)
+        else:
+            apply_packed_token_bitmask_inplace(out, bm, idx)
+        assert_bit_equal(out, apply_token_bitmask_reference(lg.clone(), bm, idx))
+
+
+def test_rows_over_the_limit_are_expanded(monkeypatch):
+    """A row with few words that are not all ones but many disallowed tokens in them goes the
+    other route; the result is the same either way."""
+    import maskd_client.apply as mod
+
+    calls = []
+    monkeypatch.setattr(mod, "_mask_block", lambda t, b, c, f=mod._mask_block: (calls.append(t.shape[0]), f(t, b, c)))
+    bm = torch.full((4, 100), -1, dtype=torch.int32)
+    bm[0, :40] = 0  # 40 words, 1,280 disallowed tokens: over 2.5 x 100
+    bm[1, 5] = ~(1 << 9)  # one token
+    bm[2, :60] = 0x7FFFFFFF  # one token (bit 31) in each of 60 words: over half the words
+    logits = torch.randn(4, 3200)
+    out = logits.clone()
+    apply_token_bitmask_inplace(out, bm)
+    assert_bit_equal(out, apply_token_bitmask_reference(logits.clone(), bm))
+    assert calls == [1, 1]  # rows 0 and 2 expanded; row 1 word by word; row 3 untouched
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_bit_offsets_enumerate_every_set_bit(seed):
+    import maskd_client.apply as mod
+
+    rng = np.random.default_rng(seed)
+    n = 500
+    pops = rng.integers(1, 33, n) if seed % 2 else rng.choice([1, 1, 1, 2, 3, 4, 32], n)
+    inv = np.zeros(n, dtype=np.int64)
+    for i, p in enumerate(pops):
+        inv[i] = sum(1 << int(b) for b in rng.choice(32, int(p), replace=False))
+    inv = ((inv + 2**31) % 2**32 - 2**31).astype(np.int32)  # bit 31 set: a negative word
+    base = rng.integers(0, 10**9, n) * 64
+    for step in (1, 5):
+        got = np.sort(mod._bit_offsets(base, inv, False, step))
+        want = np.sort([base[i] + j * step for i in range(n) for j in range(32) if (int(inv[i]) >> j) & 1])
+        np.testing.assert_array_equal(got, want)
+    shift = rng.integers(0, 32, n)
+    single = (np.ones(n, dtype=np.uint32) << shift.astype(np.uint32)).view(np.int32)
+    np.testing.assert_array_equal(mod._bit_offsets(base, single, True, 3), base + 3 * shift)
+    np.testing.assert_array_equal(mod._bit_offsets(base, single, False, 3), base + 3 * shift)
+
+
+def test_logits_that_require_grad_stay_visible_to_autograd():
+    bm = torch.full((2, 4), -1, dtype=torch.int32)
+    bm[0, 1] = ~(1 << 3)
+    bm[1] = 0x0F0F0F0F
+    x = torch.randn(3, 130, requires_grad=True)
+    z = x * 2
+    apply_packed_token_bitmask_inplace(z, bm, [2, 0])
+    ref = apply_token_bitmask_reference((x * 2).detach(), bm, [2, 0])
+    assert_bit_equal(z.detach(), ref)
+    z[torch.isfinite(z)].sum().backward()
+    assert torch.equal(x.grad, torch.where(torch.isfinite(ref), 2.0, 0.0))
+    with pytest.raises(RuntimeError):  # in place on a leaf that requires grad, as torch says
+        apply_token_bitmask_inplace(torch.randn(2, 130, requires_grad=True), bm)
+    with torch.no_grad():  # no grad: the fast paths
+        leaf = torch.randn(2, 130, requires_grad=True)
+        expected = apply_token_bitmask_reference(leaf.detach().clone(), bm)
+        apply_token_bitmask_inplace(leaf, bm)
+        assert_bit_equal(leaf.detach(), expected)
+
+
 def test_empty_inputs_are_no_ops():
     logits = torch.randn(3, 40)
     before = logits.clone()
@@ -524,6 +737,46 @@ exp = base.clone()
 m.apply_token_bitmask_reference(exp[:, 50:150], bm)
 m._apply_triton(base[:, 50:150], bm, None)
 assert torch.equal(base, exp)
+
+# Row shapes: all ones (blocks skipped), one zero bit, a few zero bits, random, none allowed, and
+# all ones but for zero bits past the vocabulary; vocab not a multiple of 32, a bitmask wider and
+# narrower than the logits, with and without indices.
+def shaped(n, words, vocab):
+    bm = torch.full((n, words), -1, dtype=torch.int32)
+    for r in range(n):
+        kind = r % 6
+        if kind == 1:
+            bm[r, (7 * r) % words] = ~(1 << (r % 32))
+        elif kind == 2:
+            bm[r, ::5] = 0x7FFFFFFF  # bit 31 off
+            bm[r, 3 % words] &= ~(1 << 9)
+        elif kind == 3:
+            bm[r] = torch.randint(-2**31, 2**31, (words,), dtype=torch.int32, generator=g)
+        elif kind == 4:
+            bm[r] = 0
+        elif kind == 5 and vocab % 32 and 32 * words >= vocab:
+            bm[r, (vocab - 1) // 32] = (1 << (vocab % 32)) - 1
+    return bm
+shape_cases = [(1024, 32, None), (1000, 32, None), (1000, 40, [6, 0, 3, 1, 5, 2]), (995, 31, [1, 3, 7]),
+               (2080, 65, list(range(8))), (70, 3, [0]), (33, 2, None)]
+for dtype in (torch.float32, torch.float16, torch.bfloat16):
+    for vocab, words, idx in shape_cases:
+        n = len(idx) if idx else 6
+        bm = shaped(n, words, vocab)
+        lg = (torch.randn(8, vocab, generator=g) * 10).to(dtype)
+        lg[:, 1] = float("nan")
+        lg[:, 2] = -0.0
+        ref = m.apply_token_bitmask_reference((lg if idx else lg[:n]).clone(), bm, idx)
+        out = (lg if idx else lg[:n]).clone()
+        l2, b2, i2 = m._validate(out, bm, idx)
+        m._apply_triton(l2, b2, i2)
+        assert torch.equal(out.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                           ref.view(torch.int16 if dtype != torch.float32 else torch.int32)), (dtype, vocab, words, idx)
+    ones = torch.full((3, 40), -1, dtype=torch.int32)  # every block skipped: nothing touched
+    lg = (torch.randn(5, 1000, generator=g) * 10).to(dtype)
+    out = lg.clone()
+    m._apply_triton(out, ones, torch.tensor([4, 0, 2]))
+    assert torch.equal(out, lg), dtype
 print("ok")
 """
 
