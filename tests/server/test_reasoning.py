@@ -104,15 +104,17 @@ def test_through_a_server_with_special_start_and_end(deepseek):
             for t in deepseek.encode(text):
                 if r.seqs[sid].status is not SeqStatus.READY:
                     break
-                assert t in allowed_ids(r.bitmask[r.seqs[sid].row])
+                if t not in allowed_ids(r.bitmask[r.seqs[sid].row]):
+                    return first, r.seqs[sid], deepseek.decode([t])
                 r = mc.step({sid: [t]})
-            return first, r.seqs[sid]
+            return first, r.seqs[sid], None
 
-        first, good = run("good", '<think>13 is unlucky, say {"answer": 13}</think>{"answer": 12}')
-        assert first == set(deepseek.encode("<think>"))
+        first, good, refused = run("good", '<think>13 is unlucky, say {"answer": 13}</think>{"answer": 12}')
+        assert first == set(deepseek.encode("<think>")) and refused is None
         assert good.status is SeqStatus.FINISHED and good.accepting
-        _, bad = run("bad", '<think>fine</think>{"answer": 13}')
-        assert bad.status is SeqStatus.FAILED and "JSON schema" in bad.reason
+        # after the reasoning, 13 may not end: the row refuses the "}" (13 in the reasoning was fine)
+        _, bad, refused = run("bad", '<think>fine</think>{"answer": 13}')
+        assert bad.status is SeqStatus.READY and refused == "}"
 
 
 @pytest.mark.parametrize("spec", [

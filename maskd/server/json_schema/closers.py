@@ -1,9 +1,10 @@
 """Which tokens close JSON containers, for rows that must keep an object open.
 
-Complete mode may let the grammar take an object's keys in any order, which means the grammar no
-longer knows which keys are required; the validator does. While a pinned object (see
-validation.py) misses a required key, the tokens that would close it are taken out of its row
-(``step_checks``), so no document is closed into a state no continuation can make valid.
+Complete mode's grammar does not enforce every keyword (it takes an object's keys in any order, so
+it does not know which are required; it ignores ``not``, reads ``oneOf`` as ``anyOf``, ...); the
+validator does. Where closing a pinned sub-document (see validation.py) right now would fail its
+check, the tokens that would close it are taken out of its row (``step_checks``), so no document
+is closed into a state no continuation can make valid.
 
 A token closes the k-th open container (1: the innermost) when, scanning its bytes from the
 document's state (inside a string or not), the nesting depth falls to -k. That depends only on the
@@ -50,27 +51,55 @@ class CloserTable:
     def __init__(self, tokenizer) -> None:
         ll = tokenizer.ll
         ids, outside, inside = [], [], []
+        empty: dict[str, list[int]] = {"{}": [], "[]": [], "{}+": [], "[]+": [], "null": [], "true": [],
+                                       "false": []}
+        ends_number, ends_string = [], []
         for t in range(tokenizer.vocab_size):
             if ll.is_special_token(t):
                 continue
             data = ll.decode_bytes([t])
+            if data[:1] in (b",", b"}", b"]", b" ", b"\t", b"\r", b"\n"):
+                ends_number.append(t)
+            elif data[:1] == b'"':
+                ends_string.append(t)
+            head = data.lstrip(b" \t\r\n")
+            for literal in (b"null", b"true", b"false"):
+                if head.startswith(literal) and not head[len(literal):len(literal) + 1].isalnum():
+                    empty[literal.decode()].append(t)   # writes the whole literal
             if b"}" not in data and b"]" not in data:
                 continue
+            if head[:2] in (b"{}", b"[]"):
+                empty[head[:2].decode()].append(t)
+                if _lowest(head[2:], False) < 0:
+                    empty[head[:2].decode() + "+"].append(t)   # and closes the container it is in
             ids.append(t)
             outside.append(max(-127, _lowest(data, False)))
             inside.append(max(-127, _lowest(data, True)))
         self.ids = np.array(ids, dtype=np.int64)
         self.outside = np.array(outside, dtype=np.int8)
         self.inside = np.array(inside, dtype=np.int8)
+        # Tokens that write a whole value where a value starts: an empty object / array ("{}", " []",
+        # "{}}", ...; "{}+" / "[]+": those that also close the container the value is in) or a literal.
+        self.empty = {k: np.array(v, dtype=np.int64) for k, v in empty.items()}
+        # Tokens that end a number (a separator, a bracket, whitespace first) or a string (a quote first).
+        self.ends_number = np.array(ends_number, dtype=np.int64)
+        self.ends_string = np.array(ends_string, dtype=np.int64)
 
     def closing(self, level: int, in_string: bool) -> np.ndarray:
         """Ids of the tokens that close the ``level``-th open container (or one further out)."""
         lowest = self.inside if in_string else self.outside
         return self.ids[lowest <= -level]
 
-    def veto(self, row: np.ndarray, level: int, in_string: bool) -> None:
-        """Clears, in one packed row, the bits of the tokens that close the ``level``-th container."""
-        ids = self.closing(level, in_string)
+    @staticmethod
+    def allows_any(row: np.ndarray, ids: np.ndarray) -> bool:
+        """Whether the packed row allows one of ``ids``."""
+        ids = ids[(ids >> 5) < row.shape[0]]
+        words = row.view(np.uint32)[ids >> 5]
+        return bool(((words >> (ids & 31).astype(np.uint32)) & 1).any())
+
+    @staticmethod
+    def clear(row: np.ndarray, ids: np.ndarray) -> None:
+        """Clears the bits of ``ids`` in one packed row."""
         ids = ids[(ids >> 5) < row.shape[0]]
         if ids.size:
             words = row.view(np.uint32)

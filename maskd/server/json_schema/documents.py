@@ -18,6 +18,7 @@ Two layouts:
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 from maskd.server.json_schema.closers import CloserTable, closer_table
@@ -25,6 +26,11 @@ from maskd.server.json_schema.scan import JsonScanner
 from maskd.server.json_schema.validation import SchemaValidator, parse
 
 SPECIAL_MARK = b"\xff"
+# How many open containers a closing check looks through, and the largest one it reparses per step.
+_CLOSE_LEVELS = 3
+_CLOSE_CHECK_BYTES = 1 << 16
+# Values one token may write whole where a value starts (CloserTable.empty holds those tokens).
+_WHOLE_VALUES: tuple[tuple[str, Any], ...] = (("{}", {}), ("[]", []), ("null", None), ("true", True), ("false", False))
 
 
 def token_bytes(tokenizer, token: int) -> bytes:
@@ -125,8 +131,8 @@ class DocumentChecker:
     def describe(self) -> dict:
         raise NotImplementedError
 
-    def open_requirement(self, state: Any) -> tuple[int, bool] | None:
-        return None
+    def row_vetoes(self, state: Any, data: bytearray, row) -> list:
+        return []
 
     @property
     def scans(self) -> bool:
@@ -145,6 +151,7 @@ class DocumentChecker:
 class _DocState:
     body: int = -1
     scanner: JsonScanner | None = None
+    veto: str = ""     # why the row's last veto was needed (the validator's message)
 
 
 class JsonDocumentChecker(DocumentChecker):
@@ -153,9 +160,9 @@ class JsonDocumentChecker(DocumentChecker):
     def __init__(self, validator: SchemaValidator, tokenizer, reasoning: tuple[bytes, bytes] = (b"", b"")) -> None:
         super().__init__(tokenizer, reasoning)
         self.validator = validator
-        # The grammar may not know which keys are required: rows keep such objects open (closers.py).
-        self.closers = (closer_table(tokenizer)
-                        if "required" in validator.relaxed and validator.root_ctx is not None else None)
+        # Where the grammar does not enforce a sub-document whole, rows keep it open while closing it
+        # would fail (closers.py).
+        self.closers = closer_table(tokenizer) if validator.root_ctx is not None else None
 
     def new_state(self) -> _DocState:
         return _DocState()
@@ -186,28 +193,114 @@ class JsonDocumentChecker(DocumentChecker):
                 return f"the document cannot match the JSON schema: {problem}"
         return None
 
-    def open_requirement(self, state: _DocState) -> tuple[int, bool] | None:
-        """(k, inside a string) when the k-th open container (1: the innermost) is the innermost
-        pinned object that still misses a required key: tokens that would close it must not be
-        allowed. None when closing is up to the grammar."""
+    def row_vetoes(self, state: _DocState, data: bytearray, row) -> list:
+        """Token ids the row must not allow here although the grammar does: those that would close
+        a pinned sub-document that does not pass as it stands (a required key missing, a oneOf with
+        no or two branches, duplicate items, ...) and those that would write a whole empty
+        object or array where one does not pass. Only what the row allows is checked."""
+        closers = self.closers
         sc = state.scanner
-        if self.closers is None or sc is None or not sc.stack or sc.escape or sc.done:
+        if closers is None or sc is None or sc.done or sc.escape:
+            return []
+        out = []
+        if sc.stack:
+            closing = self._closing(state, data)
+            if closing is not None:
+                ids = closers.closing(*closing)
+                if closers.allows_any(row, ids):
+                    out.append(ids)
+            ends = self._value_end_fails(state, data, row)
+            if ends is not None:
+                out.append(ends)
+        if not sc.in_string and sc.scalar_start < 0:
+            for text, value in _WHOLE_VALUES:
+                ids = closers.empty[text]
+                if ids.size and closers.allows_any(row, ids) and self._value_fails(state, value):
+                    out.append(ids)
+                elif text in ("{}", "[]") and sc.stack and closers.allows_any(row, closers.empty[text + "+"]) \
+                        and self._closing(state, data, text.encode()) is not None:
+                    out.append(closers.empty[text + "+"])
+        return out
+
+    def _closing(self, state: _DocState, data: bytearray, value: bytes = b"") -> tuple[int, bool] | None:
+        """(k, inside a string) when closing the k-th open container (1: the innermost) right here
+        would end a pinned sub-document that does not pass; only where the output could close next
+        (after a whole member, in an empty container, a number or a string value that may end, or
+        after ``value`` written where a value starts)."""
+        sc = state.scanner
+        assert sc is not None
+        top = sc.stack[-1]
+        if value:
+            if not top.awaiting:
+                return None
+            tail = value
+        elif sc.in_string:
+            if top.is_object and top.expect_key:
+                return None            # a key: nothing closes here
+            tail = b'"'
+        elif top.ready or sc.scalar_start >= 0:
+            tail = b""
+        else:
             return None
-        for k, frame in enumerate(reversed(sc.stack), 1):
-            if frame.is_object and frame.ctx is not None and self._misses_a_key(frame.ctx[0], frame.keys):
+        for k, frame in enumerate(reversed(sc.stack[-_CLOSE_LEVELS:]), 1):
+            tail += b"}" if frame.is_object else b"]"
+            if frame.ctx is None or len(data) - frame.start > _CLOSE_CHECK_BYTES:
+                continue
+            value, problem = parse(bytes(data[frame.start:]) + tail)
+            if problem is not None:
+                return None            # a literal or number not finished yet ("tru", "1."): not decided here
+            problem = self.validator.check_at(frame.ctx[0], value, frame.ctx[1])
+            if problem is not None:
+                state.veto = f"closing it here: {problem}"
                 return k, sc.in_string
         return None
 
-    def _misses_a_key(self, ptrs, keys: list[str]) -> bool:
-        v = self.validator
-        for ptr in ptrs:
-            node = v._node(ptr)
-            if not isinstance(node, dict) or (v.legacy and "$ref" in node):
-                continue
-            required = node.get("required")
-            if isinstance(required, list) and any(isinstance(r, str) and r not in keys for r in required):
-                return True
-        return False
+    def _value_end_fails(self, state: _DocState, data: bytearray, row):
+        """The tokens that would end the number or string value being written (a separator or a
+        quote first), when that value as it stands does not pass its pinned subschemas."""
+        sc = state.scanner
+        assert sc is not None
+        top = sc.stack[-1]
+        closers = self.closers
+        if closers is None or top.child_ctx is None:
+            return None
+        if sc.in_string:
+            if top.is_object and top.expect_key:
+                return None
+            start, tail, ids = sc.string_start, b'"', closers.ends_string
+        elif sc.scalar_start >= 0:
+            start, tail, ids = sc.scalar_start, b"", closers.ends_number
+        else:
+            return None
+        if len(data) - start > _CLOSE_CHECK_BYTES or not closers.allows_any(row, ids):
+            return None
+        value, problem = parse(bytes(data[start:]) + tail)
+        if problem is not None:
+            return None
+        problem = self.validator.check_at(top.child_ctx[0], value, top.child_ctx[1])
+        if problem is None:
+            return None
+        state.veto = f"ending the value here: {problem}"
+        return ids
+
+    def _value_fails(self, state: _DocState, value) -> bool:
+        """Whether a whole value written here (an empty object / array, a literal) could not pass its
+        pinned subschemas."""
+        sc = state.scanner
+        assert sc is not None
+        if not sc.stack:
+            if sc.root_start >= 0:
+                return False
+            ctx = sc.root_ctx
+        else:
+            top = sc.stack[-1]
+            if not top.awaiting or top.ctx is None:
+                return False
+            ctx = self._watch(top.ctx, top.key if top.is_object else top.index)
+        problem = None if ctx is None else self.validator.check_at(ctx[0], value, ctx[1])
+        if problem is not None:
+            state.veto = f"writing {json.dumps(value)} here: {problem}"
+        return problem is not None
 
     def _watch(self, ctx, key):
         ptrs, where = ctx

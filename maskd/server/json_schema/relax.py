@@ -308,7 +308,7 @@ def any_key_order(schema: Any, try_regex: TryRegex) -> Any:
             continue
         rewritten = {k: v for k, v in node.items()
                      if k not in ("properties", "required", "patternProperties", "allOf", "anyOf", "oneOf")}
-        rewritten["patternProperties"] = {**literals, **pp}   # the combinators held "required" only
+        rewritten["patternProperties"] = {**literals, **pp}   # the combinators held "required" or conditions
         out = _put(out, path, rewritten)
     return out
 
@@ -401,8 +401,10 @@ _COMBINATORS = ("allOf", "anyOf", "oneOf", "$ref")
 _OBJECT_WORDS = ("properties", "patternProperties", "additionalProperties", "required")
 # Siblings of a $ref that make llguidance intersect the target with them.
 _INTERSECTING = frozenset({*_OBJECT_WORDS, "allOf", "anyOf", "oneOf", "unevaluatedProperties"})
-# What a branch may hold and still be dropped whole once its "required" goes to the validator.
-_ANNOTATIONS = frozenset({"required", "title", "description", "$comment", "examples"})
+# What a member may hold and still be dropped whole once its "required" goes to the validator: the
+# relaxed grammar is compiled lenient, which ignores the conditional keywords (the validator checks).
+_ANNOTATIONS = frozenset({"required", "title", "description", "$comment", "examples", "if", "then", "else", "not",
+                          "dependencies", "dependentRequired", "dependentSchemas"})
 
 
 def _walk(schema: Any, path: tuple = ()):
@@ -424,8 +426,8 @@ def _walk(schema: Any, path: tuple = ()):
 
 
 def _object_nodes(schema: Any) -> list[tuple]:
-    """Objects with declared properties that intersect with nothing, or only with branches that
-    hold nothing but ``required`` ("one of these keys must be there")."""
+    """Objects with declared properties that intersect with nothing, or only with members that hold
+    nothing the grammar enforces but ``required`` ("one of these keys must be there", conditions)."""
     return [path for path, node in _walk(schema)
             if isinstance(node.get("properties"), dict) and node["properties"] and "$ref" not in node
             and all(_required_only(node.get(k)) for k in ("allOf", "anyOf", "oneOf") if k in node)]

@@ -22,10 +22,14 @@ Watch = Callable[[Any, "str | int"], Any]
 
 
 class _Frame:
-    __slots__ = ("child_ctx", "child_start", "ctx", "expect_key", "index", "is_object", "key", "keys")
+    __slots__ = ("awaiting", "child_ctx", "child_start", "ctx", "expect_key", "index", "is_object", "key", "keys",
+                 "ready", "start")
 
-    def __init__(self, is_object: bool, ctx: Any) -> None:
+    def __init__(self, is_object: bool, ctx: Any, start: int) -> None:
         self.is_object = is_object
+        self.start = start            # offset of its opening bracket
+        self.ready = True             # a closing bracket may come next (empty, or after a whole member)
+        self.awaiting = not is_object  # a value may start next (after "[", "," in an array, ":")
         self.ctx = ctx                # this container's context (None: children are not watched)
         self.key: str | None = None   # object: the key of the value being read
         self.keys: list[str] = []     # object: every key read so far
@@ -94,10 +98,12 @@ class JsonScanner:
             elif c == 0x22:   # "
                 self.in_string = True
                 self.string_start = i
+                if self.stack:
+                    self.stack[-1].ready = False
                 i += 1
             elif c == 0x7B or c == 0x5B:   # { [
                 self._value_start(i)
-                frame = _Frame(c == 0x7B, self._child_ctx_of_current())
+                frame = _Frame(c == 0x7B, self._child_ctx_of_current(), i)
                 self.stack.append(frame)
                 i += 1
             elif c == 0x7D or c == 0x5D:   # } ]
@@ -107,13 +113,16 @@ class JsonScanner:
                 i += 1
             elif c == 0x3A:   # :
                 self.stack[-1].expect_key = False
+                self.stack[-1].awaiting = True
                 i += 1
             elif c == 0x2C:   # ,
                 top = self.stack[-1]
+                top.ready = False
                 if top.is_object:
                     top.expect_key = True
                 else:
                     top.index += 1
+                    top.awaiting = True
                 i += 1
             else:   # a number, true, false or null
                 self._value_start(i)
@@ -134,6 +143,7 @@ class JsonScanner:
             self.root_start = offset
             return
         top = self.stack[-1]
+        top.ready = top.awaiting = False
         top.child_start = offset
         if top.ctx is None or self.watch is None or (top.is_object and top.key is None):
             top.child_ctx = None
@@ -158,6 +168,7 @@ class JsonScanner:
             self.root_end = end
             return
         top = self.stack[-1]
+        top.ready = True
         if top.child_ctx is not None:
             events.append((top.child_ctx, start, end))
         top.child_ctx = None

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from maskd.server.json_schema.closers import CloserTable
 from maskd.server.json_schema.documents import DocumentBuffer
 from maskd.v1.contract import Code, SeqStatus
 
@@ -140,18 +141,20 @@ class DocumentChecks:
 
     # -- helpers --------------------------------------------------------------------------------------
     def _keep_open(self, adv, doc: DocumentBuffer, out: np.ndarray, refusals) -> bool:
-        """Takes the tokens that would close an object still missing a required key out of the row
-        (draft rows keep what the grammar allows); True when that left nothing and the sequence failed."""
-        closers = doc.checker.closers
-        need = doc.checker.open_requirement(doc.state)
-        if need is None or closers is None:
+        """Takes out of the row the tokens that would close (or write whole) a sub-document that
+        does not pass, so no output is closed into a state no continuation can make valid (draft
+        rows keep what the grammar allows). True when that left nothing and the sequence failed."""
+        row = out[adv.res.first_row]
+        vetoes = doc.checker.row_vetoes(doc.state, doc.data, row)
+        if not vetoes:
             return False
-        row = adv.res.first_row
-        closers.veto(out[row], *need)
-        if out[row].any():
+        for ids in vetoes:
+            CloserTable.clear(row, ids)
+        if row.any():
             return False
-        self._fail(adv, out, "the document cannot match the JSON schema: an object misses a required key "
-                             "and nothing the grammar allows can add it", refusals, "early")
+        why = getattr(doc.state, "veto", "") or "no continuation passes"
+        self._fail(adv, out, f"the document does not match the JSON schema and nothing the grammar allows "
+                             f"here can make it: {why}", refusals, "early")
         return True
 
     def _check_drafts(self, adv, out: np.ndarray) -> None:

@@ -1,0 +1,100 @@
+"""No dead ends in complete mode: a writer that only takes tokens its rows allow never ends in a
+sequence the server has to fail (issue 20). Built-in schemas in the core suite, MaskBench-dev's
+relaxed schemas when that folder is there."""
+import json
+
+import pytest
+
+from conftest import MASKBENCH, needs_maskbench
+from generation_writer import TokenTable, write
+from maskd.server import MaskServer, ServerConfig
+
+# Keywords complete mode leaves to the validator, each with a valid guide document.
+SCHEMAS = {
+    "required in any order": ({"type": "object", "required": ["a", "b"], "propertyNames": {"maxLength": 3},
+                               "properties": {"a": {"type": "integer"}, "b": {"type": "string"},
+                                              "c": {"type": "boolean"}}}, {"b": "x", "a": 1}),
+    "nested required": ({"type": "object", "required": ["o"], "not": {"const": {}},
+                         "properties": {"o": {"type": "object", "required": ["x"],
+                                              "properties": {"x": {"type": "integer"}, "y": {}}}}},
+                        {"o": {"y": 1, "x": 2}}),
+    "uniqueItems": ({"type": "object", "required": ["tags"], "properties": {
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "uniqueItems": True}}},
+        {"tags": ["a", "b"]}),
+    "oneOf": ({"type": "object", "properties": {"n": {"oneOf": [{"type": "integer", "multipleOf": 2},
+                                                                {"type": "integer", "multipleOf": 3}]}},
+               "required": ["n"]}, {"n": 4}),
+    "dependencies": ({"$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
+                      "properties": {"card": {"type": "string"}, "billing": {"type": "string"}},
+                      "dependencies": {"card": ["billing"]}}, {"card": "x", "billing": "y"}),
+    "minProperties": ({"type": "object", "properties": {"a": {}, "b": {}, "c": {}}, "minProperties": 2,
+                       "not": {"required": ["c"]}}, {"a": 1, "b": 2}),
+    "if/then": ({"type": "object", "properties": {"kind": {"enum": ["a", "b"]}, "n": {"type": "integer"}},
+                 "required": ["kind", "n"], "if": {"properties": {"kind": {"const": "a"}}},
+                 "then": {"properties": {"n": {"minimum": 10}}}}, {"kind": "a", "n": 12}),
+    "shapes": ({"type": "object", "propertyNames": {"maxLength": 6},
+                "properties": {"shape": {"enum": ["circle", "square"]}, "r": {"type": "number"}},
+                "oneOf": [{"properties": {"shape": {"const": "circle"}}, "required": ["shape", "r"]},
+                          {"properties": {"shape": {"const": "square"}, "side": {"type": "number"}},
+                           "required": ["shape", "side"]}]}, {"shape": "square", "side": 2}),
+}
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = MaskServer(ServerConfig(port=0, tokenizer="cl100k", threads=2, compile_threads=1)).start()
+    yield srv
+    srv.stop(grace=1.0)
+
+
+@pytest.fixture(scope="module")
+def table(cl100k):
+    return TokenTable(cl100k)
+
+
+def report(outcomes):
+    dead = [o for o in outcomes if o.status == "dead end"]
+    counts = {k: sum(o.status == k for o in outcomes) for k in ("finished", "capped", "dead end")}
+    counts["finished away from the guide"] = sum(o.status == "finished" and o.strayed for o in outcomes)
+    return dead, f"{counts}; dead ends: " + "; ".join(f"{o.name}: {o.text[-80:]!r}: {o.reason[:160]}" for o in dead[:8])
+
+
+def test_a_writer_that_follows_its_rows_never_reaches_a_dead_end(server, cl100k, table):
+    jobs = [(name, schema, json.dumps(doc)) for name, (schema, doc) in SCHEMAS.items()] * 6
+    outcomes = []
+    for seed in range(3):
+        outcomes += write(server.address, cl100k, table, jobs, seed=seed, follow=0.6, max_tokens=80)
+    dead, summary = report(outcomes)
+    assert not dead, summary
+    # not vacuous: documents the writer finished on its own, away from its guide, in several schemas
+    # (most others stray into what a random writer cannot finish: a required key it would have to
+    # spell out; their rows keep them open, so they reach the cap instead of a dead end)
+    strayed = [o for o in outcomes if o.status == "finished" and o.strayed]
+    assert len(strayed) >= 20 and len({o.name for o in strayed}) >= 4, summary
+
+
+@needs_maskbench
+def test_no_dead_ends_on_maskbench_dev_relaxed_schemas(cl100k):
+    from maskd.server.engines import GrammarCompileError, create_engine
+    from maskd.server.tokenizers import load_tokenizer
+    from maskd.specs import GrammarSpec
+    tok = load_tokenizer("deepseek-v4")
+    strict = create_engine("llguidance", tok, threads=1, json_schema_mode="strict")
+    jobs = []
+    for path in sorted(MASKBENCH.glob("*.json")):
+        doc = json.loads(path.read_text())
+        try:
+            strict.compile(GrammarSpec.create("json_schema", doc["schema"]))
+            continue   # compiled whole: nothing relaxed
+        except GrammarCompileError:
+            pass
+        valid = [t["data"] for t in doc["tests"] if t["valid"]][:2]
+        jobs += [(path.name, doc["schema"], json.dumps(v, ensure_ascii=False)) for v in valid]
+    with MaskServer(ServerConfig(port=0, tokenizer="deepseek-v4", threads=2)) as srv:
+        outcomes = write(srv.address, tok, TokenTable(tok), jobs, seed=1, follow=0.9, max_tokens=200)
+    dead, summary = report(outcomes)
+    assert len(outcomes) == len(jobs) > 100   # the relaxed schemas' valid instances as guides
+    # What is left (issue 20's note): a constraint that depends on which oneOf / anyOf branch the
+    # document is in (branches are not pinned, so nothing is checked before the root closes).
+    assert len(dead) <= len(outcomes) // 100, summary
+    assert sum(o.status == "finished" and o.strayed for o in outcomes) >= len(outcomes) // 3, summary
