@@ -17,6 +17,7 @@ from maskd.server.json_schema.relax import (
     map_schemas,
     merge_object_intersections,
     open_cycles,
+    unordered_constants,
     merge_pattern_properties,
     relax,
     without_all_of,
@@ -241,3 +242,19 @@ def test_shapes_take_their_keys_in_any_order_once_relaxed(engine):
     for text in ('{"r": 2, "shape": "circle"}', '{"colour": "red", "side": 1, "shape": "square"}'):
         tokens = engine.tokenizer.encode(text)
         assert engine.new_matcher(compiled).validate(tokens) == len(tokens), text
+
+
+def test_constant_objects_take_their_keys_in_any_order(engine):
+    """llguidance matches a const / enum object as one serialization's text; once relaxed, the same
+    object in another key order is accepted (which keys must be there: the validator)."""
+    from maskd.specs import GrammarSpec
+    schema = {"enum": [{"b": 2, "a": {"y": [1, {"z": 0}], "x": None}}, "s"], "not": {"const": 5}}
+    loose = unordered_constants(schema, lambda p: True)
+    for value in [{"a": {"x": None, "y": [1, {"z": 0}]}, "b": 2}, "s", {"b": 2}, {"b": 3}, 5, *INSTANCES]:
+        if valid(schema, value):
+            assert valid(loose, value), value
+    compiled = engine.compile(GrammarSpec.create("json_schema", schema))
+    for text, ok in (('{"a": {"x": null, "y": [1, {"z": 0}]}, "b": 2}', True), ('"s"', True),
+                     ('{"b": 3}', False), ('{"a": {"x": 1}}', False)):
+        tokens = engine.tokenizer.encode(text)
+        assert (engine.new_matcher(compiled).validate(tokens) == len(tokens)) is ok, text

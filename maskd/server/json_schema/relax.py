@@ -73,12 +73,13 @@ def relax(schema: Any, try_compile: TryCompile, try_regex: TryRegex, *, max_roun
     properties in any order where the engine can build that, else in the schema's order."""
     if not isinstance(schema, dict):
         raise RelaxError("only an object schema can be relaxed")
-    ordered = any_key_order(merge_object_intersections(schema, try_regex), try_regex)
+    ordered = any_key_order(merge_object_intersections(unordered_constants(schema, try_regex), try_regex),
+                            try_regex)
     if ordered != schema:
         try:
             found = _relax(ordered, schema, try_compile, try_regex, max_rounds)
             return dataclasses.replace(found, steps=(found.steps[0], _ANY_ORDER, *found.steps[1:]),
-                                       keywords=found.keywords | {"required"})
+                                       keywords=found.keywords | {"required", "enum", "const"})
         except RelaxError:
             pass
     return _relax(schema, schema, try_compile, try_regex, max_rounds)
@@ -311,6 +312,45 @@ def any_key_order(schema: Any, try_regex: TryRegex) -> Any:
         rewritten["patternProperties"] = {**literals, **pp}   # the combinators held "required" or conditions
         out = _put(out, path, rewritten)
     return out
+
+
+def unordered_constants(schema: Any, try_regex: TryRegex) -> Any:
+    """``const`` / ``enum`` objects in any key order: llguidance matches them as the text of one
+    serialization, so ``{"b": 2, "a": 1}`` is refused where the schema says ``const: {"a": 1,
+    "b": 2}``. Each object value becomes an object schema whose keys are literal patterns with
+    their values as constants (nested objects alike; arrays and scalars stay constants); which
+    keys must be there is left to the validator (and to the rows, that keep such an object open)."""
+    def fix(node: dict) -> dict:
+        values = [node["const"]] if "const" in node else node.get("enum")
+        if not isinstance(values, list) or not any(isinstance(v, dict) for v in values):
+            return node
+        if not all(try_regex(_literal(k)) for v in values if isinstance(v, dict) for k in _keys_in(v)):
+            return node
+        options = [_unordered(v) for v in values if isinstance(v, dict)]
+        rest = [v for v in values if not isinstance(v, dict)]
+        if rest:
+            options.append({"enum": rest})
+        out = {k: v for k, v in node.items() if k not in ("const", "enum")}
+        if "anyOf" in out:   # keep the node's own anyOf: the constants join as an allOf member
+            out["allOf"] = [*out.get("allOf", []), {"anyOf": options}]
+        else:
+            out["anyOf"] = options
+        return out
+    return map_schemas(schema, fix)
+
+
+def _keys_in(value: Any):
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield k
+            yield from _keys_in(v)
+
+
+def _unordered(value: Any) -> Any:
+    if not isinstance(value, dict):
+        return {"const": value}
+    return {"type": "object", "additionalProperties": False,
+            "patternProperties": {_literal(k): _unordered(v) for k, v in value.items()}}
 
 
 def merge_object_intersections(schema: Any, try_regex: TryRegex) -> Any:
