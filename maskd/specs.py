@@ -2,7 +2,8 @@
 
 Import-light (no engine): the client builds the same specs from dicts. ``GrammarSpec.from_dict``
 takes maskd's own shape; ``GrammarSpec.from_request`` also takes the shapes users already send
-to vLLM, SGLang and OpenAI-compatible servers (one meaning per name; ambiguity is an error).
+to vLLM, SGLang and OpenAI-compatible servers (one meaning per name; ambiguity is an error),
+OpenAI's tools among them (the schema of a forced tool call is built in ``maskd.tool_specs``).
 """
 from __future__ import annotations
 
@@ -84,8 +85,9 @@ class GrammarSpec:
     @classmethod
     def from_request(cls, request: Any) -> GrammarSpec | None:
         """A spec from any shape users already send (see :func:`spec_from_request`): maskd's own
-        dict, vLLM ``structured_outputs``, OpenAI ``response_format``, SGLang's keys, a pydantic
-        model class. None where the request asks for no constraint (``{"type": "text"}``).
+        dict, vLLM ``structured_outputs``, OpenAI ``response_format`` and ``tools``/``tool_choice``,
+        SGLang's keys, a pydantic model class. None where the request asks for no constraint
+        (``{"type": "text"}``, ``tool_choice: "auto"``).
         Ambiguous or unknown shapes raise SpecError."""
         return spec_from_request(request)
 
@@ -244,6 +246,8 @@ _CONSTRAINTS = {"json_schema": "json_schema", "json": "json_schema", "regex": "r
 _OPTIONS = ("whitespace", "disable_any_whitespace", "disable_additional_properties", "whitespace_pattern",
             "reasoning", "max_whitespace")
 _WRAPPERS = ("structured_outputs", "response_format")
+# OpenAI chat completions' tool keys (the schema they ask for: maskd.tool_specs).
+_TOOL_KEYS = ("tools", "tool_choice", "parallel_tool_calls")
 _RESPONSE_FORMAT_TYPES = ("json_schema", "json_object", "text", "structural_tag")
 
 
@@ -259,7 +263,16 @@ def spec_from_request(request: Any) -> GrammarSpec | None:
       "strict"}}``, ``{"type": "json_object"}``, ``{"type": "text"}``) and SGLang's
       ``{"type": "structural_tag", ...}``;
     * SGLang's sampling keys (json_schema as JSON text, regex, ebnf, structural_tag);
-    * a request body holding exactly one of ``structured_outputs`` / ``response_format``.
+    * a request body holding exactly one of ``structured_outputs`` / ``response_format``;
+    * a chat-completions body with ``tools``, ``tool_choice`` and ``parallel_tool_calls``: what
+      vLLM constrains for them (``maskd.tool_specs``): the array of calls for ``"required"``, the
+      named function's parameters for a named one, nothing for ``"auto"``/``"none"`` (then the
+      body's other constraint, if any, or None). A forced tool choice beside another constraint
+      (``response_format``, ``structured_outputs``, ``json``...) is a SpecError: vLLM 0.33 lets a
+      json_schema response_format silently replace the calls' schema and refuses a json_object
+      one beside it (older vLLM let the tools win). maskd's options
+      (whitespace, disable_any_whitespace, reasoning, max_whitespace) apply to the calls; the
+      body's other keys (messages, model...) are not maskd's and are left alone.
 
     Exactly one constraint must be named; a second one, an unknown key, or an option maskd cannot
     honour is a SpecError that says so, never a silent "any JSON".
@@ -270,6 +283,8 @@ def spec_from_request(request: Any) -> GrammarSpec | None:
         return GrammarSpec.create("json_schema", request.model_json_schema())
     if not isinstance(request, Mapping):
         request = _fields_of(request)
+    if any(request.get(k) is not None for k in _TOOL_KEYS):
+        return _from_tool_request(request)
     wrappers = [k for k in _WRAPPERS if request.get(k) is not None]
     if wrappers:
         rest = sorted(k for k, v in request.items() if v is not None and k not in _WRAPPERS)
@@ -283,11 +298,31 @@ def spec_from_request(request: Any) -> GrammarSpec | None:
 
 def _fields_of(obj: Any) -> Mapping[str, Any]:
     """The constraint and option fields of an object such as vLLM's StructuredOutputsParams."""
-    names = [n for n in (*_CONSTRAINTS, *_OPTIONS, *_WRAPPERS) if hasattr(obj, n)]
-    if not names:
+    # Methods are no fields (a pydantic request object has a .json() method, not a JSON schema).
+    fields = {n: getattr(obj, n) for n in (*_CONSTRAINTS, *_OPTIONS, *_WRAPPERS, *_TOOL_KEYS) if hasattr(obj, n)}
+    fields = {n: v for n, v in fields.items() if not callable(v)}
+    if not fields:
         raise SpecError(f"a grammar spec is a dict such as {{'regex': '[0-9]+'}}, a pydantic model class or a "
                         f"structured-outputs object, not {type(obj).__name__}")
-    return {n: getattr(obj, n) for n in names}
+    return fields
+
+
+def _from_tool_request(request: Mapping[str, Any]) -> GrammarSpec | None:
+    from maskd.tool_specs import tool_call_schema  # here: maskd.tool_specs imports this module
+
+    schema = tool_call_schema(request.get("tools"), request.get("tool_choice"), request.get("parallel_tool_calls"))
+    rest = {k: v for k, v in request.items() if k not in _TOOL_KEYS and v is not None}
+    others = sorted(k for k in rest if k in _CONSTRAINTS or k in _WRAPPERS)
+    if schema is None:    # tool_choice "auto"/"none", or no tools: the body's other constraint, if any
+        return spec_from_request(rest) if others else None
+    if others:
+        raise SpecError(f"tool_choice {request.get('tool_choice')!r} makes the output tool calls and {others} "
+                        "constrains it too; send one (vLLM would silently drop one of them)")
+    if rest.get("disable_additional_properties"):
+        raise SpecError("disable_additional_properties does not apply to tool calls (vLLM drops it for them "
+                        "too); close the parameters schemas themselves with additionalProperties false")
+    options = {k: rest[k] for k in _OPTIONS if k in rest}
+    return _from_keys({"json_schema": schema, **options})
 
 
 def _from_response_format(fmt: Mapping[str, Any]) -> GrammarSpec | None:

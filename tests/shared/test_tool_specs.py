@@ -1,0 +1,308 @@
+"""OpenAI's tools through GrammarSpec.from_request: the schema vLLM 0.33 constrains a forced tool
+choice to (vllm/tool_parsers/utils.py, get_json_schema_from_tools; the same text, key order
+included), garbage refused with the key named, and a call array driven token by token through a
+real server."""
+import copy
+import json
+
+import pytest
+
+from maskd.specs import GrammarSpec, SpecError
+from maskd.tool_specs import EMPTY_PARAMETERS, tool_call_schema
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"},
+                                            "unit": {"enum": ["celsius", "fahrenheit"]}},
+           "required": ["city"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                            "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "noop"}}]
+
+
+def call_item(name, params):
+    return {"properties": {"name": {"type": "string", "enum": [name]}, "parameters": params},
+            "required": ["name", "parameters"]}
+
+
+# What vLLM's _get_json_schema_from_tools gives for TOOLS (key order included; maxItems last).
+REQUIRED = {"type": "array", "minItems": 1,
+            "items": {"type": "object", "anyOf": [call_item("get_weather", WEATHER),
+                                                  call_item("noop", EMPTY_PARAMETERS)]}}
+SINGLE = {**REQUIRED, "maxItems": 1}
+
+
+def spec_of(schema, **kw):
+    return GrammarSpec.create("json_schema", schema, **kw)
+
+
+# -- the schemas --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("request_, schema", [
+    ({"tools": TOOLS, "tool_choice": "required"}, REQUIRED),
+    ({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": True}, REQUIRED),
+    ({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}, SINGLE),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, WEATHER),
+    ({"tools": TOOLS, "tool_choice": {"function": {"name": "noop"}}, "parallel_tool_calls": False},
+     EMPTY_PARAMETERS),
+])
+def test_forced_tool_choice_schemas(request_, schema):
+    spec = GrammarSpec.from_request(request_)
+    assert spec == spec_of(schema)
+    assert json.loads(spec.text) == schema
+    assert list(json.loads(spec.text)) == list(schema)          # key order as vLLM's
+
+
+def test_exact_text_of_the_required_array():
+    got = GrammarSpec.from_request({"tools": TOOLS[1:], "tool_choice": "required", "parallel_tool_calls": False})
+    assert got.text == ('{"type":"array","minItems":1,"items":{"type":"object","anyOf":['
+                        '{"properties":{"name":{"type":"string","enum":["noop"]},'
+                        '"parameters":{"type":"object","properties":{}}},"required":["name","parameters"]}]},'
+                        '"maxItems":1}')
+
+
+def test_same_grammar_as_the_schema_vllm_hands_its_backend():
+    """vLLM's API server turns the tools into structured_outputs.json; both shapes are one grammar."""
+    tools = GrammarSpec.from_request({"tools": TOOLS, "tool_choice": "required"})
+    vllm = GrammarSpec.from_request({"structured_outputs": {"json": REQUIRED}})
+    assert tools == vllm
+    assert tools.grammar_id("fp", "llguidance", "1") == vllm.grammar_id("fp", "llguidance", "1")
+
+
+@pytest.mark.parametrize("params", [None, {}])
+def test_tools_without_parameters_take_any_object(params):
+    fn = {"name": "f"} if params is None else {"name": "f", "parameters": params}
+    tools = [{"type": "function", "function": fn}]
+    assert tool_call_schema(tools, "required")["items"]["anyOf"] == [call_item("f", EMPTY_PARAMETERS)]
+    assert tool_call_schema(tools, {"type": "function", "function": {"name": "f"}}) == EMPTY_PARAMETERS
+
+
+def test_defs_move_to_the_root_where_their_refs_land():
+    point = {"type": "object", "properties": {"x": {"type": "number"}}}
+    a = {"type": "object", "properties": {"p": {"$ref": "#/$defs/Point"}}, "$defs": {"Point": point}}
+    b = {"type": "object", "properties": {"q": {"$ref": "#/$defs/Point"}}, "$defs": {"Point": point}}
+    tools = [{"type": "function", "function": {"name": "a", "parameters": a}},
+             {"type": "function", "function": {"name": "b", "parameters": b}}]
+    before = copy.deepcopy(tools)
+    schema = tool_call_schema(tools, "required")
+    assert schema["$defs"] == {"Point": point}
+    assert schema["items"]["anyOf"][0]["properties"]["parameters"] == {"type": "object",
+                                                                      "properties": {"p": {"$ref": "#/$defs/Point"}}}
+    assert tools == before                                  # the request is not changed
+    # a named choice keeps the parameters whole, $defs included
+    assert tool_call_schema(tools, {"type": "function", "function": {"name": "a"}}) == a
+
+
+@pytest.mark.parametrize("request_", [
+    {"tools": TOOLS, "tool_choice": "auto"},
+    {"tools": TOOLS, "tool_choice": "none"},
+    {"tools": TOOLS},                                     # vLLM: no tool_choice with tools is "auto"
+    {"tools": TOOLS, "parallel_tool_calls": False},
+    {"tool_choice": "none"},
+    {"tools": [], "tool_choice": "required"},            # vLLM and OpenAI: as "none"
+    {"tools": TOOLS, "tool_choice": "auto", "model": "m", "messages": [{"role": "user", "content": "hi"}]},
+])
+def test_no_constraint_from_the_tools(request_):
+    assert GrammarSpec.from_request(request_) is None
+
+
+@pytest.mark.parametrize("other", [
+    {"response_format": {"type": "json_object"}},
+    {"structured_outputs": {"regex": "[0-9]+"}},
+])
+@pytest.mark.parametrize("choice", ["auto", "none"])
+def test_unforced_tool_choice_leaves_the_other_constraint(choice, other):
+    request_ = {"tools": TOOLS, "tool_choice": choice, "messages": [], **other}
+    expected = GrammarSpec.from_request(other)
+    assert expected is not None and GrammarSpec.from_request(request_) == expected
+
+
+def test_options_and_body_keys_beside_forced_calls():
+    body = {"model": "m", "messages": [{"role": "user", "content": "weather?"}], "temperature": 0.2,
+            "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}
+    assert GrammarSpec.from_request(body) == spec_of(SINGLE)
+    assert GrammarSpec.from_request({**body, "whitespace": "compact"}) == spec_of(SINGLE, whitespace="compact")
+    assert GrammarSpec.from_request({**body, "disable_any_whitespace": True}) == spec_of(SINGLE, whitespace="compact")
+    assert GrammarSpec.from_request({**body, "reasoning": "</think>", "max_whitespace": 2}) == \
+        spec_of(SINGLE, reasoning="</think>", max_whitespace=2)
+
+
+def test_pydantic_request_objects_are_read():
+    pydantic = pytest.importorskip("pydantic")
+
+    class Function(pydantic.BaseModel):
+        name: str
+        description: str | None = None
+        parameters: dict | None = None
+
+    class Tool(pydantic.BaseModel):
+        type: str = "function"
+        function: Function
+
+    class Named(pydantic.BaseModel):
+        type: str = "function"
+        function: Function
+
+    class Request(pydantic.BaseModel):           # the fields of vLLM's ChatCompletionRequest that matter
+        tools: list[Tool] | None = None
+        tool_choice: str | Named | None = "none"
+        parallel_tool_calls: bool | None = True
+        response_format: dict | None = None
+        structured_outputs: dict | None = None
+
+    tools = [Tool(function=Function(**t["function"])) for t in TOOLS]
+    assert GrammarSpec.from_request(Request(tools=tools, tool_choice="required")) == spec_of(REQUIRED)
+    named = Named(function=Function(name="get_weather"))
+    assert GrammarSpec.from_request(Request(tools=tools, tool_choice=named)) == spec_of(WEATHER)
+    assert GrammarSpec.from_request(Request(structured_outputs={"regex": "a"})) == \
+        GrammarSpec.create("regex", "a")
+
+
+# -- garbage -------------------------------------------------------------------------------------------
+NAMED_X = {"type": "function", "function": {"name": "x"}}
+
+
+@pytest.mark.parametrize("request_, message", [
+    ({"tools": {"get_weather": WEATHER}, "tool_choice": "required"}, "tools is a list of"),
+    ({"tools": "get_weather", "tool_choice": "required"}, "tools is a list of"),
+    ({"tools": ["get_weather"], "tool_choice": "required"}, "tools[0] is a"),
+    ({"tools": [{"type": "code_interpreter"}], "tool_choice": "required"}, "tools[0] has type 'code_interpreter'"),
+    ({"tools": [{"type": "function"}], "tool_choice": "required"}, "tools[0].function is an object"),
+    ({"tools": [{"type": "function", "function": {"parameters": WEATHER}}]}, "tools[0].function.name"),
+    ({"tools": [TOOLS[0], {"type": "function", "function": {"name": ""}}]}, "tools[1].function.name"),
+    ({"tools": [*TOOLS, TOOLS[0]], "tool_choice": "required"},
+     "tools[0] and tools[2] both name the function 'get_weather'"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "send_email"}}},
+     "tool_choice names the function 'send_email', which is not one of the tools ('get_weather', 'noop')"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {}}}, "tool_choice names a function"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "noop"}}, "tool_choice names a function"),
+    ({"tools": TOOLS, "tool_choice": {"type": "allowed_tools"}}, "tool_choice type 'allowed_tools'"),
+    ({"tools": TOOLS, "tool_choice": "any"}, "tool_choice 'any' is not one of"),
+    ({"tools": TOOLS, "tool_choice": ["required"]}, "tool_choice is 'none', 'auto', 'required' or"),
+    ({"tool_choice": "required"}, "tool_choice 'required' needs tools"),
+    ({"tool_choice": NAMED_X}, "tool_choice 'x' needs tools"),
+    ({"tools": TOOLS, "parallel_tool_calls": "false"}, "parallel_tool_calls is true or false"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+     "tools[0].function.parameters ('f') has type 'string'"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": '{"type": "object"}'}}]},
+     "tools[0].function.parameters ('f') is a JSON schema object"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": [WEATHER]}}]},
+     "tools[0].function.parameters ('f') is a JSON schema object"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "default": {1, 2}}}}]},
+     "tools[0].function.parameters ('f') is not JSON"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"next": {"$ref": "#"}}}}}], "tool_choice": "required"},
+     "tool 'f': parameters refer to '#'"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "definitions": {"P": {}}, "properties": {"p": {"$ref": "#/definitions/P"}}}}}],
+      "tool_choice": "required"}, "refer to '#/definitions/P'"),
+    ({"tools": [{"type": "function", "function": {"name": "a", "parameters": {"$defs": {"P": {"type": "string"}}}}},
+                {"type": "function", "function": {"name": "b", "parameters": {"$defs": {"P": {"type": "number"}}}}}],
+      "tool_choice": "required"}, "tools 'a' and 'b' both define $defs/P, differently"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "tool_choice 'required' makes the output tool calls and ['response_format'] constrains it too"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "noop"}},
+      "structured_outputs": {"json": WEATHER}}, "and ['structured_outputs'] constrains it too"),
+    ({"tools": TOOLS, "tool_choice": "required", "json": WEATHER}, "and ['json'] constrains it too"),
+    ({"tools": TOOLS, "tool_choice": "required", "disable_additional_properties": True},
+     "disable_additional_properties does not apply to tool calls"),
+    ({"tools": TOOLS, "tool_choice": "required", "whitespace": "tabs"}, "unknown whitespace option"),
+])
+def test_garbage_is_refused_naming_the_key(request_, message):
+    with pytest.raises(SpecError) as err:
+        GrammarSpec.from_request(request_)
+    assert message in str(err.value)
+
+
+def test_a_long_tool_list_is_cut_short_in_the_message():
+    tools = [{"type": "function", "function": {"name": f"t{i}"}} for i in range(200)]
+    with pytest.raises(SpecError) as err:
+        tool_call_schema(tools, NAMED_X)
+    assert "'t7' and 192 more" in str(err.value) and "'t8'" not in str(err.value)
+
+
+def test_a_ref_inside_a_const_is_data_not_a_pointer():
+    params = {"type": "object", "properties": {"default": {"$ref": "#/$defs/D"}, "k": {"const": {"$ref": "#"}}},
+              "$defs": {"D": {"type": "string"}}}
+    schema = tool_call_schema([{"type": "function", "function": {"name": "f", "parameters": params}}], "required")
+    assert schema["$defs"] == {"D": {"type": "string"}}
+
+
+# -- through a real server --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server():
+    from maskd.server import MaskServer, ServerConfig
+    srv = MaskServer(ServerConfig(port=0, tokenizer="cl100k", threads=1, compile_threads=1)).start()
+    yield srv
+    srv.stop(grace=1.0)
+
+
+@pytest.fixture
+def mc(server):
+    from maskd_client import MaskClient
+    with MaskClient(server.address, want_forced_tokens=False) as client:
+        yield client
+
+
+def bit(result, sid, token):
+    row = result.bitmask[result.seqs[sid].row]
+    return bool((int(row[token >> 5]) >> (token & 31)) & 1)
+
+
+def drive(mc, sid, spec, tokens):
+    """Opens sid and feeds tokens one per step, each checked against the row before it: how many
+    went in, and the last result."""
+    from maskd_client import SeqStatus
+    mc.open(sid, spec)
+    r = mc.step({sid: []})
+    for _ in range(1000):
+        if r.seqs[sid].status is not SeqStatus.WAITING:
+            break
+        r = mc.step({sid: []})
+    for i, t in enumerate(tokens):
+        if r.seqs[sid].status is not SeqStatus.READY or not bit(r, sid, t):
+            return i, r
+        r = mc.step({sid: [t]})
+    return len(tokens), r
+
+
+REQUIRED_REQUEST = {"tools": TOOLS, "tool_choice": "required"}
+
+
+def test_registered_tools_get_the_grammar_id_of_their_schema(mc):
+    assert mc.register(REQUIRED_REQUEST) == mc.register({"json": REQUIRED})
+
+
+@pytest.mark.parametrize("calls", [
+    [{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}],
+    [{"name": "noop", "parameters": {}}, {"name": "get_weather", "parameters": {"city": "Oslo"}}],
+])
+def test_a_valid_call_array_passes_token_by_token_and_may_end(mc, cl100k, calls):
+    from maskd_client import SeqStatus
+    tokens = cl100k.encode(json.dumps(calls))
+    n, r = drive(mc, "calls", REQUIRED_REQUEST, tokens)
+    res = r.seqs["calls"]
+    assert n == len(tokens), (calls, n, res.status, res.reason)
+    assert res.status in (SeqStatus.READY, SeqStatus.FINISHED) and res.accepting
+    assert bit(r, "calls", cl100k.eos_token_ids[0])
+    mc.close("calls")
+
+
+@pytest.mark.parametrize("name, accepted", [("send_email", '[{"name": "'),
+                                            ("get_weather_now", '[{"name": "get_weather')])
+def test_a_call_naming_a_tool_outside_the_set_is_refused_by_the_rows(mc, cl100k, name, accepted):
+    """Refused at the first token no tool's name continues with ('send', '_now')."""
+    from maskd_client import SeqStatus
+    tokens = cl100k.encode(json.dumps([{"name": name, "parameters": {}}]))
+    n, r = drive(mc, "stranger", REQUIRED_REQUEST, tokens)
+    assert r.seqs["stranger"].status is SeqStatus.READY          # refused by a row, not failed
+    assert cl100k.decode(tokens[:n]) == accepted
+    mc.close("stranger")
+
+
+def test_no_second_call_when_parallel_tool_calls_is_false(mc, cl100k):
+    comma, close = cl100k.encode(",")[0], cl100k.encode("]")[0]
+    prefix = cl100k.encode('[{"name": "noop", "parameters": {}}')
+    for parallel, second_allowed in ((False, False), (True, True)):
+        sid = f"parallel-{parallel}"
+        n, r = drive(mc, sid, {**REQUIRED_REQUEST, "parallel_tool_calls": parallel}, prefix)
+        assert n == len(prefix)
+        assert bit(r, sid, close) and bit(r, sid, comma) == second_allowed
+        mc.close(sid)
