@@ -73,7 +73,9 @@ def test_maskbench_slice_in_complete_mode(complete_server):
     assert wire["json_schema_mode"] == "complete"
     assert not wire["false_accepts"]
     assert wire["compiled"] >= len(picked) - 1 and wire["compiled"] > len(picked) - len(refused & {p[0] for p in picked})
-    assert wire["validator_rejects"] > 0
+    # every invalid instance refused: by the relaxed grammar, by a row that keeps a sub-document open
+    # that would not pass, or by the validator failing the sequence
+    assert wire["invalid_rejected"] == wire["invalid_total"] > 0
     strict_rejects = {(x["file"], x["test"]) for x in strict["false_rejects"]}
     for x in wire["false_rejects"]:   # on what strict mode compiles, no new false reject
         assert x["file"] in refused or (x["file"], x["test"]) in strict_rejects, x
