@@ -45,8 +45,8 @@ def spec_proto(spec: Any) -> pb.GrammarSpec:
         return spec
     parsed = GrammarSpec.from_request(spec)
     if parsed is None:
-        raise SpecError("this request asks for no constraint (response_format type 'text'): "
-                        "there is no grammar to open")
+        raise SpecError("this request asks for no constraint (response_format type 'text', or tool_choice "
+                        "'auto' / 'none'): there is no grammar to open")
     return parsed.to_proto()
 
 
