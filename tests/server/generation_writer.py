@@ -56,7 +56,6 @@ def _allowed(row: np.ndarray, ids: np.ndarray) -> np.ndarray:
 def write(address: str, tok, table: TokenTable, jobs: list[tuple[str, dict, str]], *, seed: int = 0,
           follow: float = 0.85, max_tokens: int = 160, batch: int = 64) -> list[Outcome]:
     """Runs every (name, schema, guide text) job to EOS, a dead end or the token cap."""
-    rng = random.Random(seed)
     eos = int(tok.eos_token_ids[0])
     outcomes: list[Outcome] = []
     pending = list(enumerate(jobs))
@@ -67,7 +66,9 @@ def write(address: str, tok, table: TokenTable, jobs: list[tuple[str, dict, str]
                 i, (name, schema, guide) = pending.pop(0)
                 sid = f"w{seed}-{i}"
                 mc.open(sid, {"json_schema": schema})
-                active[sid] = {"name": name, "guide": tok.encode(guide), "out": [], "on_guide": True, "next": []}
+                # one generator per sequence: what it writes does not depend on how steps interleave
+                active[sid] = {"name": name, "guide": tok.encode(guide), "out": [], "on_guide": True, "next": [],
+                               "rng": random.Random(seed * 1_000_003 + i)}
             r = mc.step({sid: s["next"] for sid, s in active.items()})
             for sid, s in list(active.items()):
                 res = r.seqs[sid]
@@ -88,6 +89,7 @@ def write(address: str, tok, table: TokenTable, jobs: list[tuple[str, dict, str]
                     del active[sid]
                     continue
                 row = r.bitmask[res.row]
+                rng = s["rng"]
                 pos = len(s["out"])
                 if s["on_guide"] and pos < len(s["guide"]) and rng.random() < follow \
                         and _allowed(row, np.array([s["guide"][pos]], dtype=np.int64)).size:

@@ -86,10 +86,10 @@ class DocumentChecks:
             if doc is None or reasons[i] is not None:
                 continue
             tokens = adv.tokens
-            eos_at = next((k for k, t in enumerate(tokens) if int(t) in self.eos), -1)
-            if eos_at < 0:
+            if self.eos.isdisjoint(tokens):   # the common case, without a Python loop
                 doc.extend(tokens)
                 continue
+            eos_at = next(k for k, t in enumerate(tokens) if int(t) in self.eos)
             doc.extend(tokens[:eos_at])
             problem = self._timed(doc.final)
             if problem is not None:
@@ -106,9 +106,8 @@ class DocumentChecks:
             doc = adv.seq.doc
             if doc is None:
                 continue
-            m = adv.matcher
-            stopped = m.is_stopped()
-            final = stopped or m.is_accepting()
+            stopped = adv.seq.finished     # the grammar's state, as the step read it before the fill
+            final = adv.res.accepting
             if final or doc.checker.scans or adv.drafts:   # else nothing to do until EOS is grammatical
                 jobs.append(_Job(adv, doc, stopped, final))
         if not jobs:
