@@ -45,6 +45,33 @@ def _lowest(data: bytes, in_string: bool) -> int:
     return low
 
 
+_NUMBER_CHARS = frozenset(b"0123456789.eE+-")
+_NUMBER_ENDS = frozenset(b",}] \t\r\n")
+
+
+def _string_end(data: bytes) -> bytes | None:
+    """What a token adds to a string before ending it (scanning from inside the string), or None
+    when it does not end it."""
+    escape = False
+    for i, c in enumerate(data):
+        if escape:
+            escape = False
+        elif c == 0x5C:
+            escape = True
+        elif c == 0x22:
+            return data[:i]
+    return None
+
+
+def _number_end(data: bytes) -> bytes | None:
+    """What a token adds to a number before ending it (digits, then a separator, bracket or
+    whitespace), or None when it does not end it."""
+    for i, c in enumerate(data):
+        if c not in _NUMBER_CHARS:
+            return data[:i] if c in _NUMBER_ENDS else None
+    return None
+
+
 class CloserTable:
     """Per tokenizer: the tokens holding a closing bracket and the lowest depth each one reaches."""
 
@@ -53,15 +80,15 @@ class CloserTable:
         ids, outside, inside = [], [], []
         empty: dict[str, list[int]] = {"{}": [], "[]": [], "{}+": [], "[]+": [], "null": [], "true": [],
                                        "false": []}
-        ends_number, ends_string = [], []
+        enders: dict[str, tuple[list[int], list[bytes]]] = {"string": ([], []), "number": ([], [])}
         for t in range(tokenizer.vocab_size):
             if ll.is_special_token(t):
                 continue
             data = ll.decode_bytes([t])
-            if data[:1] in (b",", b"}", b"]", b" ", b"\t", b"\r", b"\n"):
-                ends_number.append(t)
-            elif data[:1] == b'"':
-                ends_string.append(t)
+            for kind, prefix in (("string", _string_end(data)), ("number", _number_end(data))):
+                if prefix is not None:
+                    enders[kind][0].append(t)
+                    enders[kind][1].append(prefix)
             head = data.lstrip(b" \t\r\n")
             for literal in (b"null", b"true", b"false"):
                 if head.startswith(literal) and not head[len(literal):len(literal) + 1].isalnum():
@@ -81,9 +108,25 @@ class CloserTable:
         # Tokens that write a whole value where a value starts: an empty object / array ("{}", " []",
         # "{}}", ...; "{}+" / "[]+": those that also close the container the value is in) or a literal.
         self.empty = {k: np.array(v, dtype=np.int64) for k, v in empty.items()}
-        # Tokens that end a number (a separator, a bracket, whitespace first) or a string (a quote first).
-        self.ends_number = np.array(ends_number, dtype=np.int64)
-        self.ends_string = np.array(ends_string, dtype=np.int64)
+        # Tokens that end the string / number being written, with what each adds to it first
+        # ('29",' ends a string with 29): ids, and per id the index of its prefix in ``prefixes``.
+        self.enders: dict[str, tuple[np.ndarray, np.ndarray, list[bytes]]] = {}
+        for kind, (tids, prefixes) in enders.items():
+            unique = sorted(set(prefixes))
+            index = {p: i for i, p in enumerate(unique)}
+            self.enders[kind] = (np.array(tids, dtype=np.int64),
+                                 np.array([index[p] for p in prefixes], dtype=np.int32), unique)
+
+    def ending(self, kind: str, row: np.ndarray, limit: int) -> tuple[np.ndarray, np.ndarray, list[bytes]] | None:
+        """The tokens the row allows that end the ``kind`` value being written, their prefix indices
+        and the prefixes; None when more than ``limit`` do (the check would cost too much here)."""
+        ids, which, prefixes = self.enders[kind]
+        keep = ids[(ids >> 5) < row.shape[0]]
+        words = row.view(np.uint32)[keep >> 5]
+        allowed = ((words >> (keep & 31).astype(np.uint32)) & 1).astype(bool)
+        if int(allowed.sum()) > limit:
+            return None
+        return keep[allowed], which[:keep.size][allowed], prefixes
 
     def closing(self, level: int, in_string: bool) -> np.ndarray:
         """Ids of the tokens that close the ``level``-th open container (or one further out)."""

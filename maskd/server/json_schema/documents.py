@@ -21,6 +21,8 @@ import dataclasses
 import json
 from typing import Any
 
+import numpy as np
+
 from maskd.server.json_schema.closers import CloserTable, closer_table
 from maskd.server.json_schema.scan import JsonScanner
 from maskd.server.json_schema.validation import SchemaValidator, parse
@@ -29,6 +31,8 @@ SPECIAL_MARK = b"\xff"
 # How many open containers a closing check looks through, and the largest one it reparses per step.
 _CLOSE_LEVELS = 3
 _CLOSE_CHECK_BYTES = 1 << 16
+# A value is checked for each distinct way the row's tokens could end it, up to this many tokens.
+_ENDINGS_CHECKED = 256
 # Values one token may write whole where a value starts (CloserTable.empty holds those tokens).
 _WHOLE_VALUES: tuple[tuple[str, Any], ...] = (("{}", {}), ("[]", []), ("null", None), ("true", True), ("false", False))
 
@@ -256,32 +260,46 @@ class JsonDocumentChecker(DocumentChecker):
         return None
 
     def _value_end_fails(self, state: _DocState, data: bytearray, row):
-        """The tokens that would end the number or string value being written (a separator or a
-        quote first), when that value as it stands does not pass its pinned subschemas."""
+        """The tokens the row allows that would end the number or string value being written with a
+        value that does not pass its pinned subschemas ('"', '",' but also '29",': each token's
+        addition is checked). None where nothing needs taking away, or where so many tokens could
+        end the value that checking each is not worth it (a free string: the final check decides)."""
         sc = state.scanner
         assert sc is not None
         top = sc.stack[-1]
         closers = self.closers
-        if closers is None or top.child_ctx is None:
+        if closers is None or top.ctx is None:
             return None
         if sc.in_string:
             if top.is_object and top.expect_key:
                 return None
-            start, tail, ids = sc.string_start, b'"', closers.ends_string
+            # a string's context is looked up when it ends (the scanner skips strings whole)
+            ctx = self._watch(top.ctx, top.key if top.is_object else top.index)
+            start, kind, tail = sc.string_start, "string", b'"'
         elif sc.scalar_start >= 0:
-            start, tail, ids = sc.scalar_start, b"", closers.ends_number
+            ctx = top.child_ctx
+            start, kind, tail = sc.scalar_start, "number", b""
         else:
             return None
-        if len(data) - start > _CLOSE_CHECK_BYTES or not closers.allows_any(row, ids):
+        if ctx is None:
             return None
-        value, problem = parse(bytes(data[start:]) + tail)
-        if problem is not None:
+        if len(data) - start > _CLOSE_CHECK_BYTES:
             return None
-        problem = self.validator.check_at(top.child_ctx[0], value, top.child_ctx[1])
-        if problem is None:
+        found = closers.ending(kind, row, _ENDINGS_CHECKED)
+        if found is None or not found[0].size:
             return None
-        state.veto = f"ending the value here: {problem}"
-        return ids
+        ids, which, prefixes = found
+        head = bytes(data[start:])
+        failing = []
+        for w in np.unique(which):
+            value, problem = parse(head + prefixes[w] + tail)
+            if problem is not None:
+                continue   # not a value yet ("1." then "e,"): the grammar decides
+            problem = self.validator.check_at(ctx[0], value, ctx[1])
+            if problem is not None:
+                failing.append(w)
+                state.veto = f"ending the value here: {problem}"
+        return ids[np.isin(which, failing)] if failing else None
 
     def _value_fails(self, state: _DocState, value) -> bool:
         """Whether a whole value written here (an empty object / array, a literal) could not pass its
