@@ -47,6 +47,7 @@ def _lowest(data: bytes, in_string: bool) -> int:
 
 _NUMBER_CHARS = frozenset(b"0123456789.eE+-")
 _NUMBER_ENDS = frozenset(b",}] \t\r\n")
+_NUMBER_START = _NUMBER_CHARS | _NUMBER_ENDS
 
 
 def _string_end(data: bytes) -> bytes | None:
@@ -85,10 +86,16 @@ class CloserTable:
             if ll.is_special_token(t):
                 continue
             data = ll.decode_bytes([t])
-            for kind, prefix in (("string", _string_end(data)), ("number", _number_end(data))):
+            if b'"' in data:
+                prefix = _string_end(data)
                 if prefix is not None:
-                    enders[kind][0].append(t)
-                    enders[kind][1].append(prefix)
+                    enders["string"][0].append(t)
+                    enders["string"][1].append(prefix)
+            if data[:1] and data[0] in _NUMBER_START:
+                prefix = _number_end(data)
+                if prefix is not None:
+                    enders["number"][0].append(t)
+                    enders["number"][1].append(prefix)
             head = data.lstrip(b" \t\r\n")
             for literal in (b"null", b"true", b"false"):
                 if head.startswith(literal) and not head[len(literal):len(literal) + 1].isalnum():
@@ -119,14 +126,17 @@ class CloserTable:
 
     def ending(self, kind: str, row: np.ndarray, limit: int) -> tuple[np.ndarray, np.ndarray, list[bytes]] | None:
         """The tokens the row allows that end the ``kind`` value being written, their prefix indices
-        and the prefixes; None when more than ``limit`` do (the check would cost too much here)."""
+        and the prefixes; None when they add more than ``limit`` distinct prefixes (each is one
+        check: too many to check here)."""
         ids, which, prefixes = self.enders[kind]
-        keep = ids[(ids >> 5) < row.shape[0]]
+        inside = (ids >> 5) < row.shape[0]
+        keep, which = ids[inside], which[inside]
         words = row.view(np.uint32)[keep >> 5]
         allowed = ((words >> (keep & 31).astype(np.uint32)) & 1).astype(bool)
-        if int(allowed.sum()) > limit:
+        which = which[allowed]
+        if np.unique(which).size > limit:
             return None
-        return keep[allowed], which[:keep.size][allowed], prefixes
+        return keep[allowed], which, prefixes
 
     def closing(self, level: int, in_string: bool) -> np.ndarray:
         """Ids of the tokens that close the ``level``-th open container (or one further out)."""

@@ -31,7 +31,7 @@ SPECIAL_MARK = b"\xff"
 # How many open containers a closing check looks through, and the largest one it reparses per step.
 _CLOSE_LEVELS = 3
 _CLOSE_CHECK_BYTES = 1 << 16
-# A value is checked for each distinct way the row's tokens could end it, up to this many tokens.
+# A value is checked once for each distinct addition the row's tokens could end it with, up to this many.
 _ENDINGS_CHECKED = 256
 # Values one token may write whole where a value starts (CloserTable.empty holds those tokens).
 _WHOLE_VALUES: tuple[tuple[str, Any], ...] = (("{}", {}), ("[]", []), ("null", None), ("true", True), ("false", False))
@@ -263,7 +263,7 @@ class JsonDocumentChecker(DocumentChecker):
         """The tokens the row allows that would end the number or string value being written with a
         value that does not pass its pinned subschemas ('"', '",' but also '29",': each token's
         addition is checked). None where nothing needs taking away, or where so many tokens could
-        end the value that checking each is not worth it (a free string: the final check decides)."""
+        end the value in so many ways that checking each is not worth it (the final check decides)."""
         sc = state.scanner
         assert sc is not None
         top = sc.stack[-1]
