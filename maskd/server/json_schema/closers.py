@@ -119,24 +119,20 @@ class CloserTable:
         # ('29",' ends a string with 29): ids, and per id the index of its prefix in ``prefixes``.
         self.enders: dict[str, tuple[np.ndarray, np.ndarray, list[bytes]]] = {}
         for kind, (tids, prefixes) in enders.items():
-            unique = sorted(set(prefixes))
+            unique = sorted(set(prefixes) | {b""})   # index 0: the empty prefix
             index = {p: i for i, p in enumerate(unique)}
             self.enders[kind] = (np.array(tids, dtype=np.int64),
                                  np.array([index[p] for p in prefixes], dtype=np.int32), unique)
 
-    def ending(self, kind: str, row: np.ndarray, limit: int) -> tuple[np.ndarray, np.ndarray, list[bytes]] | None:
-        """The tokens the row allows that end the ``kind`` value being written, their prefix indices
-        and the prefixes; None when they add more than ``limit`` distinct prefixes (each is one
-        check: too many to check here)."""
+    def ending(self, kind: str, row: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[bytes]]:
+        """The tokens the row allows that end the ``kind`` value being written, the index of each
+        one's prefix, and the prefixes (index 0 is the empty one: the value ends as it stands)."""
         ids, which, prefixes = self.enders[kind]
         inside = (ids >> 5) < row.shape[0]
         keep, which = ids[inside], which[inside]
         words = row.view(np.uint32)[keep >> 5]
         allowed = ((words >> (keep & 31).astype(np.uint32)) & 1).astype(bool)
-        which = which[allowed]
-        if np.unique(which).size > limit:
-            return None
-        return keep[allowed], which, prefixes
+        return keep[allowed], which[allowed], prefixes
 
     def closing(self, level: int, in_string: bool) -> np.ndarray:
         """Ids of the tokens that close the ``level``-th open container (or one further out)."""

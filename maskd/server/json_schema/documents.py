@@ -31,8 +31,9 @@ SPECIAL_MARK = b"\xff"
 # How many open containers a closing check looks through, and the largest one it reparses per step.
 _CLOSE_LEVELS = 3
 _CLOSE_CHECK_BYTES = 1 << 16
-# A value is checked once for each distinct addition the row's tokens could end it with, up to this many.
-_ENDINGS_CHECKED = 256
+# A value is checked once for each distinct addition the row's tokens could end it with, up to this
+# many; past that (a string the grammar leaves free: dozens of '…"' tokens) only as it stands.
+_ENDINGS_CHECKED = 16
 # Values one token may write whole where a value starts (CloserTable.empty holds those tokens).
 _WHOLE_VALUES: tuple[tuple[str, Any], ...] = (("{}", {}), ("[]", []), ("null", None), ("true", True), ("false", False))
 
@@ -261,9 +262,10 @@ class JsonDocumentChecker(DocumentChecker):
 
     def _value_end_fails(self, state: _DocState, data: bytearray, row):
         """The tokens the row allows that would end the number or string value being written with a
-        value that does not pass its pinned subschemas ('"', '",' but also '29",': each token's
-        addition is checked). None where nothing needs taking away, or where so many tokens could
-        end the value in so many ways that checking each is not worth it (the final check decides)."""
+        value that does not pass its pinned subschemas ('"', '",' but also '29",': each distinct
+        addition is checked once). Where the row's tokens could end the value in more than
+        ``_ENDINGS_CHECKED`` ways (a string the grammar leaves free), only the value as it stands is
+        checked: the tokens that add something and end it are left to the final check."""
         sc = state.scanner
         assert sc is not None
         top = sc.stack[-1]
@@ -285,13 +287,15 @@ class JsonDocumentChecker(DocumentChecker):
             return None
         if len(data) - start > _CLOSE_CHECK_BYTES:
             return None
-        found = closers.ending(kind, row, _ENDINGS_CHECKED)
-        if found is None or not found[0].size:
+        ids, which, prefixes = closers.ending(kind, row)
+        if not ids.size:
             return None
-        ids, which, prefixes = found
         head = bytes(data[start:])
         failing = []
-        for w in np.unique(which):
+        candidates = np.flatnonzero(np.bincount(which, minlength=len(prefixes)))
+        if candidates.size > _ENDINGS_CHECKED:
+            candidates = candidates[:1] if candidates[0] == 0 else candidates[:0]   # the value as it stands only
+        for w in candidates:
             value, problem = parse(head + prefixes[w] + tail)
             if problem is not None:
                 continue   # not a value yet ("1." then "e,"): the grammar decides
@@ -299,7 +303,11 @@ class JsonDocumentChecker(DocumentChecker):
             if problem is not None:
                 failing.append(w)
                 state.veto = f"ending the value here: {problem}"
-        return ids[np.isin(which, failing)] if failing else None
+        if not failing:
+            return None
+        fails = np.zeros(len(prefixes), dtype=bool)
+        fails[failing] = True
+        return ids[fails[which]]
 
     def _value_fails(self, state: _DocState, value) -> bool:
         """Whether a whole value written here (an empty object / array, a literal) could not pass its
