@@ -32,6 +32,10 @@ SCHEMAS = {
     "if/then": ({"type": "object", "properties": {"kind": {"enum": ["a", "b"]}, "n": {"type": "integer"}},
                  "required": ["kind", "n"], "if": {"properties": {"kind": {"const": "a"}}},
                  "then": {"properties": {"n": {"minimum": 10}}}}, {"kind": "a", "n": 12}),
+    # relaxed for a "not" one level down: the root's own anyOf goes with its keys' order
+    "anyOf of required keys": ({"type": "object", "anyOf": [{"required": ["a"]}, {"required": ["b"]}],
+                                "properties": {"a": {"type": "integer"},
+                                               "b": {"type": "integer", "not": {"const": 3}}}}, {"b": 1}),
     "shapes": ({"type": "object", "propertyNames": {"maxLength": 6},
                 "properties": {"shape": {"enum": ["circle", "square"]}, "r": {"type": "number"}},
                 "oneOf": [{"properties": {"shape": {"const": "circle"}}, "required": ["shape", "r"]},

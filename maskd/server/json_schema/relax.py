@@ -79,7 +79,7 @@ def relax(schema: Any, try_compile: TryCompile, try_regex: TryRegex, *, max_roun
         try:
             found = _relax(ordered, schema, try_compile, try_regex, max_rounds)
             return dataclasses.replace(found, steps=(found.steps[0], _ANY_ORDER, *found.steps[1:]),
-                                       keywords=found.keywords | {"required", "enum", "const"})
+                                       keywords=found.keywords | _ORDER_FREE_WORDS)
         except RelaxError:
             pass
     return _relax(schema, schema, try_compile, try_regex, max_rounds)
@@ -276,6 +276,9 @@ def merge_pattern_properties(schema: Any, try_regex: TryRegex) -> Any:
 
 
 _ANY_ORDER = "properties in any order (required ones left to the validator)"
+# What the grammar no longer enforces once keys are free: required keys (also those of the anyOf /
+# oneOf / allOf members dropped with them), and const / enum objects.
+_ORDER_FREE_WORDS = frozenset({"required", "enum", "const", "anyOf", "oneOf", "allOf"})
 _REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")
 
 
