@@ -139,19 +139,19 @@ def open_cycles(schema: Any, target: str) -> Any:
     if not target.startswith("#/"):
         return schema
     inside: set[tuple] = set()
-    todo = [_pointer(target)]
+    todo = [pointer_path(target[1:])]
     while todo:
         path = todo.pop()
         if path in inside:
             continue
         inside.add(path)
-        for _, node in _walk(_at(schema, path), path):
+        for _, node in _walk(node_at(schema, path), path):
             ref = node.get("$ref")
             if isinstance(ref, str) and ref.startswith("#/") and ref != target:
-                todo.append(_pointer(ref))
+                todo.append(pointer_path(ref[1:]))
     out = schema
     for path in inside:
-        out = _put(out, path, _unref(_at(out, path), target))
+        out = _put(out, path, _unref(node_at(out, path), target))
     return out
 
 
@@ -183,7 +183,7 @@ def _local_refs(schema: Any) -> set[tuple[str, ...]]:
         if isinstance(node, dict):
             ref = node.get("$ref")
             if isinstance(ref, str) and ref.startswith("#/"):
-                found.add(tuple(p.replace("~1", "/").replace("~0", "~") for p in ref[2:].split("/")))
+                found.add(pointer_path(ref[1:]))
             stack.extend(node.values())
         elif isinstance(node, list):
             stack.extend(node)
@@ -302,7 +302,7 @@ def any_key_order(schema: Any, try_regex: TryRegex) -> Any:
     for path in sorted(_object_nodes(schema), key=len, reverse=True):   # deepest first: paths stay valid
         if path in blocked:
             continue
-        node = _at(out, path)
+        node = node_at(out, path)
         props = node.get("properties")
         pp = node.get("patternProperties", {})
         if not isinstance(pp, dict) or (pp and not _names_outside(props, pp)):
@@ -499,12 +499,12 @@ def _intersected(schema: Any) -> set[tuple]:
         if path in blocked or depth > 64:
             return
         blocked.add(path)
-        node = _at(schema, path)
+        node = node_at(schema, path)
         if not isinstance(node, dict):
             return
         ref = node.get("$ref")
         if isinstance(ref, str) and ref.startswith("#/"):
-            block(_pointer(ref), depth + 1)
+            block(pointer_path(ref[1:]), depth + 1)
         for key in ("allOf", "anyOf", "oneOf"):
             if isinstance(node.get(key), list):
                 for i in range(len(node[key])):
@@ -514,7 +514,7 @@ def _intersected(schema: Any) -> set[tuple]:
         has_words = any(k in node for k in _OBJECT_WORDS)
         ref = node.get("$ref")
         if isinstance(ref, str) and ref.startswith("#/") and any(k in _INTERSECTING for k in node):
-            block(_pointer(ref))
+            block(pointer_path(ref[1:]))
         for key in ("allOf", "anyOf", "oneOf"):
             if isinstance(node.get(key), list) and (key == "allOf" or has_words):
                 for i in range(len(node[key])):
@@ -522,11 +522,15 @@ def _intersected(schema: Any) -> set[tuple]:
     return blocked
 
 
-def _pointer(ref: str) -> tuple:
-    return tuple(p.replace("~1", "/").replace("~0", "~") for p in ref[2:].split("/"))
+def pointer_path(pointer: str) -> tuple[str, ...]:
+    """The parts of a JSON pointer ("/a/b~1c", "" for the root), unescaped."""
+    if not pointer:
+        return ()
+    return tuple(p.replace("~1", "/").replace("~0", "~") for p in pointer[1:].split("/"))
 
 
-def _at(doc: Any, path: tuple) -> Any:
+def node_at(doc: Any, path: tuple[str, ...]) -> Any:
+    """The node at ``path`` in a JSON document, or None when there is none."""
     for part in path:
         if isinstance(doc, dict) and part in doc:
             doc = doc[part]

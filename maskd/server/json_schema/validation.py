@@ -21,7 +21,7 @@ from typing import Any
 import jsonschema_rs
 
 from maskd.server.json_schema.formats import FORMAT_CHECKERS
-from maskd.server.json_schema.relax import map_schemas, subschemas
+from maskd.server.json_schema.relax import map_schemas, node_at, pointer_path, subschemas
 
 _LEGACY_DRAFTS = ("draft-03", "draft-04", "draft-06", "draft-07")
 
@@ -196,21 +196,9 @@ class SchemaValidator:
     def _node(self, ptr: str) -> Any:
         if ptr in self._nodes:
             return self._nodes[ptr]
-        node = self._resolve(ptr)
+        node = node_at(self.schema, pointer_path(ptr))
         if len(self._nodes) < 65536:
             self._nodes[ptr] = node
-        return node
-
-    def _resolve(self, ptr: str) -> Any:
-        node = self.schema
-        for part in ptr.split("/")[1:]:
-            part = part.replace("~1", "/").replace("~0", "~")
-            if isinstance(node, dict) and part in node:
-                node = node[part]
-            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-                node = node[int(part)]
-            else:
-                return None
         return node
 
     def _expand(self, ptr: str, seen: frozenset[str] = frozenset()) -> frozenset[str]:
