@@ -198,3 +198,21 @@ def test_every_known_format_is_asserted_whatever_the_draft(draft, fmt, good, bad
 def test_a_format_no_draft_defines_is_not_asserted():
     v = SchemaValidator({"$schema": "http://json-schema.org/draft-04/schema#", "format": "textFile"}, frozenset())
     assert v.check("anything at all") is None
+
+
+@pytest.mark.parametrize("garbage", [b"not json at all", b'{"kind": "json"}', b'{"kind": "json", "markers": [1, 2]}',
+                                     b'{"kind": "json", "markers": ["", ""], "schema": {"type": 12}, "relaxed": []}'])
+def test_a_serialized_grammar_with_garbage_checks_is_refused_with_a_message(cl100k, garbage):
+    """A serialized grammar comes from a compile worker or another replica's cache: garbage in its
+    checker's description is a compile error naming it, never a grammar without its checks."""
+    from maskd.server.engines import GrammarCompileError, create_engine
+    from maskd.server.engines.llguidance_engine import _CHECKED_MAGIC
+    from maskd.specs import GrammarSpec
+    engine = create_engine("llguidance", cl100k, threads=1, json_schema_mode="complete")
+    spec = GrammarSpec.create("json_schema", {"type": "integer"})
+    good = engine.serialize(engine.compile(spec))
+    assert good.startswith(_CHECKED_MAGIC) and engine.deserialize(spec, good).checker is not None
+    grammar = good[len(_CHECKED_MAGIC) + 8 + int.from_bytes(good[len(_CHECKED_MAGIC):len(_CHECKED_MAGIC) + 8], "little"):]
+    data = _CHECKED_MAGIC + len(garbage).to_bytes(8, "little") + garbage + grammar
+    with pytest.raises(GrammarCompileError, match="serialized grammar's document checks"):
+        engine.deserialize(spec, data)
