@@ -345,12 +345,13 @@ class pinned_here:
 
 
 def subprocess_server(tokenizer: str, threads: int, *, log_path: str | os.PathLike | None = None,
-                      timeout_s: float = 180.0, cpus: Sequence[int] | None = None) -> ServerHandle:
+                      timeout_s: float = 180.0, cpus: Sequence[int] | None = None,
+                      json_schema_mode: str = HOT_PATH_JSON_SCHEMA_MODE) -> ServerHandle:
     """``maskd serve --port 0`` in a child process; returns once it prints its address. With
     ``cpus``, the child runs on those CPUs only (set before it starts its threads, and again on
     every thread once it serves)."""
     cmd = [sys.executable, "-m", "maskd.cli", "serve", "--host", "127.0.0.1", "--port", "0",
-           "--tokenizer", tokenizer, "--threads", str(threads), "--json-schema-mode", HOT_PATH_JSON_SCHEMA_MODE]
+           "--tokenizer", tokenizer, "--threads", str(threads), "--json-schema-mode", json_schema_mode]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     log_path = pathlib.Path(log_path) if log_path else None

@@ -1,0 +1,95 @@
+"""What ``maskd bench vllm`` asks the engine for: the schemas of each workload and of a compile burst.
+
+* ``free-text``: one free string field (nearly every token free);
+* ``records``: four records of four typed fields (most tokens forced);
+* ``maskbench``: MaskBench schemas (``--data``, ``--limit`` of them evenly spaced), request i
+  asking for schema i mod n. Only schemas that llguidance (compact JSON) and xgrammar both compile
+  in process are taken, so every backend of the comparison serves the same requests; schemas an
+  engine's own backend still refuses (HTTP 400 in the warm-up) leave that engine's workload, and
+  the report says how many.
+
+A compile burst sends grammars no backend has seen: MaskBench schemas outside the workload's
+sample (or variants of ``records`` without a MaskBench folder), each with a ``title`` unique to
+its round and mode, so every backend compiles each one (vLLM's caches and maskd's content address
+both key on the schema's text).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from collections.abc import Iterator, Sequence
+
+FREE_TEXT = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"],
+             "additionalProperties": False}
+RECORD = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
+                                           "ok": {"type": "boolean"},
+                                           "kind": {"enum": ["alpha", "beta", "gamma"]},
+                                           "score": {"type": "integer", "minimum": 0, "maximum": 9}},
+          "required": ["id", "ok", "kind", "score"], "additionalProperties": False}
+RECORDS = {"type": "object", "properties": {"records": {"type": "array", "items": RECORD, "minItems": 4,
+                                                        "maxItems": 4}},
+           "required": ["records"], "additionalProperties": False}
+BUILT_IN = {"free-text": FREE_TEXT, "records": RECORDS}
+WORKLOADS = (*BUILT_IN, "maskbench")
+
+
+def compiles_in_process(schema: dict) -> bool:
+    """Whether llguidance (compact JSON) and xgrammar both build a grammar for ``schema``."""
+    import llguidance
+    import xgrammar
+
+    text = json.dumps(schema)
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults={"whitespace_flexible": False})
+        if llguidance.LLMatcher.validate_grammar(grammar):
+            return False
+        xgrammar.Grammar.from_json_schema(text, any_whitespace=False)
+    except Exception:   # either engine's refusal, whatever its type
+        return False
+    return True
+
+
+def maskbench_schemas(data_dir: str | os.PathLike, limit: int) -> tuple[list[tuple[str, dict]], list[dict]]:
+    """(the workload's ``limit`` schemas, evenly spaced over the files both engines compile; every
+    other such schema, for bursts)."""
+    from maskd.tools.bench.common import spread
+    from maskd.tools.conformance import load_suite
+
+    with _quiet_stderr():   # xgrammar's C++ warnings, one per schema feature it approximates
+        usable = [(name, schema) for name, schema, _ in load_suite(data_dir)
+                  if isinstance(schema, dict) and compiles_in_process(schema)]
+    if not usable:
+        raise ValueError(f"no schema in {data_dir} compiles with both llguidance and xgrammar")
+    chosen = spread(usable, limit)
+    names = {n for n, _ in chosen}
+    return chosen, [s for n, s in usable if n not in names]
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def burst_schemas(pool: Sequence[dict], n: int, tag: str) -> list[dict]:
+    """``n`` schemas with a title unique to ``tag``: from ``pool`` in turn, or ``records`` variants."""
+    source = list(pool) or [RECORDS]
+    return [{**source[i % len(source)], "title": f"maskd-bench-burst-{tag}-{i}"} for i in range(n)]
+
+
+def validator(schema: dict):
+    """A jsonschema validator of the schema's own draft (formats not asserted: both backends of a
+    comparison are judged alike)."""
+    import jsonschema
+
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    return cls(schema)
