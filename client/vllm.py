@@ -23,10 +23,13 @@ requests and leave every other request to vLLM:
   vocabulary width is HTTP 400 with the reason. A compile still running then is left to the engine;
 * the engine core's ``StructuredOutputManager``: ``grammar_init`` waits for the compile on a
   thread of its own, so only that request sits in ``WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR``;
-  ``grammar_bitmask`` (which vLLM runs while the forward pass is on the device) sends one maskd
-  step for all of the batch's maskd requests -- the tokens accepted since their last step, and the
-  scheduled draft tokens of speculative decoding, one row per draft position plus the bonus one --
-  and places the rows in vLLM's bitmask beside the rows of vLLM's own backend;
+  ``Scheduler.update_from_output`` (where vLLM hands each grammar the tokens it sampled) is followed
+  by one maskd step for every maskd request that accepted tokens: it is on the wire while vLLM
+  sends its outputs, schedules the next step and runs the forward pass; ``grammar_bitmask`` (which
+  vLLM runs while the forward pass is on the device) waits for that step's rows and places them in
+  vLLM's bitmask beside the rows of vLLM's own backend. Requests the step ahead did not cover (a
+  first step, a grammar that was compiling) and every step under speculative decoding (the
+  scheduled draft tokens, one row per draft position plus the bonus one) get one step there;
 * the request's grammar object records accepted tokens for the next step and reports a sequence
   the server failed (a rejected token, a document that cannot pass its schema): vLLM then ends
   that request with finish reason ``error`` (HTTP 500, as for vLLM's own backends), never a
@@ -46,8 +49,8 @@ decode step is.
 
 Tested against vLLM 0.32.0 (the CPU build, a real engine in tests/engines/real) and 0.33.0
 (interfaces). What it patches: ``SamplingParams._validate_structured_outputs``,
-``StructuredOutputManager.grammar_init`` / ``grammar_bitmask``, ``Scheduler._free_request`` and
-``Scheduler.update_draft_token_ids``.
+``StructuredOutputManager.grammar_init`` / ``grammar_bitmask``, ``Scheduler._free_request``,
+``Scheduler.update_from_output`` and ``Scheduler.update_draft_token_ids``.
 """
 from __future__ import annotations
 
@@ -253,6 +256,7 @@ class MaskdGrammar:
                 self.pending.extend(tokens[:k])
                 return True
         self.pending.extend(tokens)
+        self.owner.accepted.append(self)
         return True
 
     def validate_tokens(self, tokens: list[int]) -> list[int]:
@@ -330,6 +334,13 @@ class MaskdStructuredOutputs:
         self.compiles = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="maskd-compile")
         self.steps = 0
         self.polls = 0
+        # Steps sent ahead: the tokens of a decode step go to the server as soon as vLLM accepts them,
+        # and the rows they get wait for the next grammar_bitmask. Not with speculative decoding: its
+        # drafts come after the tokens and go in one step with them (check_drafts).
+        self.step_ahead_on = getattr(vllm_config, "speculative_config", None) is None
+        self.accepted: list[MaskdGrammar] = []     # grammars that accepted tokens since the last step ahead
+        self.ahead: tuple[concurrent.futures.Future, list[MaskdGrammar]] | None = None
+        self.steps_ahead = 0
 
     # -- compiles -------------------------------------------------------------------------------
     def grammar(self, request: Any) -> concurrent.futures.Future:
@@ -356,6 +367,7 @@ class MaskdStructuredOutputs:
         """The bitmask rows of ``req_ids`` (1 + scheduled drafts each, in order), from one step."""
         from vllm.v1.structured_output.utils import strip_speculative_padding
 
+        self.settle()
         total = sum(1 + len(spec_tokens.get(r, ())) for r in req_ids)
         out = np.full((total, self.words), -1, dtype=np.int32)
         entries: list[_Entry] = []
@@ -389,6 +401,7 @@ class MaskdStructuredOutputs:
         the next grammar_bitmask has its rows."""
         from vllm.v1.structured_output.utils import strip_speculative_padding
 
+        self.settle()
         entries: list[_Entry] = []
         for req_id, raw in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids):
             request = requests.get(req_id)
@@ -415,6 +428,55 @@ class MaskdStructuredOutputs:
             if e.grammar.seq_id in answers:
                 e.grammar.prepared = (e.drafts, scratch[e.start:e.start + e.count].copy(),
                                       answers[e.grammar.seq_id])
+
+    def step_ahead(self) -> None:
+        """(after vLLM's update_from_output) One step now for every maskd sequence that accepted tokens:
+        its rows come back while vLLM schedules and runs the next forward pass, and wait in the
+        grammar (``prepared``) for grammar_bitmask. Nothing changes for a vLLM user but when the
+        step is sent."""
+        accepted, self.accepted = self.accepted, []
+        if not self.step_ahead_on or not accepted:
+            return
+        self.settle()
+        request: dict[str, list[int]] = {}
+        grammars: list[MaskdGrammar] = []
+        for g in accepted:
+            if g.opened and not g.closed and not g.is_terminated() and g.pending and g.seq_id not in request:
+                request[g.seq_id], g.pending = g.pending, []
+                grammars.append(g)
+        if not request:
+            return
+        try:
+            future = self.client.step_async(request)
+        except MaskClientError as exc:    # nothing was sent: each sequence fails, none goes unconstrained
+            for g in grammars:
+                g.fail(f"maskd step failed: {exc}")
+            return
+        self.steps += 1
+        self.steps_ahead += 1
+        self.ahead = (future, grammars)
+
+    def settle(self) -> None:
+        """Waits for the step sent ahead and gives each grammar its rows (or its failure); a grammar
+        still compiling is asked again by grammar_bitmask."""
+        if self.ahead is None:
+            return
+        future, grammars = self.ahead
+        self.ahead = None
+        try:
+            result = future.result(self.settings.timeout_s + 5)
+        except (MaskClientError, concurrent.futures.TimeoutError) as exc:
+            for g in grammars:
+                g.fail(f"maskd step failed: {exc or type(exc).__name__}")
+            return
+        for g in grammars:
+            res = result.seqs.get(g.seq_id)
+            if res is None:
+                g.fail("maskd step answered without this sequence")
+            elif res.has_rows:
+                g.prepared = ([], result.bitmask[res.row:res.row + 1], 0)
+            elif res.status is not SeqStatus.WAITING:
+                g.fail(res.reason or res.status.name)
 
     def _step(self, entries: list[_Entry], out: np.ndarray) -> dict[str, int]:
         """Sends the entries' tokens and drafts, places their rows in ``out``; returns how many
@@ -483,6 +545,7 @@ class MaskdStructuredOutputs:
         out[e.start:e.start + e.count] = self.eos_row   # it samples EOS, vLLM sees the refusal: an error
 
     def shutdown(self) -> None:
+        self.ahead = None
         self.compiles.shutdown(wait=False, cancel_futures=True)
         self.client.shutdown()
 
@@ -548,6 +611,16 @@ def _free_request(original: Callable, scheduler: Any, request: Any, *args: Any, 
     return original(scheduler, request, *args, **kwargs)
 
 
+def _update_from_output(original: Callable, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    maskd = getattr(scheduler.structured_output_manager, "_maskd", None)
+    if maskd is not None:
+        maskd.settle()
+    outputs = original(scheduler, *args, **kwargs)
+    if maskd is not None:
+        maskd.step_ahead()
+    return outputs
+
+
 def _update_draft_token_ids(original: Callable, scheduler: Any, draft_token_ids: Any) -> Any:
     manager = scheduler.structured_output_manager
     maskd = getattr(manager, "_maskd", None)
@@ -580,6 +653,7 @@ def register() -> None:
     _wrap(StructuredOutputManager, "grammar_bitmask", _manager_grammar_bitmask)
     _wrap(Scheduler, "_free_request", _free_request)
     _wrap(Scheduler, "update_draft_token_ids", _update_draft_token_ids)
+    _wrap(Scheduler, "update_from_output", _update_from_output)
     if _configured():
         try:
             which = "all" if _serves_all() else "vllm_xargs maskd"

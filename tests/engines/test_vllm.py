@@ -77,6 +77,8 @@ def test_the_patch_points_exist_with_the_signatures_it_wraps():
         (StructuredOutputManager, "_get_constraint_bounds", ["self", "request", "spec_tokens",
                                                              "spec_tokens_committed"]),
         (Scheduler, "_free_request", ["self", "request", "delay_free_blocks"]),
+        (Scheduler, "update_from_output", ["self", "scheduler_output", "model_runner_output"]),
+        (Scheduler, "update_draft_token_ids", ["self", "draft_token_ids"]),
     ]:
         fn = getattr(cls, name)
         if name != "_get_constraint_bounds":
