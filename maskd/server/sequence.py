@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskd.server.columns import PlainResult
 from maskd.server.engines import Matcher
+from maskd.server.entries import Entry, Result
 from maskd.server.grammar_cache import CacheEntry
-from maskd.v1 import maskd_pb2 as pb
 from maskd.v1.contract import Code, GrammarState, SeqStatus
 
 # Answers kept per sequence for repeats of older steps (a tensor-parallel rank that lags behind
@@ -86,7 +85,7 @@ class Answer:
     or ``packed`` (the row codec's bytes, once the ring of buffers came round)."""
     __slots__ = ("buffer", "drafts", "generation", "packed", "result", "rollback", "rows", "tokens")
 
-    def __init__(self, tokens: tuple, drafts: tuple, rollback: int, result: pb.SeqResult | PlainResult) -> None:
+    def __init__(self, tokens: tuple, drafts: tuple, rollback: int, result: Result) -> None:
         self.tokens, self.drafts, self.rollback, self.result = tokens, drafts, rollback, result
         self.buffer = -1
         self.generation = 0
@@ -94,13 +93,13 @@ class Answer:
         self.packed: bytes | None = None
 
 
-def record_step(seq: SequenceState, msg: pb.SeqStep, res: pb.SeqResult | PlainResult) -> None:
+def record_step(seq: SequenceState, msg: Entry, res: Result) -> None:
     """Makes ``msg`` the sequence's last step and keeps ``res`` as its answer."""
     if msg.step != seq.step:
         seq.parts = None          # restore parts are remembered only at the step they restored
     seq.step = msg.step
     seq.last_tokens = tuple(msg.tokens)
-    seq.last_drafts = tuple(msg.draft_tokens)
+    seq.last_drafts = msg.drafts
     seq.last_rollback = msg.rollback
     # The answer of this step (its rows are set by the fill phase); older ones beyond the window go, except
     # WAITING ones: steps that poll a compiling grammar come as fast as a rank sends them, so the
@@ -117,3 +116,11 @@ def record_step(seq: SequenceState, msg: pb.SeqStep, res: pb.SeqResult | PlainRe
 def digest(tokens) -> int:
     """What a restore part is remembered by: the hash of its tokens."""
     return hash(tuple(tokens))
+
+
+def fail(res: Result, seq: SequenceState, reason: str, code: Code = Code.INVALID_ARGUMENT) -> None:
+    """The sequence failed (it stays failed): FAILED with the reason, for this step and the next."""
+    seq.last_status = res.status = SeqStatus.FAILED
+    seq.dead_code = code
+    res.code = code
+    res.reason = reason

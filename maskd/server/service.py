@@ -16,7 +16,7 @@ import grpc
 
 import maskd
 from maskd.rowcodec import ALL_ENCODINGS, DEFAULT_DICT_SIZE, RowBlockEncoder
-from maskd.server import columns
+from maskd.server import entries
 from maskd.server.auth import Credentials
 from maskd.server.config import Limits
 from maskd.server.engines import Engine
@@ -24,7 +24,8 @@ from maskd.server.grammar_cache import GrammarCache, QueueFull
 from maskd.server.metrics import Metrics
 from maskd.server.quotas import Quotas
 from maskd.server.registry import SessionRegistry
-from maskd.server.session import StepOutcome, spec_problem
+from maskd.server.session import StepOutcome
+from maskd.server.step_routing import spec_problem
 from maskd.specs import GrammarSpec, SpecError
 from maskd.v1 import maskd_pb2 as pb
 from maskd.v1 import maskd_pb2_grpc as pb_grpc
@@ -143,8 +144,7 @@ class MaskService(pb_grpc.MaskServiceServicer):
         """The one reply path: results, columnar answers and the encoded rows into a StepResponse,
         timed and recorded."""
         reply = pb.StepResponse(words_per_row=self.engine.words_per_row, num_rows=len(outcome.rows))
-        reply.results.extend(outcome.results)
-        columns.answer(outcome.plain, reply, want_forced)
+        entries.answer(outcome.results, reply, want_forced)
         try:
             reply.row_block = encoder.encode(outcome.rows)
         finally:
@@ -152,7 +152,7 @@ class MaskService(pb_grpc.MaskServiceServicer):
                 outcome.release()     # the rows may sit in a buffer the session reuses
         seconds = time.perf_counter() - t0
         reply.server_seconds = seconds
-        self.metrics.observe_step(seconds=seconds, batch=len(outcome.results) + len(outcome.plain),
+        self.metrics.observe_step(seconds=seconds, batch=len(outcome.results),
                                   fill_seconds=outcome.fill_seconds, row_sizes=encoder.last_sizes,
                                   row_encodings=encoder.last_kinds, refusals=outcome.refusals)
         if outcome.refusals and log.isEnabledFor(logging.DEBUG):

@@ -8,7 +8,7 @@ import pytest
 from test_server import Stream, step
 
 from maskd.server import Limits, MaskServer, ServerConfig
-from maskd.server.session import CLOSED_STEPS, RECENT_STEPS
+from maskd.server.sequence import CLOSED_STEPS, RECENT_STEPS
 from maskd.v1 import maskd_pb2 as pb
 from maskd.v1 import maskd_pb2_grpc as pb_grpc
 

@@ -2,7 +2,7 @@
 rows when the ring comes round (it grows, up to its cap; then they are packed by the row codec)."""
 import numpy as np
 
-from maskd.server.columns import PlainResult
+from maskd.server.entries import Result
 from maskd.server.row_buffers import RowBuffers
 from maskd.server.sequence import Answer
 
@@ -19,7 +19,7 @@ def allocate(n):
 
 
 def answer(buffer, generation, first_row=0, num_rows=1):
-    res = PlainResult(0, "s", 0)
+    res = Result(0, "s", 0, True)
     res.first_row, res.num_rows = first_row, num_rows
     a = Answer((), (), 0, res)
     a.buffer, a.generation = buffer, generation

@@ -1,0 +1,355 @@
+"""The step protocol's first two phases: which entries are admitted and what each does to its sequence.
+
+Phase 1, admission: the request's size, duplicate entries and token ids; refused entries change
+nothing. Phase 2, routing: closes, repeats (idempotency: a tensor-parallel rank that lags, a
+retry), opens and restores in parts, step order. What comes out is the entries that move their
+sequence (for the engine phases in session.py), the repeats answered from the unchanged state
+(``Fill`` with no tokens) and the repeats whose kept answer still has its rows (``Replay``).
+
+``StepRouting`` is a part of ``Session`` (session.py), split out by concern: it reads and changes
+the session's sequences (``seqs``, ``by_handle``, ``closed``) and nothing of the engines' batching.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Sequence
+
+from maskd.server.config import Limits
+from maskd.server.engines import Engine, Matcher
+from maskd.server.entries import Entry, Result, refuse
+from maskd.server.grammar_cache import CacheEntry, GrammarCache, QueueFull
+from maskd.server.quotas import Quotas
+from maskd.server.row_buffers import RowBuffers
+from maskd.server.sequence import (
+    CLOSED_KEPT,
+    CLOSED_STEPS,
+    RECENT_STEPS,
+    Answer,
+    SequenceState,
+    digest,
+    fail,
+)
+from maskd.specs import GrammarSpec, SpecError
+from maskd.v1.contract import Code, SeqStatus
+
+READY, WAITING, FAILED, FINISHED, CLOSED = (
+    SeqStatus.READY, SeqStatus.WAITING, SeqStatus.FAILED, SeqStatus.FINISHED, SeqStatus.CLOSED)
+
+
+@dataclasses.dataclass(slots=True)
+class Fill:
+    """An entry whose sequence moves (or repeats its last step) and whose matcher fills its rows."""
+    res: Result
+    seq: SequenceState
+    matcher: Matcher
+    tokens: Sequence[int] = ()
+    drafts: tuple = ()
+
+
+@dataclasses.dataclass(slots=True)
+class Replay:
+    """A repeat whose kept answer still has its rows: they are copied, not filled again."""
+    res: Result
+    answer: Answer
+
+
+class StepRouting:
+    """Admission and routing of a session's step (the session's state is declared here for them)."""
+    engine: Engine
+    cache: GrammarCache
+    limits: Limits
+    tenant: str
+    quotas: Quotas | None
+    seqs: dict[str, SequenceState]
+    by_handle: dict[int, SequenceState]
+    closed: collections.OrderedDict[str, SequenceState]
+    buffers: RowBuffers
+    vocab_limit: int
+    _handles: int
+
+    # -- phase 1: admission -----------------------------------------------------------------------
+    def _admit(self, pairs: list, refusals) -> list:
+        """The entries (SeqStep or columnar, with their results) that pass the request's and their
+        own limits; the others are refused."""
+        entries = [m for m, _ in pairs]
+        results = [r for _, r in pairs]
+        n = len(entries)
+        total_rows = n
+        if n * (1 + self.limits.max_draft_tokens) > self.limits.max_rows_per_step:
+            total_rows += sum(len(m.drafts) for m in entries)
+        if total_rows > self.limits.max_rows_per_step:
+            for res in results:
+                refuse(res, refusals, Code.RESOURCE_EXHAUSTED,
+                        f"step asks for {total_rows} rows; the limit is {self.limits.max_rows_per_step}")
+            return []
+        if n * (self.limits.max_tokens_per_step + self.limits.max_draft_tokens) > self.limits.max_tokens_per_request:
+            tokens = sum(len(m.tokens) + len(m.drafts) for m in entries)
+            if tokens > self.limits.max_tokens_per_request:
+                for res in results:
+                    refuse(res, refusals, Code.RESOURCE_EXHAUSTED,
+                            f"step carries {tokens} tokens; the limit is {self.limits.max_tokens_per_request} "
+                            "(--max-tokens-per-request)")
+                return []
+        admitted = []
+        seen: set[str] = set()
+        for msg, res in pairs:
+            sid = msg.seq_id
+            if sid in seen:
+                refuse(res, refusals, Code.INVALID_ARGUMENT, f"sequence {sid!r} appears twice in one step")
+                continue
+            seen.add(sid)
+            problem = self._check_tokens(msg)
+            if problem:
+                refuse(res, refusals, Code.INVALID_ARGUMENT, problem)
+                continue
+            admitted.append((msg, res))
+        return admitted
+
+    def _check_tokens(self, msg: Entry) -> str:
+        tokens = msg.tokens
+        n_drafts = len(msg.drafts)
+        if not n_drafts:
+            n = len(tokens)
+            if n == 0 or (n == 1 and 0 <= tokens[0] < self.vocab_limit):  # the decode-step case
+                return ""
+        if n_drafts > self.limits.max_draft_tokens:
+            return f"{n_drafts} draft tokens; the limit is {self.limits.max_draft_tokens}"
+        if len(tokens) > self.limits.max_tokens_per_step:
+            return (f"{len(tokens)} tokens in one step; the limit is {self.limits.max_tokens_per_step} "
+                    "(a longer restore goes in parts: see history_offset)")
+        lo = min(min(tokens, default=0), min(msg.drafts, default=0))
+        hi = max(max(tokens, default=0), max(msg.drafts, default=0))
+        if lo < 0 or hi >= self.vocab_limit:
+            bad = [t for t in [*tokens, *msg.drafts] if t < 0 or t >= self.vocab_limit]
+            return (f"token ids {bad[:8]} are outside the vocabulary of {self.vocab_limit} ids "
+                    f"(tokenizer {self.engine.tokenizer.spec})")
+        return ""
+
+    # -- phase 2: routing -------------------------------------------------------------------------
+    def _route(self, admitted: list, refusals, replays: list) -> tuple[list, list[Fill]]:
+        """Closes, repeats, opens and order checks. Returns the entries that move their sequence
+        ((msg, res, seq, tokens)) and the repeats that are answered from the unchanged state;
+        repeats with a kept answer go to ``replays``."""
+        moving: list = []
+        repeats: list[Fill] = []
+        for msg, res in admitted:
+            sid = msg.seq_id
+            # A columnar entry names its sequence by handle (which outlives a reuse of the id).
+            seq: SequenceState | None = msg.seq if msg.seq is not None else self.seqs.get(sid)
+            opening = msg.opens is not None
+            if seq is None and sid in self.closed:
+                if opening:
+                    self._drop_closed(sid)          # the id opens anew (a rank that lags re-derives the rows)
+                else:
+                    seq = self.closed[sid]
+            if seq is not None and seq.closed:
+                if msg.close:
+                    res.status = CLOSED             # another rank closed it already
+                elif not self._replay(msg, res, seq, replays, refusals):
+                    refuse(res, refusals, Code.NOT_FOUND,
+                            f"sequence {sid!r} is closed; its step {msg.step} is not among its last "
+                            f"{CLOSED_STEPS} steps, or their rows are gone (kept until the session's row "
+                            "buffers come round)")
+                continue
+            if seq is not None and msg.step < seq.step and not msg.close and not msg.history_offset:
+                if not self._replay(msg, res, seq, replays, refusals):
+                    if opening:
+                        refuse(res, refusals, Code.ALREADY_EXISTS,
+                                f"sequence {sid!r} is already open (at step {seq.step}); close it first")
+                    else:
+                        refuse(res, refusals, Code.FAILED_PRECONDITION,
+                                f"step {msg.step} of sequence {sid!r} is out of order: the last applied step "
+                                f"is {seq.step}, so the next is {seq.step + 1} (repeats are answered for the "
+                                f"last {RECENT_STEPS} steps)")
+                continue
+            if msg.close:
+                if seq is None:
+                    refuse(res, refusals, Code.NOT_FOUND, f"cannot close unknown sequence {sid!r}")
+                else:
+                    self._forget(sid)
+                    res.status = CLOSED
+                continue
+            if seq is not None and msg.step == seq.step:
+                if opening:
+                    self._route_reopen(msg, res, seq, moving, repeats, replays, refusals)
+                elif self._same_inputs(msg, seq):
+                    self._answer_repeat(res, seq, repeats, replays)
+                else:
+                    self._divergence(res, seq, refusals)
+                continue
+            if opening:
+                if seq is not None:
+                    refuse(res, refusals, Code.ALREADY_EXISTS,
+                            f"sequence {sid!r} is already open (at step {seq.step}); close it first")
+                    continue
+                seq = self._open(msg, res, refusals)
+                if seq is not None:
+                    moving.append((msg, res, seq, msg.tokens))
+                continue
+            if seq is None:
+                refuse(res, refusals, Code.NOT_FOUND,
+                        f"unknown sequence {sid!r}: never opened on this session, closed, "
+                        "or dropped with its stream; open it with a grammar at step 0")
+            elif msg.step != seq.step + 1:
+                refuse(res, refusals, Code.FAILED_PRECONDITION,
+                        f"step {msg.step} of sequence {sid!r} is out of order: the last applied "
+                        f"step is {seq.step}, so the next is {seq.step + 1}")
+            else:
+                moving.append((msg, res, seq, msg.tokens))
+        return moving, repeats
+
+    def _route_reopen(self, msg, res, seq: SequenceState, moving: list, repeats: list, replays: list,
+                      refusals) -> None:
+        """An opening entry at the step the sequence is at: a repeat of the open (another rank, a
+        retry) or the next part of a restore (history_offset)."""
+        if seq.entry.grammar_id != self._open_grammar_id(msg):
+            refuse(res, refusals, Code.ALREADY_EXISTS,
+                    f"sequence {msg.seq_id!r} is already open with grammar {seq.entry.grammar_id}")
+            return
+        res.handle = seq.handle
+        offset = msg.history_offset
+        known = seq.parts.get(offset) if seq.parts is not None else None
+        if known is not None:
+            if known == digest(msg.tokens) and msg.drafts == seq.last_drafts:
+                self._answer_repeat(res, seq, repeats, replays)
+            else:
+                self._divergence(res, seq, refusals)
+        elif seq.parts is not None and offset == seq.history_length and offset > 0 and msg.tokens:
+            seq.parts[offset] = digest(msg.tokens)
+            moving.append((msg, res, seq, msg.tokens))
+        else:
+            refuse(res, refusals, Code.FAILED_PRECONDITION,
+                    f"restore part of sequence {msg.seq_id!r} at history offset {offset}, but the server "
+                    f"holds {seq.history_length} tokens of it at step {seq.step}")
+
+    def _open(self, msg: Entry, res: Result, refusals) -> SequenceState | None:
+        sid = msg.seq_id
+        if msg.history_offset:
+            refuse(res, refusals, Code.FAILED_PRECONDITION,
+                    f"restore part of unknown sequence {sid!r} at history offset {msg.history_offset}: "
+                    "the part at offset 0 opens it")
+            return None
+        if len(self.seqs) >= self.limits.max_sequences_per_session:
+            refuse(res, refusals, Code.RESOURCE_EXHAUSTED,
+                    f"session holds {len(self.seqs)} sequences; the limit is {self.limits.max_sequences_per_session}")
+            return None
+        entry, code, problem = self._open_entry(msg)
+        if entry is None:
+            refuse(res, refusals, code, problem)
+            return None
+        if self.quotas is not None:
+            over = self.quotas.open_sequence(self.tenant)
+            if over:
+                refuse(res, refusals, Code.RESOURCE_EXHAUSTED, over)
+                return None
+        self._handles += 1
+        seq = SequenceState(sid, entry, msg.step, self._handles)
+        seq.parts = {0: digest(msg.tokens)}
+        self.seqs[sid] = seq
+        self.by_handle[seq.handle] = seq
+        res.handle = seq.handle
+        return seq
+
+    def _open_grammar_id(self, msg: Entry) -> str:
+        if msg.opens == "grammar_id":
+            return msg.grammar_id
+        try:
+            return self.cache.grammar_id(GrammarSpec.from_proto(msg.spec))
+        except SpecError:
+            return ""
+
+    def _open_entry(self, msg: Entry) -> tuple[CacheEntry | None, Code, str]:
+        if msg.opens == "grammar_id":
+            entry = self.cache.get(msg.grammar_id)
+            if entry is None:
+                return None, Code.NOT_FOUND, (f"unknown grammar id {msg.grammar_id!r}: register it first "
+                                              "(it may also have been evicted from the cache)")
+            return entry, Code.OK, ""
+        try:
+            spec = GrammarSpec.from_proto(msg.spec)
+        except SpecError as exc:
+            return None, Code.INVALID_ARGUMENT, str(exc)
+        problem = spec_problem(spec, self.limits)
+        if problem:
+            return None, Code.RESOURCE_EXHAUSTED, problem
+        try:
+            return self.cache.lookup(spec, self.tenant), Code.OK, ""
+        except QueueFull as exc:
+            return None, Code.RESOURCE_EXHAUSTED, str(exc)
+
+    @staticmethod
+    def _same_inputs(msg: Entry, seq: SequenceState) -> bool:
+        return (tuple(msg.tokens) == seq.last_tokens and msg.drafts == seq.last_drafts
+                and msg.rollback == seq.last_rollback)
+
+    def _replay(self, msg, res, seq: SequenceState, replays: list, refusals) -> bool:
+        """A repeat of an older step (a rank that lags, a retry, a step of a closed sequence): the
+        answer it had, or a divergence when its inputs differ. False when that answer is gone."""
+        answer = seq.recent.get(msg.step)
+        if answer is None or not self.buffers.holds(answer):
+            return False
+        if msg.opens is not None and seq.entry.grammar_id != self._open_grammar_id(msg):
+            refuse(res, refusals, Code.ALREADY_EXISTS,
+                    f"sequence {msg.seq_id!r} is already open with grammar {seq.entry.grammar_id}")
+        elif tuple(msg.tokens) != answer.tokens or msg.drafts != answer.drafts or msg.rollback != answer.rollback:
+            self._divergence(res, seq, refusals)
+        else:
+            replays.append(Replay(res, answer))
+        return True
+
+    def _answer_repeat(self, res, seq: SequenceState, repeats: list[Fill], replays: list) -> None:
+        """A repeat is answered from the unchanged state; readiness is the one decided before. The
+        rows come from the kept answer when they are still there (no second fill)."""
+        status = seq.last_status
+        answer = seq.recent.get(seq.step)
+        if status in (READY, FINISHED) and answer is not None and answer.result.num_rows \
+                and self.buffers.holds(answer):
+            replays.append(Replay(res, answer))
+        elif status == FAILED:
+            fail(res, seq, seq.dead_reason, seq.dead_code)
+        elif status == WAITING or seq.matcher is None:
+            res.status = WAITING
+        else:
+            repeats.append(Fill(res, seq, seq.matcher, (), seq.last_drafts))
+
+    @staticmethod
+    def _divergence(res: Result, seq: SequenceState, refusals) -> None:
+        # Says where, never what: the tokens of a sequence are its owner's business.
+        refuse(res, refusals, Code.ABORTED,
+                f"divergence: step {res.step} of sequence {seq.seq_id!r} was already applied with other inputs",
+                kind="divergence")
+
+    # -- closes --------------------------------------------------------------------------------------
+    def _forget(self, sid: str) -> None:
+        """Closes a sequence. Its last answers stay (their rows while the buffers hold them) for
+        ranks whose last steps come after this close."""
+        seq = self.seqs.pop(sid, None)
+        if seq is None:
+            return
+        seq.matcher = None
+        seq.pending = []
+        seq.closed = True
+        seq.recent = {step: seq.recent[step] for step in sorted(seq.recent)[-CLOSED_STEPS:]}
+        self._drop_closed(sid)
+        self.closed[sid] = seq
+        while len(self.closed) > CLOSED_KEPT:
+            self._drop_closed(next(iter(self.closed)))
+        if self.quotas is not None:
+            self.quotas.close_sequences(self.tenant)
+
+    def _drop_closed(self, sid: str) -> None:
+        seq = self.closed.pop(sid, None)
+        if seq is not None and self.by_handle.get(seq.handle) is seq:
+            del self.by_handle[seq.handle]
+
+
+def spec_problem(spec: GrammarSpec, limits: Limits) -> str:
+    """Why a well-formed spec is over the server's limits ("" when it is not)."""
+    if spec.size > limits.max_grammar_bytes:
+        return f"grammar is {spec.size} bytes; the limit is {limits.max_grammar_bytes}"
+    depth = spec.depth
+    if depth > limits.max_grammar_depth:
+        return (f"grammar nests {depth} levels deep; the limit is {limits.max_grammar_depth} "
+                "(--max-grammar-depth)")
+    return ""

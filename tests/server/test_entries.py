@@ -1,0 +1,75 @@
+"""A step's entries in one form: SeqStep messages and columnar arrays parsed into Entry / Result,
+and each result written back in the form its entry came in."""
+import collections
+
+import numpy as np
+
+from maskd.server import entries
+from maskd.v1 import maskd_pb2 as pb
+from maskd.v1.contract import Code, SeqStatus
+
+
+class Seq:
+    def __init__(self, seq_id):
+        self.seq_id = seq_id
+
+
+def columnar(request, handles, steps, counts, tokens):
+    request.handles = np.array(handles, "<u4").tobytes()
+    request.steps = np.array(steps, "<u4").tobytes()
+    request.token_counts = np.array(counts, "<u4").tobytes()
+    request.tokens = np.array(tokens, "<i4").tobytes()
+    return request
+
+
+def test_both_forms_parse_into_entries_seqsteps_first():
+    request = pb.StepRequest(seqs=[pb.SeqStep(seq_id="a", step=0, tokens=[1, 2], spec=pb.GrammarSpec(regex="x+")),
+                                   pb.SeqStep(seq_id="b", step=3, draft_tokens=[7, 8], rollback=1, close=False),
+                                   pb.SeqStep(seq_id="c", step=1, grammar_id="g1", history_offset=4)])
+    columnar(request, [5, 9, 6], [2, 4, 3], [1, 0, 2], [11, 12, 13])
+    pairs, unknown, problem = entries.parse(request, {5: Seq("p"), 6: Seq("q")})
+    assert (unknown, problem) == (1, "")
+    assert [(e.seq_id, e.step, e.tokens) for e, _ in pairs] == [
+        ("a", 0, [1, 2]), ("b", 3, []), ("c", 1, []), ("p", 2, [11]), ("", 4, []), ("q", 3, [12, 13])]
+    a, b, c = (e for e, _ in pairs[:3])
+    assert (a.opens, a.spec.regex, a.seq) == ("spec", "x+", None)
+    assert (b.opens, b.drafts, b.rollback) == (None, (7, 8), 1)
+    assert (c.opens, c.grammar_id, c.history_offset) == ("grammar_id", "g1", 4)
+    assert [(r.index, r.columnar) for _, r in pairs] == [(0, False), (1, False), (2, False), (0, True), (1, True),
+                                                        (2, True)]
+    assert pairs[3][0].seq.seq_id == "p" and pairs[3][0].drafts == ()
+    unknown_res = pairs[4][1]
+    assert (unknown_res.status, unknown_res.code) == (SeqStatus.ERROR, Code.NOT_FOUND)
+    assert "unknown sequence handle 9" in unknown_res.reason
+
+
+def test_columnar_arrays_that_disagree_are_one_problem_for_that_part():
+    request = columnar(pb.StepRequest(seqs=[pb.SeqStep(seq_id="a", step=1, tokens=[3])]), [5, 6], [1], [1, 1], [2, 3])
+    pairs, unknown, problem = entries.parse(request, {5: Seq("p"), 6: Seq("q")})
+    assert "columnar arrays disagree: 2 handles, 1 steps" in problem
+    assert [r.columnar for _, r in pairs] == [False, True, True] and unknown == 0
+    request.handles = b"\x01\x00\x00"
+    assert "not packed 32-bit values" in entries.parse(request, {})[2]
+
+
+def test_each_result_goes_back_in_its_entrys_form():
+    rich = entries.Result(0, "a", 4, False)
+    rich.status, rich.first_row, rich.num_rows, rich.accepting, rich.handle = SeqStatus.READY, 2, 3, True, 17
+    rich.drafts_valid, rich.forced_tokens = 2, [5, 6]
+    refused = entries.Result(1, "b", 1, False)
+    counts = collections.Counter()
+    entries.refuse(refused, counts, Code.INVALID_ARGUMENT, "no")
+    plain = [entries.Result(i, s, 1, True) for i, s in enumerate("pq")]
+    plain[0].status, plain[0].accepting, plain[0].forced_tokens = SeqStatus.FINISHED, True, [9]
+    plain[1].status, plain[1].code, plain[1].reason = SeqStatus.FAILED, Code.INVALID_ARGUMENT, "token rejected"
+    reply = pb.StepResponse()
+    entries.answer([rich, refused, *plain], reply, want_forced=True)
+    assert counts == {"invalid_argument": 1}
+    assert [(r.seq_id, r.step, r.status, r.first_row, r.num_rows, r.accepting, r.handle, r.drafts_valid,
+             list(r.forced_tokens)) for r in reply.results] == [
+        ("a", 4, SeqStatus.READY, 2, 3, True, 17, 2, [5, 6]), ("b", 1, SeqStatus.ERROR, 0, 0, False, 0, 0, [])]
+    assert (reply.results[1].code, reply.results[1].reason) == (Code.INVALID_ARGUMENT, "no")
+    assert list(reply.statuses) == [SeqStatus.FINISHED | entries.ACCEPTING_BIT, SeqStatus.FAILED]
+    assert [(p.index, p.code, p.reason) for p in reply.problems] == [(1, Code.INVALID_ARGUMENT, "token rejected")]
+    assert np.frombuffer(reply.forced_counts, "<u4").tolist() == [1, 0]
+    assert np.frombuffer(reply.forced_tokens, "<i4").tolist() == [9]
