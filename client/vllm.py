@@ -20,9 +20,12 @@ requests and leave every other request to vLLM:
 * admission (API server, ``SamplingParams`` validation): the spec is parsed and registered with
   the maskd server, waiting up to ``MASKD_ADMISSION_WAIT_S`` (2 s) for its compile: a malformed
   spec, a grammar that does not compile, a server that cannot be reached or serves another
-  vocabulary width is HTTP 400 with the reason. A compile still running then is left to the engine;
+  vocabulary width is HTTP 400 with the reason. A compile still running then is left to the engine.
+  Admission holds the API server's event loop (every stream it serves) for that round trip, so a
+  spec the server compiled before for this process is admitted without one (``KnownSpecs``);
 * the engine core's ``StructuredOutputManager``: ``grammar_init`` waits for the compile on a
-  thread of its own, so only that request sits in ``WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR``;
+  thread of its own, so only that request sits in ``WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR`` (a
+  spec compiled before is ready at once);
   ``Scheduler.update_from_output`` (where vLLM hands each grammar the tokens it sampled) is followed
   by one maskd step for every maskd request that accepted tokens: it is on the wire while vLLM
   sends its outputs, schedules the next step and runs the forward pass; ``grammar_bitmask`` (which
@@ -54,12 +57,14 @@ Tested against vLLM 0.32.0 (the CPU build, a real engine in tests/engines/real) 
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import functools
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -134,6 +139,31 @@ def _wait_seconds(name: str, default: float) -> float:
     return value
 
 
+class KnownSpecs:
+    """The specs the maskd server compiled for this process, most recent last (bounded): a request
+    whose spec is among them needs no register round trip (its open step names the spec, and a
+    server that has since evicted it compiles it again)."""
+
+    def __init__(self, limit: int = 4096) -> None:
+        self.limit = limit
+        self._specs: collections.OrderedDict[GrammarSpec, None] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def __contains__(self, spec: GrammarSpec) -> bool:
+        with self._lock:
+            if spec in self._specs:
+                self._specs.move_to_end(spec)
+                return True
+            return False
+
+    def add(self, spec: GrammarSpec) -> None:
+        with self._lock:
+            self._specs[spec] = None
+            self._specs.move_to_end(spec)
+            while len(self._specs) > self.limit:
+                self._specs.popitem(last=False)
+
+
 # -- admission (the API server process) ----------------------------------------------------------
 class _Admission:
     """The API server's view of maskd: settings, one client for registers, the width check."""
@@ -145,6 +175,9 @@ class _Admission:
         quick = dataclasses.replace(self.settings, timeout_s=min(self.settings.timeout_s, max(self.wait_s, 2.0)))
         self.client = quick.client(f"vllm-admission-{os.getpid()}")
         self.checked_width: int | None = None
+        # admission blocks the event loop (every stream of the API server) for its round trip: a spec
+        # the server compiled before is admitted without one
+        self.known = KnownSpecs()
 
     def check(self, spec: GrammarSpec, vocab_size: int) -> None:
         """Raises ValueError (HTTP 400) with the reason where maskd cannot serve this request."""
@@ -158,8 +191,11 @@ class _Admission:
                         f"has {vocab_size} ids ({-(-vocab_size // 32)} words): start maskd with this model's "
                         "tokenizer and --logits-width")
                 self.checked_width = vocab_size
+            if spec in self.known:
+                return
             if self.wait_s > 0:
                 self.client.register(spec, wait=True, timeout_s=self.wait_s)
+                self.known.add(spec)
             else:
                 self.client.register(spec, wait=False)
         except MaskClientError as exc:
@@ -332,6 +368,7 @@ class MaskdStructuredOutputs:
             self.eos_row[t >> 5] |= np.uint32(1) << np.uint32(t & 31)
         self.eos_row = self.eos_row.view(np.int32)
         self.compiles = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="maskd-compile")
+        self.known = KnownSpecs()     # compiled: a request's grammar is ready at once, no round trip
         self.steps = 0
         self.polls = 0
         # Steps sent ahead: the tokens of a decode step go to the server as soon as vLLM accepts them,
@@ -347,6 +384,10 @@ class MaskdStructuredOutputs:
         """A future of the request's MaskdGrammar, done when the server has compiled its grammar."""
         spec = spec_of(request.sampling_params)
         assert spec is not None
+        if spec in self.known:
+            ready: concurrent.futures.Future = concurrent.futures.Future()
+            ready.set_result(_grammar_class()(self, request.request_id, spec))
+            return ready
         return self.compiles.submit(self._compile, request.request_id, spec)
 
     def _compile(self, seq_id: str, spec: GrammarSpec) -> MaskdGrammar:
@@ -355,6 +396,7 @@ class MaskdStructuredOutputs:
             left = deadline - time.monotonic()
             try:
                 self.client.register(spec, wait=True, timeout_s=max(0.1, min(left, self.settings.timeout_s)))
+                self.known.add(spec)
                 return _grammar_class()(self, seq_id, spec)
             except MaskClientError as exc:
                 if getattr(exc.code, "name", "") != "DEADLINE_EXCEEDED" or left <= 0:
@@ -469,13 +511,16 @@ class MaskdStructuredOutputs:
             for g in grammars:
                 g.fail(f"maskd step failed: {exc or type(exc).__name__}")
             return
-        for g in grammars:
-            res = result.seqs.get(g.seq_id)
-            if res is None:
-                g.fail("maskd step answered without this sequence")
-            elif res.has_rows:
-                g.prepared = ([], result.bitmask[res.row:res.row + 1], 0)
-            elif res.status is not SeqStatus.WAITING:
+        if result.ids != [g.seq_id for g in grammars]:
+            for g in grammars:
+                g.fail("maskd step answered other sequences than it was asked for")
+            return
+        rows, bitmask = result.row.tolist(), result.bitmask   # the arrays: no per-sequence objects
+        for g, status, row in zip(grammars, result.status.tolist(), rows):
+            if row >= 0:
+                g.prepared = ([], bitmask[row:row + 1], 0)
+            elif status != SeqStatus.WAITING:
+                res = result.seqs[g.seq_id]
                 g.fail(res.reason or res.status.name)
 
     def _step(self, entries: list[_Entry], out: np.ndarray) -> dict[str, int]:
@@ -556,6 +601,95 @@ def _grammar_class() -> type:
     from vllm.v1.structured_output.backend_types import StructuredOutputGrammar
 
     return type("MaskdStructuredOutputGrammar", (MaskdGrammar, StructuredOutputGrammar), {})
+
+
+# -- applying the rows (the worker) ---------------------------------------------------------------
+MaskdGrammarOutput: type | None = None   # vLLM's GrammarOutput of a batch whose rows are all maskd's
+
+
+def _grammar_output_class() -> type:
+    """GrammarOutput's subclass that marks a batch whose structured-output rows are all maskd's. A
+    module attribute, made in every vLLM process by ``register`` (the worker unpickles it by name)."""
+    global MaskdGrammarOutput
+    if MaskdGrammarOutput is None:
+        from vllm.v1.core.sched.output import GrammarOutput
+
+        MaskdGrammarOutput = type("MaskdGrammarOutput", (GrammarOutput,), {"__module__": __name__})
+    return MaskdGrammarOutput
+
+
+def _get_grammar_bitmask(original: Callable, scheduler: Any, scheduler_output: Any) -> Any:
+    """(engine core) vLLM's GrammarOutput, marked when every structured-output row in it is maskd's."""
+    output = original(scheduler, scheduler_output)
+    if output is not None and output.structured_output_request_ids:
+        requests = scheduler.requests
+        if all(_is_maskd(requests[r]) for r in output.structured_output_request_ids if r in requests):
+            output.__class__ = _grammar_output_class()
+    return output
+
+
+def _apply_grammar_bitmask(original: Callable, scheduler_output: Any, grammar_output: Any, input_batch: Any,
+                           logits: Any) -> None:
+    """(worker) vLLM's apply_grammar_bitmask, with maskd's CPU kernel for a batch whose rows are all
+    maskd's (the same logits; it skips words of 32 allowed tokens and writes only the disallowed
+    ones where they are few, where vLLM's CPU path expands every row, via float32 for other dtypes).
+    Any other batch, and logits on a GPU, go to vLLM's function."""
+    marked = MaskdGrammarOutput is not None and type(grammar_output) is MaskdGrammarOutput
+    if not marked or not logits.is_cpu:
+        return original(scheduler_output, grammar_output, input_batch, logits)
+    import torch
+
+    from maskd_client.apply import apply_packed_token_bitmask_inplace
+
+    ids = grammar_output.structured_output_request_ids
+    spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+    wanted = set(ids)
+    first_logit: dict[str, int] = {}
+    offset = 0
+    for batch_index, req_id in enumerate(input_batch.req_ids):
+        if req_id in wanted:
+            first_logit[req_id] = batch_index + offset
+        offset += len(spec_tokens.get(req_id, ()))
+    # A request's rows (1 + its scheduled drafts) follow one another (vLLM 0.32) or start every
+    # `stride` rows (0.33: 1 + the most drafts a step may have): told apart by the row count.
+    counts = [1 + len(spec_tokens.get(req_id, ())) for req_id in ids]
+    total = len(grammar_output.grammar_bitmask)
+    stride = 0 if total == sum(counts) else total // len(ids)
+    rows: list[int] = []
+    logits_rows: list[int] = []
+    at = 0
+    for k, (req_id, n) in enumerate(zip(ids, counts)):
+        first = first_logit.get(req_id)
+        start = k * stride if stride else at
+        if first is not None:
+            rows.extend(range(start, start + n))
+            logits_rows.extend(range(first, first + n))
+        at += n
+    bitmask = torch.from_numpy(grammar_output.grammar_bitmask)
+    if len(rows) != len(bitmask):
+        bitmask = bitmask[rows]
+    apply_packed_token_bitmask_inplace(logits, bitmask, logits_rows)
+
+
+def _patch_apply(hook: Callable) -> None:
+    """vLLM's apply_grammar_bitmask wrapped where the model runner calls it (it binds the name)."""
+    import sys
+
+    import vllm.v1.structured_output.utils as utils
+
+    modules: list[Any] = [utils, sys.modules.get("vllm.v1.worker.gpu_model_runner")]
+    for module in modules:
+        if module is not None and not getattr(module.apply_grammar_bitmask, "__maskd__", False):
+            module.apply_grammar_bitmask = _hooked(module.apply_grammar_bitmask, hook)
+
+
+def _hooked(original: Callable, hook: Callable) -> Callable:
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return hook(original, *args, **kwargs)
+
+    wrapper.__maskd__ = True    # type: ignore[attr-defined]
+    return wrapper
 
 
 # -- the patches -----------------------------------------------------------------------------------
@@ -654,6 +788,9 @@ def register() -> None:
     _wrap(Scheduler, "_free_request", _free_request)
     _wrap(Scheduler, "update_draft_token_ids", _update_draft_token_ids)
     _wrap(Scheduler, "update_from_output", _update_from_output)
+    _wrap(Scheduler, "get_grammar_bitmask", _get_grammar_bitmask)
+    _grammar_output_class()
+    _patch_apply(_apply_grammar_bitmask)
     if _configured():
         try:
             which = "all" if _serves_all() else "vllm_xargs maskd"

@@ -16,6 +16,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.structured_output.backend_types import StructuredOutputGrammar
 
 from maskd.server import MaskServer, ServerConfig
+from maskd.specs import GrammarSpec
 from maskd_client import vllm as plugin
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
@@ -110,6 +111,20 @@ def test_vllm_xargs_requests_become_maskds_at_admission(target, server):
     assert plugin.spec_of(params).kind == "regex"
 
 
+def test_a_spec_admitted_before_is_admitted_without_a_round_trip(target, server):
+    # admission blocks the API server's event loop: only a spec new to this process costs a register
+    def lookups():
+        return sum(server.metrics.registry.get_sample_value(name, {"cache": "local"}) or 0
+                   for name in ("maskd_grammar_cache_hits_total", "maskd_grammar_cache_misses_total"))
+
+    before = lookups()
+    for _ in range(3):
+        params = SamplingParams(structured_outputs=StructuredOutputsParams(regex="[0-9]{3}-admitted-once"))
+        params._validate_structured_outputs(vocab(server), CONFIG, tokenizer=object())
+        assert params.structured_outputs._backend == plugin.BACKEND
+    assert lookups() == before + 1
+
+
 @pytest.mark.parametrize(("params", "words"), [
     (lambda: SamplingParams(structured_outputs=StructuredOutputsParams(regex="[a-")), "does not compile"),
     (lambda: SamplingParams(extra_args={"maskd": '{"regexp": "a"}'}), "unknown"),
@@ -158,3 +173,49 @@ def test_garbage_settings_refuse_maskd_requests_with_the_reason(target, server, 
     params = SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+"))
     with pytest.raises(VLLMValidationError, match=words):
         params._validate_structured_outputs(vocab(server), CONFIG, tokenizer=object())
+
+
+def test_known_specs_keep_the_most_recently_used():
+    known = plugin.KnownSpecs(limit=2)
+    a, b, c = (GrammarSpec.create("regex", r) for r in ("a+", "b+", "c+"))
+    known.add(a)
+    known.add(b)
+    assert a in known            # used: b is now the oldest
+    known.add(c)
+    assert a in known and c in known and b not in known
+
+
+class _Scheduled:
+    """The two fields of vLLM's SchedulerOutput / InputBatch that apply_grammar_bitmask reads."""
+
+    def __init__(self, **fields):
+        self.__dict__.update(fields)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_maskds_rows_are_applied_to_the_logits_vllms_apply_gives(dtype):
+    import numpy as np
+    import torch
+    from vllm.v1.core.sched.output import GrammarOutput
+    from vllm.v1.structured_output import utils
+
+    assert utils.apply_grammar_bitmask.__maskd__
+    vllms = inspect.unwrap(utils.apply_grammar_bitmask)
+    rng = np.random.default_rng(7)
+    words, vocab = 40, 1270                 # the last word half used, as a vocabulary rarely fills it
+    # the batch: d (2 drafts), x (no grammar), a, b (1 draft); c has rows but is not in the batch
+    batch = ["d", "x", "a", "b"]
+    spec = {"d": [5, 6], "b": [9]}
+    ids = ["a", "b", "c", "d"]
+    stride = 3                              # vLLM 0.33: every request's rows start 1 + 2 drafts apart
+    bitmask = rng.integers(-2**31, 2**31, size=(len(ids) * stride, words), dtype=np.int64).astype(np.int32)
+    bitmask[0] = -1                                            # all allowed
+    bitmask[3, 3] = 0                                          # 32 disallowed in one word
+    logits = torch.from_numpy(rng.standard_normal((7, vocab)).astype(np.float32)).to(getattr(torch, dtype))
+    ours, theirs = logits.clone(), logits.clone()
+    marked = plugin._grammar_output_class()(ids, bitmask)
+    scheduled, input_batch = _Scheduled(scheduled_spec_decode_tokens=spec), _Scheduled(req_ids=batch)
+    utils.apply_grammar_bitmask(scheduled, marked, input_batch, ours)
+    vllms(scheduled, GrammarOutput(ids, bitmask), input_batch, theirs)
+    assert torch.equal(ours, theirs)
+    assert torch.isinf(ours).any() and torch.equal(ours[3], logits[3])   # x: no grammar, untouched
