@@ -53,7 +53,9 @@ decode step is.
 Tested against vLLM 0.32.0 (the CPU build, a real engine in tests/engines/real) and 0.33.0
 (interfaces). What it patches: ``SamplingParams._validate_structured_outputs``,
 ``StructuredOutputManager.grammar_init`` / ``grammar_bitmask``, ``Scheduler._free_request``,
-``Scheduler.update_from_output`` and ``Scheduler.update_draft_token_ids``.
+``Scheduler.update_from_output`` / ``get_grammar_bitmask`` / ``update_draft_token_ids`` and, in the
+worker, ``apply_grammar_bitmask``: a batch whose rows are all maskd's is applied with maskd's CPU
+kernel (the same logits; any other batch, and a GPU's logits, keep vLLM's function).
 """
 from __future__ import annotations
 
