@@ -155,6 +155,9 @@ def test_garbage_bench_flags_are_clear_errors(tmp_path, mode, flags, message):
     (["--concurrency", "0"], "--concurrency"),
     (["--rounds", "-1"], "--rounds"),
     (["--maskd-cpus", "one"], "--maskd-cpus"),
+    (["--burst", "-1"], "--burst"),
+    (["--profile", "-5"], "--profile"),
+    (["--workloads", "maskbench", "--data", "/nonexistent/maskbench"], "no MaskBench folder"),
 ])
 def test_garbage_bench_vllm_flags_are_clear_errors(tmp_path, flags, message):
     # refused before any engine or server starts
