@@ -379,7 +379,6 @@ class MaskdStructuredOutputs:
         self.step_ahead_on = getattr(vllm_config, "speculative_config", None) is None
         self.accepted: list[MaskdGrammar] = []     # grammars that accepted tokens since the last step ahead
         self.ahead: tuple[concurrent.futures.Future, list[MaskdGrammar]] | None = None
-        self.steps_ahead = 0
 
     # -- compiles -------------------------------------------------------------------------------
     def grammar(self, request: Any) -> concurrent.futures.Future:
@@ -497,7 +496,6 @@ class MaskdStructuredOutputs:
                 g.fail(f"maskd step failed: {exc}")
             return
         self.steps += 1
-        self.steps_ahead += 1
         self.ahead = (future, grammars)
 
     def settle(self) -> None:

@@ -47,8 +47,7 @@ from maskd.v1 import maskd_pb2 as pb
 from maskd.v1.contract import Code, GrammarState, SeqStatus
 
 log = logging.getLogger("maskd.server.session")
-READY, WAITING, FAILED, FINISHED, CLOSED, ERROR = (
-    SeqStatus.READY, SeqStatus.WAITING, SeqStatus.FAILED, SeqStatus.FINISHED, SeqStatus.CLOSED, SeqStatus.ERROR)
+READY, WAITING, FAILED, FINISHED = SeqStatus.READY, SeqStatus.WAITING, SeqStatus.FAILED, SeqStatus.FINISHED
 
 
 @dataclasses.dataclass
