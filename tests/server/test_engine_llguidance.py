@@ -103,6 +103,24 @@ def test_consume_batch_parallel(engine, cl100k):
     assert reasons[1]
 
 
+def test_eos_after_a_stopped_document_alone_or_in_a_batch(engine, cl100k):
+    # a JSON document's grammar stops once the root closes; EOS then passes whether the sequence
+    # is alone in its step (one matcher) or one of several (the parallel path)
+    spec = GrammarSpec.create("json_schema", {"type": "object", "properties": {"a": {"type": "integer"}}})
+    compiled = engine.compile(spec)
+    eos = cl100k.eos_token_ids[0]
+    for batch in (1, 2, 3):
+        ms = [engine.new_matcher(compiled) for _ in range(batch)]
+        assert engine.consume_batch(ms, [cl100k.encode('{"a": 1}')] * batch) == [None] * batch
+        assert all(m.is_stopped() and m.is_accepting() for m in ms)
+        assert engine.consume_batch(ms, [[eos]] * batch) == [None] * batch, batch
+    m = engine.new_matcher(compiled)
+    assert m.consume(cl100k.encode('{"a": 1}')) is None and m.consume([eos]) is None
+    # a stopped grammar still refuses anything but EOS
+    m = engine.new_matcher(compiled)
+    assert m.consume(cl100k.encode('{"a": 1}')) is None and m.consume(cl100k.encode("x"))
+
+
 def test_compact_whitespace(engine, cl100k):
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     flexible = engine.new_matcher(engine.compile(GrammarSpec.create("json_schema", schema)))

@@ -59,7 +59,12 @@ class LLGuidanceMatcher(Matcher):
     def consume(self, tokens: Sequence[int]) -> str | None:
         if not tokens:
             return None
-        if self.m.consume_tokens(list(tokens)):
+        # One token goes through consume_token, as in the batched path (consume_token_par): once a
+        # grammar has stopped (a JSON document's root closed), llguidance's consume_token takes EOS
+        # but its consume_tokens refuses it ("parser stopped"), so a sequence alone in its step
+        # would fail where the same sequence in a batch passes.
+        ok = self.m.consume_token(tokens[0]) if len(tokens) == 1 else self.m.consume_tokens(list(tokens))
+        if ok:
             return None
         return _first_line(self.m.get_error())
 
