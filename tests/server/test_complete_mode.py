@@ -283,18 +283,52 @@ def test_grammars_compiled_whole_get_the_final_check_only(complete, mc, cl100k):
     assert (complete.metrics.registry.get_sample_value("maskd_validation_seconds_count") or 0) == before + 1
 
 
+# (format, a value llguidance's own format regex takes but the validator refuses, a valid one)
+WIDER_FORMATS = {
+    # strict mode keeps llguidance's date regex: 02-29 in any year
+    "strict": ("date", "2023-02-29", "2024-02-29"),
+    # complete mode's grammar has exact dates (below); llguidance's hostname has no length limit
+    "complete": ("hostname", ".".join(["a" * 60] * 5), "example.com"),
+}
+
+
 @pytest.mark.parametrize("mode", ["strict", "complete"])
 def test_every_finished_document_is_validated_whichever_mode_compiled_it(mode, request, cl100k):
-    """llguidance's date format is a regex: it takes 2023-02-29 (no leap-year rule). The schema
-    compiles whole in both modes, and in both the validator keeps the document from finishing."""
+    """A format the grammar enforces as a regex wider than the format: the schema compiles whole in
+    both modes, and in both the validator keeps the document from finishing."""
     server = request.getfixturevalue(mode)
-    schema = {"type": "object", "properties": {"d": {"type": "string", "format": "date"}}, "required": ["d"]}
+    fmt, wrong, right = WIDER_FORMATS[mode]
+    schema = {"type": "object", "properties": {"d": {"type": "string", "format": fmt}}, "required": ["d"]}
     eos = cl100k.eos_token_ids[0]
     with MaskClient(server.address, want_forced_tokens=False) as client:
-        n, r = drive(client, "leap", {"json_schema": schema}, cl100k.encode('{"d": "2023-02-29"}'))
-        assert r.seqs["leap"].status is FAILED and "2023-02-29" in r.seqs["leap"].reason
-        n, r = drive(client, "ok", {"json_schema": schema}, cl100k.encode('{"d": "2024-02-29"}'))
+        tokens = cl100k.encode(text({"d": wrong}))
+        n, r = drive(client, "wrong", {"json_schema": schema}, tokens)
+        assert n == len(tokens) and r.seqs["wrong"].status is FAILED and wrong[:20] in r.seqs["wrong"].reason
+        n, r = drive(client, "ok", {"json_schema": schema}, cl100k.encode(text({"d": right})))
         assert r.seqs["ok"].status in (READY, FINISHED) and bit(r, "ok", eos)
+
+
+@pytest.mark.parametrize(("fmt", "good", "bad"), [
+    ("date", ["2024-02-29", "2000-02-29", "1900-02-28", "0000-02-29"], ["2023-02-29", "1900-02-29", "2023-04-31"]),
+    ("date-time", ["2016-12-31T23:59:60Z", "2016-12-31t15:59:60.5-08:00", "2016-12-31T00:59:60+01:00",
+                   "2023-02-28T06:52:59-12:29"],
+     ["2092-12-31t05:19:60+02:06", "2016-12-31T23:59:60+01:00", "2023-02-29T00:00:00Z"]),
+    ("time", ["23:59:60Z", "12:00:00.25+05:30", "22:59:60-01:00"], ["12:00:60Z", "12:00:00"]),
+])
+def test_complete_mode_grammar_takes_dates_and_times_as_the_validator_does(complete, cl100k, fmt, good, bad):
+    """llguidance's date regex takes 02-29 in any year and its time a leap second at any time of day:
+    a writer that chose one could never finish (a dead end). Complete mode's grammar takes the
+    validator's rules: a refused value does not get past its rows."""
+    schema = {"type": "object", "properties": {"d": {"type": "string", "format": fmt}}, "required": ["d"]}
+    eos = cl100k.eos_token_ids[0]
+    with MaskClient(complete.address, want_forced_tokens=False) as client:
+        for i, value in enumerate(good + bad):
+            tokens = cl100k.encode(text({"d": value}))
+            n, r = drive(client, f"{fmt}-{i}", {"json_schema": schema}, tokens)
+            if value in good:
+                assert n == len(tokens) and bit(r, f"{fmt}-{i}", eos), value
+            else:
+                assert n < len(tokens) and r.seqs[f"{fmt}-{i}"].status is READY, value
 
 
 def test_xgrammar_backend_checks_what_it_loosens(cl100k):

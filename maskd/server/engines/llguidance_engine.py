@@ -27,6 +27,7 @@ from maskd.server.json_schema import (
     checker_from_description,
     describe_checker,
     document_checker,
+    grammar_formats,
     relax_schema,
     tag_span,
     tool_call_checker,
@@ -36,7 +37,7 @@ from maskd.specs import GrammarSpec
 log = logging.getLogger("maskd.server.engines.llguidance")
 
 # Bumped when maskd changes how a spec maps onto llguidance (it is part of every grammar id).
-_MAPPING_REVISION = 2
+_MAPPING_REVISION = 3
 # A serialized grammar with document checks: magic, 8-byte length, the checker's description, grammar.
 _CHECKED_MAGIC = b"maskd-checked-grammar-v2\n"
 # x-guidance options that loosen the schema: only complete mode relaxes (and then validates).
@@ -229,6 +230,8 @@ class LLGuidanceEngine(Engine):
         if schema is True:
             schema = {}
         if isinstance(schema, dict):
+            if self.json_schema_mode == "complete":
+                schema = grammar_formats(schema)   # date and time as exact as the validator
             schema = {**schema, "x-guidance": self._json_options(spec, schema, lenient)}
         return json.dumps(schema, ensure_ascii=False)
 

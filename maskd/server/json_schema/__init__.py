@@ -7,7 +7,8 @@ place that knows how. Its modules:
   schema's documents that the engine can compile).
 - ``validation``: the exact check (jsonschema-rs over the original schema, formats asserted as
   MaskBench's reference validators do) and the map of sub-documents worth checking early.
-- ``formats``: the formats asserted whatever the schema's draft.
+- ``formats``: the formats asserted whatever the schema's draft, and the exact patterns complete
+  mode's grammar takes for the date and time formats.
 - ``scan``: the incremental JSON structure of the output (where sub-documents open and close).
 - ``documents``: one sequence's output as the checks see it (bytes, scan state, rollbacks).
 - ``step_checks``: the hooks the step protocol calls (``DocumentChecks``).
@@ -26,6 +27,7 @@ from maskd.server.json_schema.documents import (
     ToolCallChecker,
     checker_from_description,
 )
+from maskd.server.json_schema.formats import grammar_formats
 from maskd.server.json_schema.relax import LENIENT_KEYWORDS, Relaxation, RelaxError, TryCompile, TryRegex, relax
 from maskd.server.json_schema.step_checks import DocumentChecks
 from maskd.server.json_schema.validation import SchemaValidator, ValidatorError
@@ -40,6 +42,7 @@ __all__ = [
     "checker_from_description",
     "describe_checker",
     "document_checker",
+    "grammar_formats",
     "relax_schema",
     "tag_span",
     "tool_call_checker",
