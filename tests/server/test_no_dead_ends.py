@@ -41,6 +41,20 @@ SCHEMAS = {
                 "oneOf": [{"properties": {"shape": {"const": "circle"}}, "required": ["shape", "r"]},
                           {"properties": {"shape": {"const": "square"}, "side": {"type": "number"}},
                            "required": ["shape", "side"]}]}, {"shape": "square", "side": 2}),
+    # a discriminated union (null matches both branches, so llguidance cannot take the oneOf whole):
+    # once "type" is written, its branch's required keys keep "properties" open
+    "tagged union": ({"type": ["object", "null"], "required": ["type", "properties"], "additionalProperties": False,
+                      "properties": {"type": {"type": "string"}, "properties": {"type": "object"}},
+                      "oneOf": [{"$ref": "#/definitions/named"}, {"$ref": "#/definitions/linked"}],
+                      "definitions": {
+                          "named": {"properties": {"type": {"enum": ["name"]}, "properties": {
+                              "required": ["name"], "additionalProperties": False,
+                              "properties": {"name": {"type": "string"}}}}},
+                          "linked": {"properties": {"type": {"enum": ["link"]},
+                                                    "properties": {"$ref": "#/definitions/href"}}},
+                          "href": {"type": "object", "required": ["href"],
+                                   "properties": {"href": {"type": "string"}, "kind": {"type": "string"}}}}},
+                     {"type": "link", "properties": {"kind": "proj4", "href": "x"}}),
 }
 
 

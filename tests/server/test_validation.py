@@ -3,6 +3,7 @@ pinned for early checks, the per-sequence document buffer, and garbage on the wa
 import json
 import random
 
+import numpy as np
 import pytest
 
 from maskd.server.json_schema import checker_from_description, describe_checker
@@ -71,6 +72,51 @@ def test_pins_follow_properties_items_refs_and_allof_never_anyof():
     assert v.watch(v.watch(v.root_ctx, "all"), "w") == {"/properties/all/allOf/0/properties/w"}
     assert v.check_at(v.watch(tags, 0), "bad", "/tags/0").startswith("at /tags/0: ")
     assert v.check_at(tags, ["a", "a"], "/tags") == 'at /tags: ["a","a"] has non-unique elements'
+
+
+# A discriminated union (GeoJSON's crs, OpenAPI's discriminator): "type" tells the branches apart.
+TAGGED = {"type": ["object", "null"], "required": ["type", "properties"], "additionalProperties": False,
+          "properties": {"type": {"type": "string"}, "properties": {"type": "object"}},
+          "oneOf": [{"$ref": "#/definitions/named"}, {"$ref": "#/definitions/linked"}],
+          "definitions": {
+              "named": {"properties": {"type": {"enum": ["name"]},
+                                       "properties": {"required": ["name"], "properties": {"name": {}}}}},
+              "linked": {"properties": {"type": {"const": "link"}, "properties": {"$ref": "#/definitions/href"}}},
+              "href": {"type": "object", "required": ["href"], "properties": {"href": {"type": "string"}}}}}
+
+
+def test_a_union_tag_pins_its_branch_once_written(cl100k):
+    v = SchemaValidator(TAGGED, LENIENT_KEYWORDS | {"required"})
+    tags = v.union_tag(v.root_ctx, "type")
+    assert tags is not None and set(tags) == {'"name"', '"link"'}
+    assert "/definitions/linked" in tags['"link"'] and "/definitions/named" not in tags['"link"']
+    assert v.union_tag(v.root_ctx, "properties") is None      # not a tag: no branch pins it
+    assert v.watch(v.root_ctx, "properties") is None           # before the tag: nothing pinned below
+    # a branch that leaves the tag free, or two branches with one value: no tag
+    for other in ({}, {"properties": {"type": {"const": "name"}}}):
+        loose = {**TAGGED, "oneOf": [*TAGGED["oneOf"], other]}
+        assert SchemaValidator(loose, LENIENT_KEYWORDS | {"required"}).union_tag(frozenset({""}), "type") is None
+    # through a document: after "type": "link", an empty "properties" object cannot close
+    checker = JsonDocumentChecker(v, cl100k)
+    for tag, closes in (("link", False), ("name", False), ("other", True)):
+        buf = DocumentBuffer(checker)
+        buf.extend(tokens(cl100k, f'{{"type": "{tag}", "properties": {{'))
+        assert buf.advance() is None
+        row = np.full((cl100k.vocab_size + 31) // 32, -1, dtype=np.int32)
+        vetoed = set().union(*(set(ids.tolist()) for ids in checker.row_vetoes(buf.state, buf.data, row)))
+        assert (cl100k.encode("}")[0] not in vetoed) is closes, tag
+    # the colon and the empty object in one token (":{}"), and null at the root (both branches take
+    # it: not one of oneOf), are vetoed too
+    def vetoed_after(text):
+        buf = DocumentBuffer(checker)
+        buf.extend(tokens(cl100k, text))
+        assert buf.advance() is None
+        row = np.full((cl100k.vocab_size + 31) // 32, -1, dtype=np.int32)
+        return set().union(*(set(ids.tolist()) for ids in checker.row_vetoes(buf.state, buf.data, row)))
+    colon_empty, = cl100k.encode(":{}")
+    assert colon_empty in vetoed_after('{"type": "link", "properties"')
+    assert colon_empty not in vetoed_after('{"type": "other", "properties"')
+    assert {cl100k.encode("null")[0], cl100k.encode("n")[0]} <= vetoed_after("")
 
 
 def test_legacy_drafts_ignore_the_siblings_of_ref():

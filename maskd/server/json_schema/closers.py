@@ -45,6 +45,11 @@ def _lowest(data: bytes, in_string: bool) -> int:
     return low
 
 
+_WS = b" \t\r\n"
+#: What a token may write before a whole value: nothing (a value starts here), the colon after a key,
+#: the comma after an array's item.
+WHOLE_LEADS = ("", ":", ",")
+
 _NUMBER_CHARS = frozenset(b"0123456789.eE+-")
 _NUMBER_ENDS = frozenset(b",}] \t\r\n")
 _NUMBER_START = _NUMBER_CHARS | _NUMBER_ENDS
@@ -79,8 +84,8 @@ class CloserTable:
     def __init__(self, tokenizer) -> None:
         ll = tokenizer.ll
         ids, outside, inside = [], [], []
-        empty: dict[str, list[int]] = {"{}": [], "[]": [], "{}+": [], "[]+": [], "null": [], "true": [],
-                                       "false": []}
+        empty: dict[str, list[int]] = {lead + k: [] for lead in WHOLE_LEADS
+                                       for k in ("{}", "[]", "{}+", "[]+", "null", "true", "false")}
         enders: dict[str, tuple[list[int], list[bytes]]] = {"string": ([], []), "number": ([], [])}
         for t in range(tokenizer.vocab_size):
             if ll.is_special_token(t):
@@ -96,16 +101,24 @@ class CloserTable:
                 if prefix is not None:
                     enders["number"][0].append(t)
                     enders["number"][1].append(prefix)
-            head = data.lstrip(b" \t\r\n")
-            for literal in (b"null", b"true", b"false"):
-                if head.startswith(literal) and not head[len(literal):len(literal) + 1].isalnum():
-                    empty[literal.decode()].append(t)   # writes the whole literal
+            head = data.lstrip(_WS)
+            for lead in WHOLE_LEADS:
+                if lead:
+                    if not head.startswith(lead.encode()):
+                        continue
+                    value = head[1:].lstrip(_WS)
+                else:
+                    value = head
+                for literal in (b"null", b"true", b"false"):
+                    if (value.startswith(literal) and not value[len(literal):len(literal) + 1].isalnum()) \
+                            or (value and literal.startswith(value)):
+                        empty[lead + literal.decode()].append(t)   # writes the literal, or starts it
+                if value[:2] in (b"{}", b"[]"):
+                    empty[lead + value[:2].decode()].append(t)
+                    if _lowest(value[2:], False) < 0:
+                        empty[lead + value[:2].decode() + "+"].append(t)   # and closes the container it is in
             if b"}" not in data and b"]" not in data:
                 continue
-            if head[:2] in (b"{}", b"[]"):
-                empty[head[:2].decode()].append(t)
-                if _lowest(head[2:], False) < 0:
-                    empty[head[:2].decode() + "+"].append(t)   # and closes the container it is in
             ids.append(t)
             outside.append(max(-127, _lowest(data, False)))
             inside.append(max(-127, _lowest(data, True)))
@@ -113,7 +126,9 @@ class CloserTable:
         self.outside = np.array(outside, dtype=np.int8)
         self.inside = np.array(inside, dtype=np.int8)
         # Tokens that write a whole value where a value starts: an empty object / array ("{}", " []",
-        # "{}}", ...; "{}+" / "[]+": those that also close the container the value is in) or a literal.
+        # "{}}", ...; "{}+" / "[]+": those that also close the container the value is in) or a literal
+        # (" null", or its start: "n", "nu": only the literal can follow); keys with a lead (":{}",
+        # ",null") are the tokens that write the colon after a key, or the comma after an item, first.
         self.empty = {k: np.array(v, dtype=np.int64) for k, v in empty.items()}
         # Tokens that end the string / number being written, with what each adds to it first
         # ('29",' ends a string with 29): ids, and per id the index of its prefix in ``prefixes``.

@@ -25,7 +25,7 @@ import numpy as np
 
 from maskd.server.json_schema.closers import CloserTable, closer_table
 from maskd.server.json_schema.scan import JsonScanner
-from maskd.server.json_schema.validation import SchemaValidator, parse
+from maskd.server.json_schema.validation import SchemaValidator, canonical_json, parse
 
 SPECIAL_MARK = b"\xff"
 # How many open containers a closing check looks through, and the largest one it reparses per step.
@@ -36,6 +36,21 @@ _CLOSE_CHECK_BYTES = 1 << 16
 _ENDINGS_CHECKED = 16
 # Values one token may write whole where a value starts (CloserTable.empty holds those tokens).
 _WHOLE_VALUES: tuple[tuple[str, Any], ...] = (("{}", {}), ("[]", []), ("null", None), ("true", True), ("false", False))
+
+
+def _whole_value_lead(sc: JsonScanner) -> str | None:
+    """What a token writes before a whole value here (WHOLE_LEADS): "" where a value starts, ":"
+    after an object's key, "," after an array's item; None where no value can come next."""
+    if sc.in_string or sc.scalar_start >= 0 or sc.done:
+        return None
+    if not sc.stack:
+        return "" if sc.root_start < 0 else None
+    top = sc.stack[-1]
+    if top.awaiting:
+        return ""
+    if top.is_object:
+        return ":" if top.before_colon and top.key is not None else None
+    return "," if top.ready else None
 
 
 def token_bytes(tokenizer, token: int) -> bytes:
@@ -189,8 +204,9 @@ class JsonDocumentChecker(DocumentChecker):
         if self.validator.root_ctx is None:
             return None   # nothing below the root is worth an early check
         if state.scanner is None:
-            state.scanner = JsonScanner(self._watch, (self.validator.root_ctx, ""), start=state.body)
-        for (ptrs, where), start, end in state.scanner.feed(data):
+            state.scanner = JsonScanner(self._watch, (self.validator.root_ctx, ""), start=state.body,
+                                        settle=self._settle)
+        for (ptrs, where, *_), start, end in state.scanner.feed(data):
             value, problem = parse(data[start:end])
             if problem is None:
                 problem = self.validator.check_at(ptrs, value, where)
@@ -217,12 +233,14 @@ class JsonDocumentChecker(DocumentChecker):
             ends = self._value_end_fails(state, data, row)
             if ends is not None:
                 out.append(ends)
-        if not sc.in_string and sc.scalar_start < 0:
+        lead = _whole_value_lead(sc)
+        if lead is not None:
             for text, value in _WHOLE_VALUES:
-                ids = closers.empty[text]
-                if ids.size and closers.allows_any(row, ids) and self._value_fails(state, value):
+                ids = closers.empty[lead + text]
+                if ids.size and closers.allows_any(row, ids) and self._value_fails(state, value, lead):
                     out.append(ids)
-                elif text in ("{}", "[]") and sc.stack and closers.allows_any(row, closers.empty[text + "+"]) \
+                elif not lead and text in ("{}", "[]") and sc.stack \
+                        and closers.allows_any(row, closers.empty[text + "+"]) \
                         and self._closing(state, data, text.encode()) is not None:
                     out.append(closers.empty[text + "+"])
         return out
@@ -283,7 +301,7 @@ class JsonDocumentChecker(DocumentChecker):
             start, kind, tail = sc.scalar_start, "number", b""
         else:
             return None
-        if ctx is None:
+        if ctx is None or not ctx[0]:
             return None
         if len(data) - start > _CLOSE_CHECK_BYTES:
             return None
@@ -309,29 +327,48 @@ class JsonDocumentChecker(DocumentChecker):
         fails[failing] = True
         return ids[fails[which]]
 
-    def _value_fails(self, state: _DocState, value) -> bool:
+    def _value_fails(self, state: _DocState, value, lead: str = "") -> bool:
         """Whether a whole value written here (an empty object / array, a literal) could not pass its
-        pinned subschemas."""
+        pinned subschemas; ``lead`` as ``_whole_value_lead`` says."""
         sc = state.scanner
         assert sc is not None
         if not sc.stack:
-            if sc.root_start >= 0:
-                return False
             ctx = sc.root_ctx
         else:
             top = sc.stack[-1]
-            if not top.awaiting or top.ctx is None:
+            if top.ctx is None:
                 return False
-            ctx = self._watch(top.ctx, top.key if top.is_object else top.index)
+            key = top.key if top.is_object else top.index + (lead == ",")
+            ctx = self._watch(top.ctx, key)
         problem = None if ctx is None else self.validator.check_at(ctx[0], value, ctx[1])
         if problem is not None:
             state.veto = f"writing {json.dumps(value)} here: {problem}"
         return problem is not None
 
     def _watch(self, ctx, key):
-        ptrs, where = ctx
+        """A child's context: (pinned pointers worth checking, where it sits, the branches its value
+        selects when it is a discriminated union's tag), or None when nothing there is checked."""
+        ptrs, where = ctx[0], ctx[1]
         child = self.validator.watch(ptrs, key)
-        return None if child is None else (child, f"{where}/{key}")
+        tags = self.validator.union_tag(ptrs, key)
+        if child is None and tags is None:
+            return None
+        return (child or frozenset(), f"{where}/{key}", tags)
+
+    def _settle(self, parent, child, data, start: int, end: int):
+        """Once a union's tag is written, its object is pinned to the branch the tag selects: later
+        members and the object's end are checked against that branch too."""
+        tags = child[2] if len(child) > 2 else None
+        if not tags:
+            return None
+        value, problem = parse(data[start:end])
+        branch = tags.get(canonical_json(value)) if problem is None else None
+        if branch is None:
+            return None
+        relaxed = frozenset(p for p in branch if self.validator.subtree_relaxed(p))
+        if relaxed <= parent[0]:
+            return None
+        return (parent[0] | relaxed, *parent[1:])
 
     def closed(self, state: _DocState, data: bytearray) -> bool:
         """An object, array, string or literal at the root that has ended (a number may still grow)."""

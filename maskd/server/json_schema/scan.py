@@ -19,11 +19,14 @@ _WS = b" \t\r\n"
 
 # watch(parent context, key or index) -> the child's context, or None (not watched)
 Watch = Callable[[Any, "str | int"], Any]
+# settle(parent context, child context, buffer, start, end) -> the parent's new context, or None (as
+# it was), once a watched child is complete: what a member says may pin its siblings' schemas.
+Settle = Callable[[Any, Any, "bytes | bytearray", int, int], Any]
 
 
 class _Frame:
-    __slots__ = ("awaiting", "child_ctx", "child_start", "ctx", "expect_key", "index", "is_object", "key", "keys",
-                 "ready", "start")
+    __slots__ = ("awaiting", "before_colon", "child_ctx", "child_start", "ctx", "expect_key", "index", "is_object",
+                 "key", "keys", "ready", "start")
 
     def __init__(self, is_object: bool, ctx: Any, start: int) -> None:
         self.is_object = is_object
@@ -35,6 +38,7 @@ class _Frame:
         self.keys: list[str] = []     # object: every key read so far
         self.index = 0                # array: the index of the value being read
         self.expect_key = is_object
+        self.before_colon = False     # object: a key was read, its colon not yet
         self.child_start = -1
         self.child_ctx: Any = None
 
@@ -44,8 +48,10 @@ class JsonScanner:
     (context, start, end) byte offsets, and ``root_end`` is set once the root value is complete
     (for a number at the root: once a byte after it arrives)."""
 
-    def __init__(self, watch: Watch | None = None, root_ctx: Any = None, start: int = 0) -> None:
+    def __init__(self, watch: Watch | None = None, root_ctx: Any = None, start: int = 0,
+                 settle: Settle | None = None) -> None:
         self.watch = watch
+        self.settle = settle
         self.root_ctx = root_ctx
         self.stack: list[_Frame] = []
         self.pos = start             # offset of the next byte to scan in the buffer ``feed`` is given
@@ -90,7 +96,7 @@ class JsonScanner:
                     break
                 i = m.start()
                 start, self.scalar_start = self.scalar_start, -1
-                self._value_end(start, i, events)
+                self._value_end(data, start, i, events)
                 continue   # the byte that ended it is structural or whitespace
             c = data[i]
             if c in _WS:
@@ -109,10 +115,10 @@ class JsonScanner:
             elif c == 0x7D or c == 0x5D:   # } ]
                 self.stack.pop()
                 start = self.stack[-1].child_start if self.stack else self.root_start
-                self._value_end(start, i + 1, events)
+                self._value_end(data, start, i + 1, events)
                 i += 1
             elif c == 0x3A:   # :
-                self.stack[-1].expect_key = False
+                self.stack[-1].expect_key = self.stack[-1].before_colon = False
                 self.stack[-1].awaiting = True
                 i += 1
             elif c == 0x2C:   # ,
@@ -159,11 +165,12 @@ class JsonScanner:
                 top.keys.append(top.key)
             except ValueError:
                 top.key = None
+            top.before_colon = True
             return
         self._value_start(start)
-        self._value_end(start, end, events)
+        self._value_end(data, start, end, events)
 
-    def _value_end(self, start: int, end: int, events) -> None:
+    def _value_end(self, data, start: int, end: int, events) -> None:
         if not self.stack:
             self.root_end = end
             return
@@ -171,5 +178,9 @@ class JsonScanner:
         top.ready = True
         if top.child_ctx is not None:
             events.append((top.child_ctx, start, end))
+            if self.settle is not None:
+                settled = self.settle(top.ctx, top.child_ctx, data, start, end)
+                if settled is not None:
+                    top.ctx = settled
         top.child_ctx = None
 

@@ -146,11 +146,12 @@ class SchemaValidator:
         self._pins: dict[str, bool] = {}
         self._nodes: dict[str, Any] = {}
         self._by_node: dict[int, bool] = {}   # id(subschema) -> holds a relaxed keyword (the schema is kept alive)
+        self._tags: dict[tuple[frozenset[str], str], dict[str, frozenset[str]] | None] = {}
         self.root_ctx: frozenset[str] | None = None   # None: nothing below the root to check early
         if relaxed_keywords and isinstance(schema, dict):
             try:
                 root = self._expand("")
-                if any(self._subtree_relaxed(p) for p in root):
+                if any(self.subtree_relaxed(p) for p in root):
                     self.root_ctx = root
             except RecursionError:   # references chained deeper than a walk can follow: the final check only
                 self._pins.clear()
@@ -169,8 +170,52 @@ class SchemaValidator:
             if isinstance(node, dict):
                 child = self._child(ptr, node, key)
                 if child is not None:
-                    out.update(p for p in self._expand(child) if self._subtree_relaxed(p))
+                    out.update(p for p in self._expand(child) if self.subtree_relaxed(p))
         return frozenset(out) if out else None
+
+    def union_tag(self, ctx: frozenset[str], key: str | int) -> dict[str, frozenset[str]] | None:
+        """Where the member ``key`` of an object pinned to ``ctx`` tells apart the branches of a
+        ``oneOf`` / ``anyOf`` there (every branch pins it to its own constant: a discriminated union),
+        the branch each value selects: canonical JSON of the value -> the branch's pointers; else
+        None. Once the tag is written only that branch can match, so it is pinned from then on."""
+        if not isinstance(key, str):
+            return None
+        if (ctx, key) in self._tags:
+            return self._tags[(ctx, key)]
+        out: dict[str, set[str]] = {}
+        for ptr in ctx:
+            node = self._node(ptr)
+            if not isinstance(node, dict) or (self.legacy and "$ref" in node):
+                continue
+            for word in ("oneOf", "anyOf"):
+                branches = node.get(word)
+                if not isinstance(branches, list) or len(branches) < 2:
+                    continue
+                pins = [self._expand(f"{ptr}/{word}/{i}") for i in range(len(branches))]
+                tags = [self._constant(b, key) for b in pins]
+                if None in tags or len(set(tags)) < len(tags):
+                    continue   # a branch leaves the member free, or two share a value
+                for tag, branch in zip(tags, pins):
+                    out.setdefault(tag, set()).update(branch)   # type: ignore[arg-type]
+        found = {tag: frozenset(ptrs) for tag, ptrs in out.items()} if out else None
+        if len(self._tags) < 4096:
+            self._tags[(ctx, key)] = found
+        return found
+
+    def _constant(self, ptrs: frozenset[str], key: str) -> str | None:
+        """The canonical JSON of the constant these pointers pin member ``key`` to, if they do."""
+        for ptr in ptrs:
+            node = self._node(ptr)
+            props = node.get("properties") if isinstance(node, dict) else None
+            sub = props.get(key) if isinstance(props, dict) else None
+            if not isinstance(sub, dict):
+                continue
+            if "const" in sub:
+                return canonical_json(sub["const"])
+            enum = sub.get("enum")
+            if isinstance(enum, list) and len(enum) == 1:
+                return canonical_json(enum[0])
+        return None
 
     def check_at(self, ctx: frozenset[str], value: Any, where: str) -> str | None:
         for ptr in sorted(ctx):
@@ -242,7 +287,7 @@ class SchemaValidator:
         node = self._node(ptr)
         return isinstance(node, dict) and any(k in self.relaxed for k in node)
 
-    def _subtree_relaxed(self, ptr: str) -> bool:
+    def subtree_relaxed(self, ptr: str) -> bool:
         """Whether ``ptr`` or anything it reaches (children, references) holds a relaxed keyword."""
         known = self._pins.get(ptr)
         if known is not None:
@@ -253,7 +298,7 @@ class SchemaValidator:
         if not found and isinstance(node, dict):
             ref = node.get("$ref")
             if isinstance(ref, str) and ref.startswith("#"):
-                found = self._subtree_relaxed(ref[1:])
+                found = self.subtree_relaxed(ref[1:])
             if not found:
                 found = any(_contains_relaxed(s, self.relaxed, self) for s in subschemas(node))
         self._pins[ptr] = found
@@ -270,11 +315,15 @@ def _contains_relaxed(node: Any, relaxed: frozenset[str], owner: SchemaValidator
     found = any(k in relaxed for k in node)
     ref = node.get("$ref")
     if not found and isinstance(ref, str) and ref.startswith("#"):
-        found = owner._subtree_relaxed(ref[1:])
+        found = owner.subtree_relaxed(ref[1:])
     if not found:
         found = any(_contains_relaxed(s, relaxed, owner, depth + 1) for s in subschemas(node))
     owner._by_node[id(node)] = found
     return found
+
+
+def canonical_json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
 def _escape(key: str) -> str:
