@@ -407,15 +407,16 @@ class MaskdStructuredOutputs:
     # -- the step -------------------------------------------------------------------------------
     def rows(self, manager: Any, requests: dict, req_ids: Sequence[str],
              spec_tokens: dict[str, list[int]]) -> np.ndarray:
-        """The bitmask rows of ``req_ids`` (1 + scheduled drafts each, in order), from one step."""
+        """The bitmask rows of ``req_ids`` (1 + scheduled drafts each, in order), from one step, laid
+        out as the installed vLLM's grammar_bitmask lays them out (``_bitmask_layout``); rows no
+        grammar constrains, and a strided layout's rows past a request's positions, allow every token."""
         from vllm.v1.structured_output.utils import strip_speculative_padding
 
         self.settle()
-        total = sum(1 + len(spec_tokens.get(r, ())) for r in req_ids)
+        starts, total = _bitmask_layout(manager, req_ids, spec_tokens)
         out = np.full((total, self.words), -1, dtype=np.int32)
         entries: list[_Entry] = []
-        start = 0
-        for req_id in req_ids:
+        for req_id, start in zip(req_ids, starts):
             request = requests[req_id]
             grammar = request.structured_output_request.grammar
             raw = spec_tokens.get(req_id, ())
@@ -433,7 +434,6 @@ class MaskdStructuredOutputs:
                     else:
                         entries.append(e)
                     grammar.prepared = None
-            start += n
         if entries:
             self._step(entries, out)
         return out
@@ -723,17 +723,54 @@ def _manager_grammar_bitmask(original: Callable, manager: Any, requests: dict, r
         return rows
     theirs = [r for r in req_ids if not _is_maskd(requests[r])]
     their_rows = original(manager, requests, theirs, spec_tokens)
-    merged = np.empty((rows.shape[0] + their_rows.shape[0], rows.shape[1]), dtype=np.int32)
-    mine_set = set(ours)
-    at = {"ours": 0, "theirs": 0}
-    k = 0
-    for r in req_ids:
+    their_starts, their_total = _bitmask_layout(manager, theirs, spec_tokens)
+    if their_rows.shape[0] != their_total:     # vLLM's own rows are not where this layout puts them
+        raise RuntimeError(f"vLLM's grammar_bitmask gave {their_rows.shape[0]} rows for {len(theirs)} requests "
+                           f"where maskd's layout has {their_total}: this vLLM's bitmask layout is not one "
+                           "maskd knows")
+    starts, total = _bitmask_layout(manager, req_ids, spec_tokens)
+    our_starts, _ = _bitmask_layout(manager, ours, spec_tokens)
+    source = {r: (rows, at) for r, at in zip(ours, our_starts)}
+    source.update((r, (their_rows, at)) for r, at in zip(theirs, their_starts))
+    merged = np.full((total, rows.shape[1]), -1, dtype=np.int32)   # a strided layout's spare rows: all allowed
+    for r, at in zip(req_ids, starts):
         n = 1 + len(spec_tokens.get(r, ()))
-        src, key = (rows, "ours") if r in mine_set else (their_rows, "theirs")
-        merged[k:k + n] = src[at[key]:at[key] + n]
-        at[key] += n
-        k += n
+        src, src_at = source[r]
+        merged[at:at + n] = src[src_at:src_at + n]
     return merged
+
+
+@functools.cache
+def _strided_bitmask() -> bool:
+    """Whether the installed vLLM's StructuredOutputManager.grammar_bitmask gives every request a block
+    of rows of one size (0.33) rather than packing each request's rows after the one before (0.32).
+
+    Read from vLLM's version tuple because nothing else tells the two apart: both allocate the same
+    buffer (``max_num_seqs * (1 + num_speculative_tokens)`` rows, ``_grammar_bitmask``), keep no stride
+    in the manager (0.33's ``mask_stride`` is a local of ``grammar_bitmask``, and its
+    ``apply_grammar_bitmask`` derives it from the row count), and return the same types."""
+    from vllm.version import __version_tuple__ as version
+
+    major, minor = version[0], version[1]
+    if not isinstance(major, int) or not isinstance(minor, int) or (major, minor) == (0, 0):
+        return True           # a source tree without its version: vLLM's main, which strides
+    return (major, minor) >= (0, 33)
+
+
+def _bitmask_layout(manager: Any, req_ids: Sequence[str],
+                    spec_tokens: dict[str, list[int]]) -> tuple[list[int], int]:
+    """Where each request's rows start in the step's bitmask, and the bitmask's row count, as vLLM's own
+    grammar_bitmask lays them out: one after another, 1 + its scheduled drafts each (vLLM 0.32), or
+    request k's from row k * (1 + num_speculative_tokens), the most drafts a step may have (0.33;
+    rows past a request's 1 + drafts are never read)."""
+    if _strided_bitmask():
+        stride = 1 + int(manager.vllm_config.num_speculative_tokens)
+        return [k * stride for k in range(len(req_ids))], len(req_ids) * stride
+    starts, at = [], 0
+    for r in req_ids:
+        starts.append(at)
+        at += 1 + len(spec_tokens.get(r, ()))
+    return starts, at
 
 
 def _free_request(original: Callable, scheduler: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
