@@ -85,17 +85,28 @@ TAGGED = {"type": ["object", "null"], "required": ["type", "properties"], "addit
               "href": {"type": "object", "required": ["href"], "properties": {"href": {"type": "string"}}}}}
 
 
-def test_a_union_tag_pins_its_branch_once_written(cl100k):
+def test_members_narrow_a_union_to_the_branch_they_allow(cl100k):
     v = SchemaValidator(TAGGED, LENIENT_KEYWORDS | {"required"})
-    tags = v.union_tag(v.root_ctx, "type")
-    assert tags is not None and set(tags) == {'"name"', '"link"'}
-    assert "/definitions/linked" in tags['"link"'] and "/definitions/named" not in tags['"link"']
-    assert v.union_tag(v.root_ctx, "properties") is None      # not a tag: no branch pins it
-    assert v.watch(v.root_ctx, "properties") is None           # before the tag: nothing pinned below
-    # a branch that leaves the tag free, or two branches with one value: no tag
-    for other in ({}, {"properties": {"type": {"const": "name"}}}):
-        loose = {**TAGGED, "oneOf": [*TAGGED["oneOf"], other]}
-        assert SchemaValidator(loose, LENIENT_KEYWORDS | {"required"}).union_tag(frozenset({""}), "type") is None
+    (branches,) = v.unions(v.root_ctx)
+    (linked,) = v.narrow(branches, "type", "link")          # a tag: one branch at once
+    assert "/definitions/linked" in linked and "/definitions/named" not in linked
+    assert v.narrow(branches, "type", "other") == ()
+    assert v.narrow(branches, "properties", {"href": "x", "name": "y"}) == branches   # both take it
+    assert v.narrow(branches, "properties", {"href": "x"}) == (linked,)      # a required key decides
+    assert v.watch(v.root_ctx, "properties") is None          # before the tag: nothing pinned below
+    # without a tag: a branch goes when the member breaks its type, object constants or
+    # additionalProperties; a number equal to an enum's (1 and 1.0) never removes one
+    untagged = {"oneOf": [{"type": "object", "properties": {"$ref": {"type": "string"}}, "additionalProperties": False},
+                          {"enum": [{"type": "void"}, {"n": 1}]},
+                          {"properties": {"type": {"enum": ["integer", "string"]}}},
+                          {"type": "array"}]}
+    u = SchemaValidator(untagged, LENIENT_KEYWORDS)
+    (four,) = u.unions(u.root_ctx)
+    assert len(four) == 4
+    assert [sorted(b) for b in u.narrow(four, "type", "string")] == [["/oneOf/2"]]
+    assert [sorted(b) for b in u.narrow(four, "type", "void")] == [["/oneOf/1"]]
+    assert [sorted(b) for b in u.narrow(four, "n", 1.0)] == [["/oneOf/1"], ["/oneOf/2"]]
+    assert [sorted(b) for b in u.narrow(four, "n", True)] == [["/oneOf/2"]]
     # through a document: after "type": "link", an empty "properties" object cannot close
     checker = JsonDocumentChecker(v, cl100k)
     for tag, closes in (("link", False), ("name", False), ("other", True)):
@@ -117,6 +128,48 @@ def test_a_union_tag_pins_its_branch_once_written(cl100k):
     assert colon_empty in vetoed_after('{"type": "link", "properties"')
     assert colon_empty not in vetoed_after('{"type": "other", "properties"')
     assert {cl100k.encode("null")[0], cl100k.encode("n")[0]} <= vetoed_after("")
+
+
+# A union whose branches have dependencies between members (OpenAPI 1.2's data types, simplified).
+DATA_TYPES = {"type": "object", "oneOf": [{"$ref": "#/definitions/ref"}, {"$ref": "#/definitions/prim"}],
+              "definitions": {
+                  "ref": {"required": ["$ref"], "properties": {"$ref": {"type": "string"}}, "additionalProperties": False},
+                  "prim": {"required": ["type"], "additionalProperties": False,
+                           "properties": {"type": {"enum": ["integer", "string"]}, "format": {"type": "string"},
+                                          "minimum": {"type": "string"}},
+                           "dependencies": {"format": {"oneOf": [
+                               {"properties": {"type": {"enum": ["integer"]}, "format": {"enum": ["int32"]}}},
+                               {"properties": {"type": {"enum": ["string"]}, "format": {"enum": ["date"]}}}]},
+                               "minimum": {"properties": {"type": {"enum": ["integer"]}}}}}}}
+
+
+def test_rows_take_away_what_a_union_or_a_dependency_rules_out_for_good(cl100k):
+    """A member's value that leaves a union no branch, or whose branch's dependent schema it breaks,
+    cannot end (also right after a backslash in a string, and as a whole literal); a key whose
+    presence breaks a dependent schema cannot be written."""
+    checker = JsonDocumentChecker(SchemaValidator(DATA_TYPES, LENIENT_KEYWORDS), cl100k)
+
+    def vetoed_after(text):
+        buf = DocumentBuffer(checker)
+        buf.extend(tokens(cl100k, text))
+        assert buf.advance() is None, text
+        row = np.full((cl100k.vocab_size + 31) // 32, -1, dtype=np.int32)
+        return set().union(*(set(ids.tolist()) for ids in checker.row_vetoes(buf.state, buf.data, row)))
+    quote, quote_comma = cl100k.encode('"')[0], cl100k.encode('",')[0]
+    # the member comes first: no branch is pinned yet, but the value leaves only "prim", whose
+    # dependency on "format" it breaks
+    assert {quote, quote_comma} <= vetoed_after('{"format": "abc')
+    assert not {quote, quote_comma} & vetoed_after('{"format": "date')
+    assert {quote, quote_comma} <= vetoed_after('{"type": "string", "format": "abc')
+    # right after a backslash: the string as it stands decides (a token '""' would end it)
+    escaped_enders = set(checker.closers.enders["escaped string"][0].tolist())
+    assert cl100k.encode('""')[0] in escaped_enders and escaped_enders <= vetoed_after('{"format": "ab\\')
+    assert cl100k.encode('""')[0] not in vetoed_after('{"format": "date\\')
+    # a whole literal no branch takes
+    assert {cl100k.encode(" null")[0], cl100k.encode("null")[0]} <= vetoed_after('{"type":')
+    # keys: "minimum" needs an integer type
+    after = vetoed_after('{"type": "string", "')
+    assert cl100k.encode("minimum")[0] in after and cl100k.encode("format")[0] not in after
 
 
 def test_legacy_drafts_ignore_the_siblings_of_ref():

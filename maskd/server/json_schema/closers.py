@@ -14,6 +14,7 @@ then one comparison over those arrays.
 """
 from __future__ import annotations
 
+import bisect
 import threading
 
 import numpy as np
@@ -22,10 +23,10 @@ _TABLES: dict[str, CloserTable] = {}
 _LOCK = threading.Lock()
 
 
-def _lowest(data: bytes, in_string: bool) -> int:
-    """The lowest nesting depth (0 = where the scan starts) reached while scanning ``data``."""
+def _lowest(data: bytes, in_string: bool, escape: bool = False) -> int:
+    """The lowest nesting depth (0 = where the scan starts) reached while scanning ``data`` (from
+    inside a string, right after its backslash with ``escape``)."""
     depth = low = 0
-    escape = False
     for c in data:
         if in_string:
             if escape:
@@ -55,10 +56,9 @@ _NUMBER_ENDS = frozenset(b",}] \t\r\n")
 _NUMBER_START = _NUMBER_CHARS | _NUMBER_ENDS
 
 
-def _string_end(data: bytes) -> bytes | None:
-    """What a token adds to a string before ending it (scanning from inside the string), or None
-    when it does not end it."""
-    escape = False
+def _string_end(data: bytes, escape: bool = False) -> bytes | None:
+    """What a token adds to a string before ending it (scanning from inside the string, right after
+    its backslash with ``escape``), or None when it does not end it."""
     for i, c in enumerate(data):
         if escape:
             escape = False
@@ -83,19 +83,29 @@ class CloserTable:
 
     def __init__(self, tokenizer) -> None:
         ll = tokenizer.ll
-        ids, outside, inside = [], [], []
+        ids, outside, inside, escaped = [], [], [], []
+        texts: list[tuple[bytes, int]] = []
+        key_leads: list[int] = []
         empty: dict[str, list[int]] = {lead + k: [] for lead in WHOLE_LEADS
                                        for k in ("{}", "[]", "{}+", "[]+", "null", "true", "false")}
-        enders: dict[str, tuple[list[int], list[bytes]]] = {"string": ([], []), "number": ([], [])}
+        enders: dict[str, tuple[list[int], list[bytes]]] = {"string": ([], []), "escaped string": ([], []),
+                                                             "number": ([], [])}
         for t in range(tokenizer.vocab_size):
             if ll.is_special_token(t):
                 continue
             data = ll.decode_bytes([t])
+            texts.append((data, t))
+            if data.lstrip(_WS)[:1] in (b'"', b",", b"}", b"]"):
+                key_leads.append(t)
             if b'"' in data:
                 prefix = _string_end(data)
                 if prefix is not None:
                     enders["string"][0].append(t)
                     enders["string"][1].append(prefix)
+                prefix = _string_end(data, escape=True)
+                if prefix is not None:
+                    enders["escaped string"][0].append(t)
+                    enders["escaped string"][1].append(prefix)
             if data[:1] and data[0] in _NUMBER_START:
                 prefix = _number_end(data)
                 if prefix is not None:
@@ -122,16 +132,26 @@ class CloserTable:
             ids.append(t)
             outside.append(max(-127, _lowest(data, False)))
             inside.append(max(-127, _lowest(data, True)))
+            escaped.append(max(-127, _lowest(data, True, escape=True)))
+        # For the rows' key checks: the tokens' texts sorted (those that start with given bytes are one
+        # range), and the tokens that may start a key outside a string (a quote, a comma, or a closer
+        # and a comma after whitespace).
+        texts.sort()
+        self.texts = [text for text, _ in texts]
+        self.text_ids = np.array([t for _, t in texts], dtype=np.int64)
+        self.key_leads = np.array(key_leads, dtype=np.int64)
         self.ids = np.array(ids, dtype=np.int64)
         self.outside = np.array(outside, dtype=np.int8)
         self.inside = np.array(inside, dtype=np.int8)
+        self.escaped = np.array(escaped, dtype=np.int8)   # scanned from right after a string's backslash
         # Tokens that write a whole value where a value starts: an empty object / array ("{}", " []",
         # "{}}", ...; "{}+" / "[]+": those that also close the container the value is in) or a literal
         # (" null", or its start: "n", "nu": only the literal can follow); keys with a lead (":{}",
         # ",null") are the tokens that write the colon after a key, or the comma after an item, first.
         self.empty = {k: np.array(v, dtype=np.int64) for k, v in empty.items()}
         # Tokens that end the string / number being written, with what each adds to it first
-        # ('29",' ends a string with 29): ids, and per id the index of its prefix in ``prefixes``.
+        # ('29",' ends a string with 29; "escaped string": scanned from right after a backslash, 'n",'
+        # adds n): ids, and per id the index of its prefix in ``prefixes``.
         self.enders: dict[str, tuple[np.ndarray, np.ndarray, list[bytes]]] = {}
         for kind, (tids, prefixes) in enders.items():
             unique = sorted(set(prefixes) | {b""})   # index 0: the empty prefix
@@ -149,9 +169,28 @@ class CloserTable:
         allowed = ((words >> (keep & 31).astype(np.uint32)) & 1).astype(bool)
         return keep[allowed], which[allowed], prefixes
 
-    def closing(self, level: int, in_string: bool) -> np.ndarray:
-        """Ids of the tokens that close the ``level``-th open container (or one further out)."""
-        lowest = self.inside if in_string else self.outside
+    def starting_with(self, head: bytes) -> np.ndarray:
+        """Ids of the tokens whose text starts with ``head``."""
+        lo = bisect.bisect_left(self.texts, head)
+        hi = bisect.bisect_left(self.texts, head + b"\xff" * 8) if head else len(self.texts)
+        return self.text_ids[lo:hi]
+
+    def equal_to(self, text: bytes) -> np.ndarray:
+        """Ids of the tokens whose text is ``text``."""
+        lo = bisect.bisect_left(self.texts, text)
+        hi = bisect.bisect_right(self.texts, text)
+        return self.text_ids[lo:hi]
+
+    def allowed(self, row: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """The ``ids`` the packed row allows."""
+        ids = ids[(ids >> 5) < row.shape[0]]
+        words = row.view(np.uint32)[ids >> 5]
+        return ids[((words >> (ids & 31).astype(np.uint32)) & 1).astype(bool)]
+
+    def closing(self, level: int, in_string: bool, escaped: bool = False) -> np.ndarray:
+        """Ids of the tokens that close the ``level``-th open container (or one further out), from
+        inside a string or not, right after a string's backslash with ``escaped``."""
+        lowest = self.escaped if escaped else self.inside if in_string else self.outside
         return self.ids[lowest <= -level]
 
     @staticmethod

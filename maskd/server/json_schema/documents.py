@@ -25,9 +25,10 @@ import numpy as np
 
 from maskd.server.json_schema.closers import CloserTable, closer_table
 from maskd.server.json_schema.scan import JsonScanner
-from maskd.server.json_schema.validation import SchemaValidator, canonical_json, parse
+from maskd.server.json_schema.validation import SchemaValidator, parse
 
 SPECIAL_MARK = b"\xff"
+_WS = b" \t\r\n"
 # How many open containers a closing check looks through, and the largest one it reparses per step.
 _CLOSE_LEVELS = 3
 _CLOSE_CHECK_BYTES = 1 << 16
@@ -204,7 +205,8 @@ class JsonDocumentChecker(DocumentChecker):
         if self.validator.root_ctx is None:
             return None   # nothing below the root is worth an early check
         if state.scanner is None:
-            state.scanner = JsonScanner(self._watch, (self.validator.root_ctx, ""), start=state.body,
+            root = self.validator.root_ctx
+            state.scanner = JsonScanner(self._watch, (root, "", self.validator.unions(root)), start=state.body,
                                         settle=self._settle)
         for (ptrs, where, *_), start, end in state.scanner.feed(data):
             value, problem = parse(data[start:end])
@@ -221,7 +223,7 @@ class JsonDocumentChecker(DocumentChecker):
         object or array where one does not pass. Only what the row allows is checked."""
         closers = self.closers
         sc = state.scanner
-        if closers is None or sc is None or sc.done or sc.escape:
+        if closers is None or sc is None or sc.done:
             return []
         out = []
         if sc.stack:
@@ -233,11 +235,14 @@ class JsonDocumentChecker(DocumentChecker):
             ends = self._value_end_fails(state, data, row)
             if ends is not None:
                 out.append(ends)
+            keys = self._key_vetoes(state, data, row)
+            if keys is not None:
+                out.append(keys)
         lead = _whole_value_lead(sc)
         if lead is not None:
             for text, value in _WHOLE_VALUES:
                 ids = closers.empty[lead + text]
-                if ids.size and closers.allows_any(row, ids) and self._value_fails(state, value, lead):
+                if ids.size and closers.allows_any(row, ids) and self._value_fails(state, data, value, lead):
                     out.append(ids)
                 elif not lead and text in ("{}", "[]") and sc.stack \
                         and closers.allows_any(row, closers.empty[text + "+"]) \
@@ -245,14 +250,18 @@ class JsonDocumentChecker(DocumentChecker):
                     out.append(closers.empty[text + "+"])
         return out
 
-    def _closing(self, state: _DocState, data: bytearray, value: bytes = b"") -> tuple[int, bool] | None:
-        """(k, inside a string) when closing the k-th open container (1: the innermost) right here
-        would end a pinned sub-document that does not pass; only where the output could close next
-        (after a whole member, in an empty container, a number or a string value that may end, or
-        after ``value`` written where a value starts)."""
+    def _closing(self, state: _DocState, data: bytearray, value: bytes = b"") -> tuple[int, bool, bool] | None:
+        """(k, inside a string, right after its backslash) when closing the k-th open container (1: the
+        innermost) right here would end a pinned sub-document that does not pass; only where the
+        output could close next (after a whole member, in an empty container, a number or a string
+        value that may end, or after ``value`` written where a value starts). Right after a string's
+        backslash, the string as it stands decides (as for a free string in ``_value_end_fails``)."""
         sc = state.scanner
         assert sc is not None
         top = sc.stack[-1]
+        escaped = sc.in_string and sc.escape
+        if escaped:
+            data = data[:-1]
         if value:
             if not top.awaiting:
                 return None
@@ -267,7 +276,7 @@ class JsonDocumentChecker(DocumentChecker):
             return None
         for k, frame in enumerate(reversed(sc.stack[-_CLOSE_LEVELS:]), 1):
             tail += b"}" if frame.is_object else b"]"
-            if frame.ctx is None or len(data) - frame.start > _CLOSE_CHECK_BYTES:
+            if frame.ctx is None or not frame.ctx[0] or len(data) - frame.start > _CLOSE_CHECK_BYTES:
                 continue
             value, problem = parse(bytes(data[frame.start:]) + tail)
             if problem is not None:
@@ -275,35 +284,36 @@ class JsonDocumentChecker(DocumentChecker):
             problem = self.validator.check_at(frame.ctx[0], value, frame.ctx[1])
             if problem is not None:
                 state.veto = f"closing it here: {problem}"
-                return k, sc.in_string
+                return k, sc.in_string, escaped
         return None
 
     def _value_end_fails(self, state: _DocState, data: bytearray, row):
         """The tokens the row allows that would end the number or string value being written with a
         value that does not pass its pinned subschemas ('"', '",' but also '29",': each distinct
         addition is checked once). Where the row's tokens could end the value in more than
-        ``_ENDINGS_CHECKED`` ways (a string the grammar leaves free), only the value as it stands is
-        checked: the tokens that add something and end it are left to the final check."""
+        ``_ENDINGS_CHECKED`` ways (a string the grammar leaves free), the value as it stands decides
+        for all of them (see below)."""
         sc = state.scanner
         assert sc is not None
         top = sc.stack[-1]
         closers = self.closers
         if closers is None or top.ctx is None:
             return None
+        dependents = self.validator.dependents(top.ctx[0]) if top.is_object else None
         if sc.in_string:
+            start, kind, tail = sc.string_start, "escaped string" if sc.escape else "string", b'"'
             if top.is_object and top.expect_key:
-                return None
-            # a string's context is looked up when it ends (the scanner skips strings whole)
-            ctx = self._watch(top.ctx, top.key if top.is_object else top.index)
-            start, kind, tail = sc.string_start, "string", b'"'
+                return None   # a key: _key_vetoes
+            else:
+                # a string's context is looked up when it ends (the scanner skips strings whole)
+                ctx = self._watch(top.ctx, top.key if top.is_object else top.index)
+                judge = self._member_judge(ctx, top, lambda: bytes(data[top.start:start]), dependents)
         elif sc.scalar_start >= 0:
-            ctx = top.child_ctx
             start, kind, tail = sc.scalar_start, "number", b""
+            judge = self._member_judge(top.child_ctx, top, lambda: bytes(data[top.start:start]), dependents)
         else:
             return None
-        if ctx is None or not ctx[0]:
-            return None
-        if len(data) - start > _CLOSE_CHECK_BYTES:
+        if judge is None or len(data) - start > _CLOSE_CHECK_BYTES:
             return None
         ids, which, prefixes = closers.ending(kind, row)
         if not ids.size:
@@ -312,12 +322,23 @@ class JsonDocumentChecker(DocumentChecker):
         failing = []
         candidates = np.flatnonzero(np.bincount(which, minlength=len(prefixes)))
         if candidates.size > _ENDINGS_CHECKED:
-            candidates = candidates[:1] if candidates[0] == 0 else candidates[:0]   # the value as it stands only
+            # Too many ways to check each: the value as it stands decides. Where it fails, no token may
+            # end it (one that adds and ends could fix it, rarely; the additions can come as tokens
+            # of their own, and the quote after them is checked then); where it passes, the tokens
+            # that add and end are left to the final check.
+            value, problem = parse((head[:-1] if sc.escape else head) + tail)   # without a pending backslash
+            if problem is not None:   # not a value as it stands ("1."): the grammar decides
+                return None
+            problem = judge(value)
+            if problem is None:
+                return None
+            state.veto = f"ending the value here: {problem}"
+            return ids
         for w in candidates:
             value, problem = parse(head + prefixes[w] + tail)
             if problem is not None:
                 continue   # not a value yet ("1." then "e,"): the grammar decides
-            problem = self.validator.check_at(ctx[0], value, ctx[1])
+            problem = judge(value)
             if problem is not None:
                 failing.append(w)
                 state.veto = f"ending the value here: {problem}"
@@ -327,48 +348,210 @@ class JsonDocumentChecker(DocumentChecker):
         fails[failing] = True
         return ids[fails[which]]
 
-    def _value_fails(self, state: _DocState, value, lead: str = "") -> bool:
+    def _member_judge(self, ctx, top, members_so_far, dependents):
+        """What decides whether a value ending here passes: its pinned subschemas, and in an object,
+        the branches of its unions the member leaves (none: it fails) and the dependent schemas
+        (``validation.dependents``) its members trigger, on the object with this member
+        (``members_so_far()``: its text up to the value); None when nothing would."""
+        pinned = ctx is not None and bool(ctx[0])
+        unions = top.ctx[2] if top.is_object and isinstance(top.key, str) else ()
+        if not pinned and not dependents and not unions:
+            return None
+        members = members_so_far() if dependents or unions else b""
+
+        def judge(value):
+            if pinned:
+                problem = self.validator.check_at(ctx[0], value, ctx[1])
+                if problem is not None:
+                    return problem
+            deps = dependents
+            if unions:   # the branches this member leaves: none is a dead end; one pins its dependents
+                left = self._narrowed(unions, top.key, value)
+                if left is None:
+                    return f"at {top.ctx[1] or 'the document root'}: no branch of its oneOf / anyOf " \
+                           f"takes {json.dumps(top.key)} with this value"
+                if left:
+                    deps = {**(deps or {}), **self.validator.dependents(left)}
+            if deps:
+                obj, problem = parse(members + json.dumps(value).encode() + b"}")
+                if problem is None and isinstance(obj, dict):
+                    return self.validator.check_dependents(deps, obj, obj, top.ctx[1])
+            return None
+        return judge
+
+    def _narrowed(self, unions, key: str, value) -> frozenset[str] | None:
+        """The pointers a member pins by leaving one branch of a union (empty: none), or None when it
+        leaves a union no branch."""
+        pinned: set[str] = set()
+        for branches in unions:
+            left = self.validator.narrow(branches, key, value)
+            if not left:
+                return None
+            if len(left) == 1:
+                pinned.update(p for p in left[0] if self.validator.subtree_relaxed(p))
+        return frozenset(pinned)
+
+    def _key_vetoes(self, state: _DocState, data: bytearray, row):
+        """The tokens that would write a key whose presence makes its object fail for good (a
+        dependent schema the members so far break: ``validation.dependents``): the whole key, or a
+        start of it that only such keys have, where the schema names every key the object may have;
+        and the comma after a member (also one a token writes after closing the member's value: '],')
+        where every key the object may still take is such a key."""
+        sc = state.scanner
+        assert sc is not None
+        top = sc.stack[-1]
+        here = after = None
+        if top.is_object and top.ctx is not None:
+            if sc.in_string:
+                if top.expect_key:
+                    here = self._forbidden_keys(top, bytes(data[top.start:sc.string_start]))
+            elif top.expect_key or top.ready:
+                here = self._forbidden_keys(top, bytes(data[top.start:]))
+        if len(sc.stack) > 1 and not sc.in_string and sc.scalar_start < 0 and top.ready:
+            parent = sc.stack[-2]
+            if parent.is_object and parent.ctx is not None:
+                closed = bytes(data[parent.start:]) + (b"}" if top.is_object else b"]")
+                after = self._forbidden_keys(parent, closed)
+                after = after if after is not None and after[2] else None
+        if here is None and after is None:
+            return None
+        prefix = bytes(data[sc.string_start + 1:]) if sc.in_string else b""
+        vetoed = []
+        closers = self.closers
+        assert closers is not None
+        for t in closers.allowed(row, self._key_candidates(prefix, sc.in_string, here)):
+            text = token_bytes(self.tokenizer, int(t))
+            lead = text.lstrip(_WS)
+            comma_after_closing = lead[:1] in (b"}", b"]") and lead[1:].lstrip(_WS).startswith(b",")
+            if (after is not None and comma_after_closing) or \
+                    (here is not None and self._writes_forbidden_key(prefix + text, sc.in_string, top, here)):
+                vetoed.append(int(t))
+        if not vetoed:
+            return None
+        forbidden = (here or after)[0]   # type: ignore[index]
+        state.veto = "writing a key here: " + next(iter(forbidden.values()))
+        return np.array(vetoed, dtype=np.int64)
+
+    def _key_candidates(self, prefix: bytes, in_string: bool, here) -> np.ndarray:
+        """The tokens ``_key_vetoes`` looks at (a superset of those it may veto): outside a string,
+        those that may start a key (a quote, a comma, a closer then a comma); inside a key written
+        up to ``prefix``, those that finish a forbidden key with its quote, or (where the schema
+        names every key) write only part of one."""
+        closers = self.closers
+        assert closers is not None
+        if not in_string:
+            return closers.key_leads
+        found = [closers.key_leads[:0]]
+        forbidden, closed, _ = here if here is not None else ({}, None, False)
+        for key in forbidden:
+            if not key.startswith(prefix):
+                continue
+            rest = key[len(prefix):]
+            found.append(closers.starting_with(rest + b'"'))
+            if closed is not None:
+                found += [closers.equal_to(rest[:i]) for i in range(1, len(rest) + 1)]
+        return np.unique(np.concatenate(found))
+
+    def _forbidden_keys(self, frame, members: bytes):
+        """(forbidden keys -> why, the keys the object may have or None, whether no key it may still
+        take is allowed) for an object frame whose members so far are ``members``, or None."""
+        dependents = self.validator.dependents(frame.ctx[0])
+        if not dependents:
+            return None
+        obj, problem = parse(members.rstrip(_WS).removesuffix(b",") + b"}")
+        if problem is not None or not isinstance(obj, dict):
+            return None
+        forbidden = {}
+        for key in dependents:
+            if key not in obj:
+                why = self.validator.check_dependents(dependents, (key,), obj, frame.ctx[1])
+                if why is not None:
+                    forbidden[key.encode()] = why
+        if not forbidden:
+            return None
+        names = self.validator.closed_keys(frame.ctx[0])
+        closed = None if names is None else [k.encode() for k in names]
+        no_more = closed is not None and all(k in forbidden or k.decode() in obj for k in closed)
+        return forbidden, closed, no_more
+
+    @staticmethod
+    def _writes_forbidden_key(text: bytes, in_string: bool, top, found) -> bool:
+        """Whether a token (``text``: inside a key, the key so far and the token) writes a forbidden
+        key, or a start only forbidden keys have, or (``no_more``) a comma."""
+        forbidden, closed, no_more = found
+        if not in_string:
+            text = text.lstrip(_WS)
+            if not top.expect_key:       # after a member: a comma first
+                if not text.startswith(b","):
+                    return False
+                if no_more:
+                    return True
+                text = text[1:].lstrip(_WS)
+            if not text.startswith(b'"'):
+                return False
+            text = text[1:]
+        if b"\\" in text:
+            return False
+        end = text.find(b'"')
+        if end >= 0:
+            return text[:end] in forbidden
+        if closed is None:
+            return False
+        starting = [k for k in closed if k.startswith(text)]
+        return bool(starting) and all(k in forbidden for k in starting)
+
+    def _value_fails(self, state: _DocState, data: bytearray, value, lead: str = "") -> bool:
         """Whether a whole value written here (an empty object / array, a literal) could not pass its
         pinned subschemas; ``lead`` as ``_whole_value_lead`` says."""
         sc = state.scanner
         assert sc is not None
         if not sc.stack:
             ctx = sc.root_ctx
+            problem = None if ctx is None else self.validator.check_at(ctx[0], value, ctx[1])
         else:
             top = sc.stack[-1]
             if top.ctx is None:
                 return False
             key = top.key if top.is_object else top.index + (lead == ",")
             ctx = self._watch(top.ctx, key)
-        problem = None if ctx is None else self.validator.check_at(ctx[0], value, ctx[1])
+            judge = self._member_judge(ctx, top, lambda: bytes(data[top.start:]).rstrip(_WS).removesuffix(b":") + b":",
+                                       self.validator.dependents(top.ctx[0]) if top.is_object else None)
+            problem = None if judge is None else judge(value)
         if problem is not None:
             state.veto = f"writing {json.dumps(value)} here: {problem}"
         return problem is not None
 
     def _watch(self, ctx, key):
-        """A child's context: (pinned pointers worth checking, where it sits, the branches its value
-        selects when it is a discriminated union's tag), or None when nothing there is checked."""
+        """A child's context: (pinned pointers worth checking, where it sits, the unions whose branches
+        its members narrow), or None when nothing there is checked. A member of an object whose
+        unions are still open is watched even where nothing below it is: its value may rule out
+        branches (``_settle``)."""
         ptrs, where = ctx[0], ctx[1]
         child = self.validator.watch(ptrs, key)
-        tags = self.validator.union_tag(ptrs, key)
-        if child is None and tags is None:
+        if child is None and not ctx[2]:
             return None
-        return (child or frozenset(), f"{where}/{key}", tags)
+        child = child or frozenset()
+        return (child, f"{where}/{key}", self.validator.unions(child) if child else ())
 
-    def _settle(self, parent, child, data, start: int, end: int):
-        """Once a union's tag is written, its object is pinned to the branch the tag selects: later
-        members and the object's end are checked against that branch too."""
-        tags = child[2] if len(child) > 2 else None
-        if not tags:
+    def _settle(self, parent, key: str, data, start: int, end: int):
+        """Once a member of an object under a ``oneOf`` / ``anyOf`` is complete, the branches it rules
+        out go; when one branch is left (a discriminated union's tag does this at once), the object is
+        pinned to it: later members and the object's end are checked against that branch too."""
+        unions = parent[2]
+        if not unions:
             return None
         value, problem = parse(data[start:end])
-        branch = tags.get(canonical_json(value)) if problem is None else None
-        if branch is None:
+        if problem is not None:
             return None
-        relaxed = frozenset(p for p in branch if self.validator.subtree_relaxed(p))
-        if relaxed <= parent[0]:
-            return None
-        return (parent[0] | relaxed, *parent[1:])
+        pinned: set[str] = set()
+        left = []
+        for branches in unions:
+            possible = self.validator.narrow(branches, key, value)
+            if len(possible) == 1:
+                pinned.update(p for p in possible[0] if self.validator.subtree_relaxed(p))
+            elif possible:
+                left.append(possible)
+        return (parent[0] | pinned, parent[1], tuple(left))
 
     def closed(self, state: _DocState, data: bytearray) -> bool:
         """An object, array, string or literal at the root that has ended (a number may still grow)."""

@@ -19,9 +19,9 @@ _WS = b" \t\r\n"
 
 # watch(parent context, key or index) -> the child's context, or None (not watched)
 Watch = Callable[[Any, "str | int"], Any]
-# settle(parent context, child context, buffer, start, end) -> the parent's new context, or None (as
-# it was), once a watched child is complete: what a member says may pin its siblings' schemas.
-Settle = Callable[[Any, Any, "bytes | bytearray", int, int], Any]
+# settle(parent context, key, buffer, start, end) -> the parent's new context, or None (as it was),
+# once a watched member of an object is complete: what a member says may pin its siblings' schemas.
+Settle = Callable[[Any, str, "bytes | bytearray", int, int], Any]
 
 
 class _Frame:
@@ -178,8 +178,8 @@ class JsonScanner:
         top.ready = True
         if top.child_ctx is not None:
             events.append((top.child_ctx, start, end))
-            if self.settle is not None:
-                settled = self.settle(top.ctx, top.child_ctx, data, start, end)
+            if self.settle is not None and top.is_object and top.key is not None:
+                settled = self.settle(top.ctx, top.key, data, start, end)
                 if settled is not None:
                     top.ctx = settled
         top.child_ctx = None

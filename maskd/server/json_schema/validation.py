@@ -24,6 +24,8 @@ from maskd.server.json_schema.formats import FORMAT_CHECKERS
 from maskd.server.json_schema.relax import map_schemas, node_at, pointer_path, subschemas
 
 _LEGACY_DRAFTS = ("draft-03", "draft-04", "draft-06", "draft-07")
+# Per oneOf / anyOf: the pointers of each branch still possible.
+Unions = tuple[tuple[frozenset[str], ...], ...]
 
 
 class ValidatorError(ValueError):
@@ -146,7 +148,8 @@ class SchemaValidator:
         self._pins: dict[str, bool] = {}
         self._nodes: dict[str, Any] = {}
         self._by_node: dict[int, bool] = {}   # id(subschema) -> holds a relaxed keyword (the schema is kept alive)
-        self._tags: dict[tuple[frozenset[str], str], dict[str, frozenset[str]] | None] = {}
+        self._unions: dict[frozenset[str], Unions] = {}
+        self._dependents: dict[frozenset[str], dict[str, tuple[Any, ...]]] = {}
         self.root_ctx: frozenset[str] | None = None   # None: nothing below the root to check early
         if relaxed_keywords and isinstance(schema, dict):
             try:
@@ -173,48 +176,122 @@ class SchemaValidator:
                     out.update(p for p in self._expand(child) if self.subtree_relaxed(p))
         return frozenset(out) if out else None
 
-    def union_tag(self, ctx: frozenset[str], key: str | int) -> dict[str, frozenset[str]] | None:
-        """Where the member ``key`` of an object pinned to ``ctx`` tells apart the branches of a
-        ``oneOf`` / ``anyOf`` there (every branch pins it to its own constant: a discriminated union),
-        the branch each value selects: canonical JSON of the value -> the branch's pointers; else
-        None. Once the tag is written only that branch can match, so it is pinned from then on."""
-        if not isinstance(key, str):
-            return None
-        if (ctx, key) in self._tags:
-            return self._tags[(ctx, key)]
-        out: dict[str, set[str]] = {}
-        for ptr in ctx:
+    # -- unions: the branches an object can still match -------------------------------------------
+    def unions(self, ctx: frozenset[str]) -> Unions:
+        """The ``oneOf`` / ``anyOf`` (two branches or more) that apply to a value pinned to ``ctx``:
+        per union, each branch as the pointers that apply through it (local $ref, allOf)."""
+        known = self._unions.get(ctx)
+        if known is not None:
+            return known
+        found = []
+        for ptr in sorted(ctx):
             node = self._node(ptr)
             if not isinstance(node, dict) or (self.legacy and "$ref" in node):
                 continue
             for word in ("oneOf", "anyOf"):
                 branches = node.get(word)
-                if not isinstance(branches, list) or len(branches) < 2:
-                    continue
-                pins = [self._expand(f"{ptr}/{word}/{i}") for i in range(len(branches))]
-                tags = [self._constant(b, key) for b in pins]
-                if None in tags or len(set(tags)) < len(tags):
-                    continue   # a branch leaves the member free, or two share a value
-                for tag, branch in zip(tags, pins):
-                    out.setdefault(tag, set()).update(branch)   # type: ignore[arg-type]
-        found = {tag: frozenset(ptrs) for tag, ptrs in out.items()} if out else None
-        if len(self._tags) < 4096:
-            self._tags[(ctx, key)] = found
-        return found
+                if isinstance(branches, list) and len(branches) > 1:
+                    found.append(tuple(self._expand(f"{ptr}/{word}/{i}") for i in range(len(branches))))
+        out = tuple(found)
+        if len(self._unions) < 4096:
+            self._unions[ctx] = out
+        return out
 
-    def _constant(self, ptrs: frozenset[str], key: str) -> str | None:
-        """The canonical JSON of the constant these pointers pin member ``key`` to, if they do."""
-        for ptr in ptrs:
+    def narrow(self, branches: tuple[frozenset[str], ...], key: str, value: Any) -> tuple[frozenset[str], ...]:
+        """The branches an object can still match once it has the member ``key: value``: a branch
+        goes when the value fails its subschema for that key (a const or enum tag, a type), when it
+        forbids the key (``additionalProperties: false``), or when its object constants or type
+        rule the object out. Only what is certain removes a branch."""
+        return tuple(b for b in branches if self._member_may_pass(b, key, value))
+
+    def _member_may_pass(self, branch: frozenset[str], key: str, value: Any) -> bool:
+        for ptr in branch:
             node = self._node(ptr)
-            props = node.get("properties") if isinstance(node, dict) else None
-            sub = props.get(key) if isinstance(props, dict) else None
-            if not isinstance(sub, dict):
+            if node is False:
+                return False
+            if not isinstance(node, dict) or (self.legacy and "$ref" in node):
                 continue
-            if "const" in sub:
-                return canonical_json(sub["const"])
-            enum = sub.get("enum")
-            if isinstance(enum, list) and len(enum) == 1:
-                return canonical_json(enum[0])
+            t = node.get("type")
+            if (isinstance(t, str) and t != "object") or (isinstance(t, list) and "object" not in t):
+                return False
+            for word in ("const", "enum"):
+                if word in node:
+                    allowed = [node["const"]] if word == "const" else node[word]
+                    if isinstance(allowed, list) and not any(
+                            isinstance(o, dict) and key in o and _may_equal(o[key], value) for o in allowed):
+                        return False
+            props = node.get("properties")
+            if isinstance(props, dict) and key in props:
+                sub = f"{ptr}/properties/{_escape(key)}"
+            elif node.get("patternProperties"):
+                continue   # the key may match a pattern: not decided here
+            elif node.get("additionalProperties") is False:
+                return False
+            elif isinstance(node.get("additionalProperties"), dict):
+                sub = f"{ptr}/additionalProperties"
+            else:
+                continue
+            validator = self._validator(sub)
+            if validator is not None and check(validator, value) is not None:
+                return False
+        return True
+
+    # -- dependencies whose failure no later member can repair ------------------------------------
+    def dependents(self, ctx: frozenset[str]) -> dict[str, tuple[Any, ...]]:
+        """For an object pinned to ``ctx``: key -> validators of the schemas its presence applies to
+        the whole object (``dependencies`` / ``dependentSchemas``), where that schema only says things
+        a later member cannot undo (``properties``, ``additionalProperties``, ``maxProperties``, and
+        ``anyOf`` / ``oneOf`` of those, a ``oneOf`` checked as ``anyOf``: two branches that match may
+        come down to one, none never to one): once one fails on the members written so far, the
+        object can never pass."""
+        known = self._dependents.get(ctx)
+        if known is not None:
+            return known
+        found: dict[str, list[Any]] = {}
+        draft = self.schema.get("$schema") if isinstance(self.schema, dict) else None
+        for ptr in sorted(ctx):
+            node = self._node(ptr)
+            if not isinstance(node, dict) or (self.legacy and "$ref" in node):
+                continue
+            for word in ("dependencies", "dependentSchemas"):
+                deps = node.get(word)
+                if not isinstance(deps, dict):
+                    continue
+                for key, sub in deps.items():
+                    if isinstance(sub, dict) and sub and _monotone(sub):
+                        lasting = _one_of_as_any_of(sub)
+                        if isinstance(draft, str):
+                            lasting = {**lasting, "$schema": draft}
+                        try:
+                            found.setdefault(key, []).append(build(lasting))
+                        except ValidatorError:
+                            continue
+        out = {k: tuple(v) for k, v in found.items()}
+        if len(self._dependents) < 4096:
+            self._dependents[ctx] = out
+        return out
+
+    def closed_keys(self, ctx: frozenset[str]) -> frozenset[str] | None:
+        """The only keys an object pinned to ``ctx`` may have (``additionalProperties: false`` with no
+        ``patternProperties``, at one pointer or more), or None when other keys may come."""
+        names: frozenset[str] | None = None
+        for ptr in ctx:
+            node = self._node(ptr)
+            if not isinstance(node, dict) or (self.legacy and "$ref" in node):
+                continue
+            props = node.get("properties", {})
+            if node.get("additionalProperties") is False and not node.get("patternProperties") \
+                    and isinstance(props, dict):
+                names = frozenset(props) if names is None else names & frozenset(props)
+        return names
+
+    def check_dependents(self, dependents: dict[str, tuple[Any, ...]], keys, obj: dict, where: str) -> str | None:
+        """The first failure of the dependent schemas that ``keys`` trigger, on the object ``obj``."""
+        for key in keys:
+            for validator in dependents.get(key, ()):
+                problem = check(validator, obj, where)
+                if problem is not None:
+                    return f"with {json.dumps(key)} present: {problem}"
         return None
 
     def check_at(self, ctx: frozenset[str], value: Any, where: str) -> str | None:
@@ -322,8 +399,49 @@ def _contains_relaxed(node: Any, relaxed: frozenset[str], owner: SchemaValidator
     return found
 
 
-def canonical_json(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+# What a schema may say of an object and still fail for good once it fails on some of its members.
+_MONOTONE_WORDS = frozenset({"properties", "patternProperties", "additionalProperties", "propertyNames",
+                             "maxProperties", "type", "title", "description", "$comment", "examples", "default"})
+
+
+def _monotone(schema: Any, depth: int = 0) -> bool:
+    if not isinstance(schema, dict) or depth > 8:
+        return False
+    t = schema.get("type", "object")
+    if t != "object" and not (isinstance(t, list) and "object" in t):
+        return False
+    for key, sub in schema.items():
+        if key in ("anyOf", "allOf", "oneOf"):
+            if not (isinstance(sub, list) and sub and all(_monotone(b, depth + 1) for b in sub)):
+                return False
+        elif key not in _MONOTONE_WORDS:
+            return False
+    return True
+
+
+def _one_of_as_any_of(schema: Any) -> Any:
+    if isinstance(schema, list):
+        return [_one_of_as_any_of(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    return {("anyOf" if k == "oneOf" else k): (_one_of_as_any_of(v) if k in ("anyOf", "allOf", "oneOf") else v)
+            for k, v in schema.items()}
+
+
+def _may_equal(a: Any, b: Any) -> bool:
+    """Whether two JSON values may be equal (1 and 1.0 are; true and 1 are not, nor are 1 and "1"):
+    False only when they certainly differ."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_may_equal(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_may_equal(x, y) for x, y in zip(a, b))
+    return bool(a == b)
 
 
 def _escape(key: str) -> str:
