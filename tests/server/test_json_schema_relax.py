@@ -14,6 +14,7 @@ from maskd.server.json_schema.relax import (
     drop_property_counts,
     drop_ref_siblings,
     first_of_all_of,
+    inline_intersected_refs,
     map_schemas,
     merge_object_intersections,
     open_cycles,
@@ -54,6 +55,9 @@ INSTANCES = [{}, {"a": 1}, {"a": "x"}, {"ab": 1, "b": 2}, {"x1": 5, "y": [1, 2]}
     (first_of_all_of, {"allOf": [{"type": "object"}, {"required": ["a"]}, {"maxProperties": 1}]}),
     (without_all_of, {"allOf": [{"type": "object"}, {"required": ["a"]}]}),
     (drop_property_counts, {"type": "object", "properties": {"a": {}, "b": {}}, "minProperties": 2}),
+    (lambda schema, ok: merge_object_intersections(inline_intersected_refs(schema, ok), ok), {
+        "$defs": {"base": {"properties": {"a": {"type": "integer"}}, "required": ["a"]}},
+        "allOf": [{"$ref": "#/$defs/base"}, {"properties": {"b": {"type": "string"}}}], "not": {"const": 1}}),
     (any_key_order, {"type": "object", "properties": {"a": {"type": "integer"}, "b": {}}, "required": ["a", "b"],
                      "additionalProperties": False, "anyOf": [{"required": ["x1"]}, {"required": ["ab"]}]}),
 ])
@@ -86,8 +90,11 @@ def test_rewrites_reach_ref_targets_outside_schema_keywords():
       "propertyNames": {"maxLength": 3}}, "overlapping patternProperties merged"),
     ({"type": "integer", "minimum": -9223372036854775808, "maximum": 9223372036854775807, "not": {"const": 0}},
      "number bounds"),
+    # a branch beside the object's properties that cannot be written out (pattern properties): the
+    # object keeps its order, and its property counts go to the validator
     ({"type": "object", "properties": {"a": {"type": "integer"}}, "anyOf": [{"$ref": "#/$defs/b"}],
-      "$defs": {"b": {"properties": {"b": {}}}}, "minProperties": 1, "not": {"const": {}}}, "min/maxProperties"),
+      "$defs": {"b": {"patternProperties": {"^b": {}}}}, "minProperties": 1, "not": {"const": {}}},
+     "min/maxProperties"),
     ({"type": "object", "properties": {"a": {"type": "integer"}}, "minProperties": 1, "not": {"const": {}}},
      "properties in any order"),
 ])
@@ -258,3 +265,53 @@ def test_constant_objects_take_their_keys_in_any_order(engine):
                      ('{"b": 3}', False), ('{"a": {"x": 1}}', False)):
         tokens = engine.tokenizer.encode(text)
         assert (engine.new_matcher(compiled).validate(tokens) == len(tokens)) is ok, text
+
+
+# The usual way to extend a schema: an allOf of a reference and the object's own properties.
+EXTENDED = {"$schema": "http://json-schema.org/draft-07/schema#", "definitions": {
+    "base": {"type": "object", "required": ["id"], "properties": {"id": {"type": "string"}, "n": {"type": "integer"}}},
+    "item": {"allOf": [{"$ref": "#/definitions/base"},
+                       {"properties": {"kind": {"enum": ["a", "b"]}, "n": {"minimum": 2}}, "required": ["kind"]}]},
+    "tagged": {"type": ["object", "null"], "properties": {"t": {"type": "string"}}, "additionalProperties": False,
+               "oneOf": [{"$ref": "#/definitions/one"}, {"$ref": "#/definitions/two"}]},
+    "one": {"properties": {"t": {"const": "one"}}}, "two": {"properties": {"t": {"const": "two"}}}},
+    "type": "object", "properties": {"items": {"type": "array", "items": {"$ref": "#/definitions/item"}},
+                                     "base": {"$ref": "#/definitions/base"}, "tagged": {"$ref": "#/definitions/tagged"}},
+    "propertyNames": {"maxLength": 8}}
+
+
+def test_a_reference_intersected_in_an_allof_is_copied_and_written_out():
+    """An allOf member that is only a reference (and an anyOf / oneOf branch beside an object's own
+    properties) becomes a copy of its target, so the intersection is written out and the target is
+    intersected by reference nowhere: every object here takes its keys in any order. Exact: the same
+    documents before and after."""
+    ok = lambda p: True   # noqa: E731
+    inlined = inline_intersected_refs(EXTENDED, ok)
+    item = inlined["definitions"]["item"]["allOf"][0]
+    assert item["properties"]["id"] == {"type": "string"} and "$ref" not in item
+    assert inlined["definitions"]["tagged"]["oneOf"][0] == {"properties": {"t": {"const": "one"}}}
+    merged = merge_object_intersections(inlined, ok)
+    assert "allOf" not in merged["definitions"]["item"]
+    ordered = any_key_order(merged, ok)
+    for name in ("item", "base"):
+        assert "properties" not in ordered["definitions"][name], name   # literal patterns: any order
+    cases = [{"items": [{"id": "x", "kind": "a", "n": 3}]}, {"items": [{"kind": "a", "id": "x"}]},
+             {"items": [{"id": "x", "kind": "a", "n": 1}]}, {"items": [{"id": "x"}]}, {"base": {"n": 1, "id": "y"}},
+             {"tagged": {"t": "two"}}, {"tagged": {"t": "three"}}, {"tagged": None}, {"tagged": {"u": 1}}, *INSTANCES]
+    for value in cases:
+        assert valid(merged, value) == valid(EXTENDED, value), value
+    # what stays a reference: a target with an identifier of its own (its references would change
+    # meaning), and every reference of a schema with dynamic references
+    with_id = {"allOf": [{"$ref": "#/$defs/b"}], "$defs": {"b": {"$id": "https://x.example/b", "properties": {}}}}
+    assert inline_intersected_refs(with_id, ok) == with_id
+    dynamic = {"allOf": [{"$ref": "#/$defs/b"}], "$defs": {"b": {"properties": {"x": {"$dynamicRef": "#n"}}}}}
+    assert inline_intersected_refs(dynamic, ok) == dynamic
+
+
+def test_extended_objects_take_their_keys_in_any_order_through_the_engine(engine):
+    from maskd.specs import GrammarSpec
+    compiled = engine.compile(GrammarSpec.create("json_schema", EXTENDED))
+    for text in ('{"items": [{"n": 2, "kind": "b", "id": "x"}], "tagged": {"t": "one"}}',
+                 '{"base": {"n": 1, "id": "y"}, "items": []}'):
+        tokens = engine.tokenizer.encode(text)
+        assert engine.new_matcher(compiled).validate(tokens) == len(tokens), text

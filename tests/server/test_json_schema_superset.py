@@ -81,8 +81,9 @@ def test_the_relaxed_grammar_accepts_what_the_validator_accepts():
     # Exact where the grammar does not fix the key order: as written, keys left out, compact.
     for kind in ("as written", "a key left out", "compact"):
         assert not refused[kind], summary
-    # Key order: free wherever an object stands alone or its intersection could be written out;
-    # objects llguidance still intersects (a $ref or a combinator holding pattern properties beside
-    # their own properties) keep the schema's order. What is left, measured here: 9 of 171 schemas.
+    # Key order: free wherever an object stands alone or its intersection could be written out (an
+    # allOf or a branch that is only a reference is copied and written out); what is left, measured
+    # here: 1 of 171 schemas (JSON-LD's, whose recursive definition meets itself under its own
+    # properties through an anyOf: llguidance intersects it, so it keeps the schema's order).
     reordered = refused["keys reversed"] + refused["keys shuffled"]
-    assert len({r.split(":")[0] for r in reordered}) <= 10, summary
+    assert len({r.split(":")[0] for r in reordered}) <= 1, summary

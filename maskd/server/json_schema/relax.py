@@ -73,8 +73,10 @@ def relax(schema: Any, try_compile: TryCompile, try_regex: TryRegex, *, max_roun
     properties in any order where the engine can build that, else in the schema's order."""
     if not isinstance(schema, dict):
         raise RelaxError("only an object schema can be relaxed")
-    ordered = any_key_order(merge_object_intersections(unordered_constants(schema, try_regex), try_regex),
-                            try_regex)
+    ordered = unordered_constants(schema, try_regex)
+    for _ in range(2):   # a written-out intersection may meet a reference in turn (one more round)
+        ordered = merge_object_intersections(inline_intersected_refs(ordered, try_regex), try_regex)
+    ordered = any_key_order(ordered, try_regex)
     if ordered != schema:
         try:
             found = _relax(ordered, schema, try_compile, try_regex, max_rounds)
@@ -356,6 +358,71 @@ def _unordered(value: Any) -> Any:
             "patternProperties": {_literal(k): _unordered(v) for k, v in value.items()}}
 
 
+# A reference's target is copied where it is intersected only up to this size, and a schema grows by
+# at most the second figure in all (JSON text, bytes); past that, references stay as they are.
+_INLINE_BYTES = 1 << 15
+_INLINE_BUDGET = 1 << 18
+# What a copied target leaves behind: its definitions stay where they are (the copy's references
+# still point there), and it takes no identifier or dialect of its own.
+_NOT_COPIED = frozenset({"definitions", "$defs", "$id", "id", "$schema", "$anchor", "$dynamicAnchor",
+                         "$recursiveAnchor", "$vocabulary"})
+
+
+def inline_intersected_refs(schema: Any, try_regex: TryRegex) -> Any:
+    """An ``allOf`` member that is only a local reference (``{"$ref": "#/definitions/base"}``, the
+    usual way to extend a schema), and an ``anyOf`` / ``oneOf`` branch that is one beside an object's
+    own properties, become a copy of the target, so the intersection can be written out
+    (``merge_object_intersections``) and the target, intersected by reference nowhere, takes its keys
+    in any order elsewhere. Exact: a reference means its target; the copy keeps the target's own
+    references, which still resolve against the root (no identifier inside it changes their base:
+    such targets, and schemas with dynamic references, stay references)."""
+    if not isinstance(schema, dict) or _has_dynamic_refs(schema):
+        return schema
+    budget = [_INLINE_BUDGET]
+
+    def target_of(member: Any) -> dict | None:
+        seen: set[str] = set()
+        while isinstance(member, dict) and len(member) == 1:   # a union of one branch: that branch
+            branches = member.get("anyOf", member.get("oneOf"))
+            if not (isinstance(branches, list) and len(branches) == 1):
+                break
+            member = branches[0]
+        while isinstance(member, dict) and "$ref" in member and set(member) <= _REF_KEEP:
+            ref = member["$ref"]
+            if not isinstance(ref, str) or ref in seen or not (ref == "#" or ref.startswith("#/")):
+                return None
+            seen.add(ref)
+            member = node_at(schema, pointer_path(ref[1:]))
+        if not isinstance(member, dict) or not seen:
+            return None
+        copied = {k: v for k, v in member.items() if k not in _NOT_COPIED}
+        own_id = member is not schema and any(isinstance(member.get(k), str) for k in ("$id", "id"))
+        if own_id or any(isinstance(node.get(k), str) for _, node in _walk(copied) for k in ("$id", "id")):
+            return None   # a resource of its own: its references would mean something else in a copy
+        size = len(canonical(copied))
+        if size > _INLINE_BYTES or size > budget[0]:
+            return None
+        budget[0] -= size
+        return copy.deepcopy(copied)
+
+    def fix(node: dict) -> dict:
+        out = node
+        for key in ("allOf", "anyOf", "oneOf"):
+            members = node.get(key)
+            if not isinstance(members, list) or (key != "allOf" and not any(k in node for k in _OBJECT_WORDS)):
+                continue
+            copies = [target_of(m) for m in members]
+            if any(c is not None for c in copies):
+                out = {**out, key: [m if c is None else c for m, c in zip(members, copies)]}
+        return out
+    return _map(schema, fix)
+
+
+def _has_dynamic_refs(schema: Any) -> bool:
+    text = canonical(schema)
+    return '"$dynamicRef"' in text or '"$recursiveRef"' in text
+
+
 def merge_object_intersections(schema: Any, try_regex: TryRegex) -> Any:
     """Where an object's declared properties meet those of ``allOf`` members or of ``anyOf`` /
     ``oneOf`` branches, the intersection is written out (``P and (B1 or B2)`` as ``(P and B1) or
@@ -365,7 +432,9 @@ def merge_object_intersections(schema: Any, try_regex: TryRegex) -> Any:
     ``required`` is the union. Members holding anything else that concerns keys (references,
     combinators, pattern properties, a non-object type) are left as they are."""
     def fix(node: dict) -> dict:
-        if "$ref" in node or "patternProperties" in node or not _object_typed(node):
+        t = node.get("type")
+        if "$ref" in node or "patternProperties" in node or not (_object_typed(node) or
+                                                                 (isinstance(t, list) and "object" in t)):
             return node
         all_of = node.get("allOf")
         if isinstance(all_of, list) and all_of and all(_fragment(b) for b in all_of):
@@ -378,7 +447,10 @@ def merge_object_intersections(schema: Any, try_regex: TryRegex) -> Any:
         for key in ("anyOf", "oneOf"):
             branches = node.get(key)
             if not (isinstance(branches, list) and branches and isinstance(node.get("properties"), dict)
-                    and all(_fragment(b) for b in branches)):
+                    and all(_fragment(b) for b in branches)) or _required_only(branches):
+                # branches that say only which keys must be there stay as they are: the object
+                # takes its keys in any order without them (any_key_order), and an allOf holding it
+                # can still be folded
                 continue
             own = _own(node)
             meets = [_meet(own, b) for b in branches]
@@ -399,7 +471,8 @@ def _object_typed(node: dict) -> bool:
 
 def _fragment(b: Any) -> bool:
     """A member that says only what keys an object has (and what the validator checks anyway)."""
-    return (isinstance(b, dict) and _object_typed(b) and not any(k in b for k in _COMBINATORS)
+    return (isinstance(b, dict) and _object_typed(b) and "$ref" not in b
+            and all(_required_only(b[k]) for k in ("allOf", "anyOf", "oneOf") if k in b)
             and "patternProperties" not in b and "unevaluatedProperties" not in b
             and isinstance(b.get("properties", {}), dict) and isinstance(b.get("required", []), list))
 
