@@ -25,7 +25,7 @@ import numpy as np
 
 from maskd.server.json_schema.closers import CloserTable, closer_table
 from maskd.server.json_schema.scan import JsonScanner
-from maskd.server.json_schema.validation import SchemaValidator, parse
+from maskd.server.json_schema.validation import Problem, SchemaValidator, parse
 
 SPECIAL_MARK = b"\xff"
 _WS = b" \t\r\n"
@@ -59,6 +59,10 @@ def token_bytes(tokenizer, token: int) -> bytes:
     ll = tokenizer.ll
     data = ll.decode_bytes([token])
     return SPECIAL_MARK + data if ll.is_special_token(token) else data
+
+
+def _lead(lead: str, problem: str | Problem) -> str | Problem:
+    return problem.after(lead) if isinstance(problem, Problem) else lead + problem
 
 
 class DocumentBuffer:
@@ -172,7 +176,7 @@ class DocumentChecker:
 class _DocState:
     body: int = -1
     scanner: JsonScanner | None = None
-    veto: str = ""     # why the row's last veto was needed (the validator's message)
+    veto: str | Problem = ""   # why the row's last veto was needed (the validator's message, built when read)
 
 
 class JsonDocumentChecker(DocumentChecker):
@@ -278,12 +282,12 @@ class JsonDocumentChecker(DocumentChecker):
             tail += b"}" if frame.is_object else b"]"
             if frame.ctx is None or not frame.ctx[0] or len(data) - frame.start > _CLOSE_CHECK_BYTES:
                 continue
-            value, problem = parse(bytes(data[frame.start:]) + tail)
-            if problem is not None:
+            value, unread = parse(bytes(data[frame.start:]) + tail)
+            if unread is not None:
                 return None            # a literal or number not finished yet ("tru", "1."): not decided here
-            problem = self.validator.check_at(frame.ctx[0], value, frame.ctx[1])
+            problem = self.validator.fails_at(frame.ctx[0], value, frame.ctx[1])
             if problem is not None:
-                state.veto = f"closing it here: {problem}"
+                state.veto = problem.after("closing it here: ")
                 return k, sc.in_string, escaped
         return None
 
@@ -332,7 +336,7 @@ class JsonDocumentChecker(DocumentChecker):
             problem = judge(value)
             if problem is None:
                 return None
-            state.veto = f"ending the value here: {problem}"
+            state.veto = _lead("ending the value here: ", problem)
             return ids
         for w in candidates:
             value, problem = parse(head + prefixes[w] + tail)
@@ -341,7 +345,7 @@ class JsonDocumentChecker(DocumentChecker):
             problem = judge(value)
             if problem is not None:
                 failing.append(w)
-                state.veto = f"ending the value here: {problem}"
+                state.veto = _lead("ending the value here: ", problem)
         if not failing:
             return None
         fails = np.zeros(len(prefixes), dtype=bool)
@@ -361,9 +365,9 @@ class JsonDocumentChecker(DocumentChecker):
 
         def judge(value):
             if pinned:
-                problem = self.validator.check_at(ctx[0], value, ctx[1])
-                if problem is not None:
-                    return problem
+                failed = self.validator.fails_at(ctx[0], value, ctx[1])
+                if failed is not None:
+                    return failed
             deps = dependents
             if unions:   # the branches this member leaves: none is a dead end; one pins its dependents
                 left = self._narrowed(unions, top.key, value)
@@ -375,7 +379,7 @@ class JsonDocumentChecker(DocumentChecker):
             if deps:
                 obj, problem = parse(members + json.dumps(value).encode() + b"}")
                 if problem is None and isinstance(obj, dict):
-                    return self.validator.check_dependents(deps, obj, obj, top.ctx[1])
+                    return self.validator.fails_dependents(deps, obj, obj, top.ctx[1])
             return None
         return judge
 
@@ -429,7 +433,7 @@ class JsonDocumentChecker(DocumentChecker):
         if not vetoed:
             return None
         forbidden = (here or after)[0]   # type: ignore[index]
-        state.veto = "writing a key here: " + next(iter(forbidden.values()))
+        state.veto = _lead("writing a key here: ", next(iter(forbidden.values())))
         return np.array(vetoed, dtype=np.int64)
 
     def _key_candidates(self, prefix: bytes, in_string: bool, here) -> np.ndarray:
@@ -464,7 +468,7 @@ class JsonDocumentChecker(DocumentChecker):
         forbidden = {}
         for key in dependents:
             if key not in obj:
-                why = self.validator.check_dependents(dependents, (key,), obj, frame.ctx[1])
+                why = self.validator.fails_dependents(dependents, (key,), obj, frame.ctx[1])
                 if why is not None:
                     forbidden[key.encode()] = why
         if not forbidden:
@@ -507,7 +511,7 @@ class JsonDocumentChecker(DocumentChecker):
         assert sc is not None
         if not sc.stack:
             ctx = sc.root_ctx
-            problem = None if ctx is None else self.validator.check_at(ctx[0], value, ctx[1])
+            problem = None if ctx is None else self.validator.fails_at(ctx[0], value, ctx[1])
         else:
             top = sc.stack[-1]
             if top.ctx is None:
@@ -518,7 +522,7 @@ class JsonDocumentChecker(DocumentChecker):
                                        self.validator.dependents(top.ctx[0]) if top.is_object else None)
             problem = None if judge is None else judge(value)
         if problem is not None:
-            state.veto = f"writing {json.dumps(value)} here: {problem}"
+            state.veto = _lead(f"writing {json.dumps(value)} here: ", problem)
         return problem is not None
 
     def _watch(self, ctx, key):

@@ -151,7 +151,7 @@ class DocumentChecks:
             CloserTable.clear(row, ids)
         if row.any():
             return False
-        why = getattr(doc.state, "veto", "") or "no continuation passes"
+        why = str(getattr(doc.state, "veto", "")) or "no continuation passes"
         self._fail(adv, out, f"the document does not match the JSON schema and nothing the grammar allows "
                              f"here can make it: {why}", refusals, "early")
         return True
