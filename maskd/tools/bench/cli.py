@@ -1,4 +1,4 @@
-"""``maskd bench {engines,serve,wire,profile,e2e,vllm}``: registered by maskd.cli through add_parser(sub).
+"""``maskd bench {engines,serve,wire,profile,e2e,vllm,tools}``: registered by maskd.cli through add_parser(sub).
 
 Heavy imports (matplotlib, torch, xgrammar) happen inside the modes, so this module imports
 with the server extra alone and the subcommand is always listed.
@@ -11,7 +11,7 @@ import sys
 
 from maskd.tools.bench import common
 
-MODES = ("engines", "serve", "wire", "profile", "e2e", "vllm")
+MODES = ("engines", "serve", "wire", "profile", "e2e", "vllm", "tools")
 
 
 def _common_args(p: argparse.ArgumentParser, mode: str) -> None:
@@ -47,7 +47,7 @@ def _pin_arg(p: argparse.ArgumentParser, default: str | None) -> None:
 
 
 def add_parser(sub) -> None:
-    bench = sub.add_parser("bench", help="benchmarks: engines, serve, wire, profile, e2e, vllm",
+    bench = sub.add_parser("bench", help="benchmarks: engines, serve, wire, profile, e2e, vllm, tools",
                            description="maskd benchmarks; each mode writes JSON, a markdown table and PNG plots")
     modes = bench.add_subparsers(dest="bench_mode", required=True)
 
@@ -98,6 +98,12 @@ def add_parser(sub) -> None:
     add_arguments(p)
     p.set_defaults(func=_run_mode("vllm"), threads=1)
 
+    p = modes.add_parser("tools", help="time until the first row of a tool-calling request (10 / 50 / 200 tools): "
+                                       "whole compiles in process, maskd cold, cached, all but one known")
+    from maskd.tools.bench.tools import add_arguments as add_tools_arguments
+    add_tools_arguments(p)
+    p.set_defaults(func=_run_mode("tools"))
+
     p = modes.add_parser("wire", help="bytes per mask row: per encoding and as sent")
     _common_args(p, "wire")
     _server_args(p, "embedded")
@@ -129,6 +135,10 @@ def _run_mode(mode: str):
         from maskd.tools.conformance import load_suite
 
         prog = f"maskd bench {mode}"
+        module = importlib.import_module(f"maskd.tools.bench.{mode}")
+        check_args = getattr(module, "check_args", None)
+        if check_args is not None:
+            check_args(args)   # garbage flags refused, named, before any data or tokenizer loads
         try:
             load_suite(args.data, args.limit)
         except (FileNotFoundError, ValueError) as exc:
@@ -151,7 +161,6 @@ def _run_mode(mode: str):
                 sys.exit(f"{prog}: {exc}")
             if status != SERVING:
                 sys.exit(f"{prog}: {args.target} answers but is not serving (health {status})")
-        module = importlib.import_module(f"maskd.tools.bench.{mode}")
         report = module.run(args, log=progress.say)
         print(f"maskd bench {mode}: wrote {os.path.join(args.out, mode + '.json')}, {mode}.md and plots"
               + (f"; JSON also at {args.json_out}" if args.json_out else ""))
