@@ -13,6 +13,8 @@ import pytest
 from maskd.tools.bench import common
 from maskd.cli import main
 
+from conftest import MASKBENCH, needs_maskbench
+
 SAMPLE = str(common.SAMPLE_DIR)
 
 
@@ -246,3 +248,59 @@ def test_profile(tmp_path):
     assert report["samples_all_threads"] > 0
     assert report["steps_recorded"] > 0
     assert (out / "profile.raw.txt").exists()
+
+
+def _timings(node, path=""):
+    """Every (path, value) under keys ending in _ms, through nested dicts and lists."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _timings(v, f"{path}.{k}")
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _timings(v, f"{path}[{i}]")
+    elif "_ms" in path:
+        yield path, node
+
+
+@needs_maskbench
+def test_tools(tmp_path):
+    out, side = tmp_path / "tools", tmp_path / "tools-copy.json"
+    rc = main(["bench", "tools", "--data", str(MASKBENCH), "--tools", "3,5", "--rounds", "1", "--out", str(out),
+               "--json", str(side)])
+    assert rc == 0
+    report = json.loads((out / "tools.json").read_text())
+    assert json.loads(side.read_text()) == report
+    assert report["mode"] == "tools" and report["failed"] is False and report["errors"] == []
+    assert report["tool_pool"] > 200 and report["request"]["tool_choice"] == "required"
+    assert "baseline" in report["note"]
+    assert [x["tools"] for x in report["results"]] == [3, 5]
+    for x in report["results"]:
+        assert set(x["in_process"]) == {"llguidance", "xgrammar"}
+        assert set(x["server"]) == {"cold", "same", "shuffled"}
+        for engine in x["in_process"].values():
+            assert set(engine) == {"compile_ms", "first_row_ms"}
+        for scenario in x["server"].values():
+            assert set(scenario) == {"first_row_ms", "spec_ms", "register_ms", "first_step_ms"}
+            assert scenario["first_row_ms"]["n"] == 1
+    timings = [(p, v) for p, v in _timings(report["results"]) if not p.endswith(".n")]
+    assert len(timings) > 100
+    assert all(isinstance(v, float) and v > 0 for _, v in timings), [t for t in timings if not t[1] > 0]
+    md = (out / "tools.md").read_text()
+    assert md.startswith("# maskd bench tools") and "all but one known, shuffled" in md and "baseline" in md
+    assert (out / "tools.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--tools", "0"], "--tools"),
+    (["--tools", "10,x"], "--tools"),
+    (["--rounds", "-1"], "--rounds"),
+    (["--rounds", "0"], "--rounds"),
+    (["--threads", "0"], "--threads"),
+    (["--data", "/nonexistent/maskbench"], "--data"),
+    (["--data", SAMPLE], "--data"),      # a MaskBench folder without BFCL / Glaive files
+])
+def test_garbage_bench_tools_flags_are_clear_errors(tmp_path, flags, message):
+    # refused before any data, tokenizer or server loads
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "tools", "--data", SAMPLE, "--out", str(tmp_path), *flags])
+    assert message in str(exc.value.code)
