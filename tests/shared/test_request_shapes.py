@@ -150,3 +150,28 @@ def test_closed_objects_walks_subschemas_only():
     assert got["properties"]["xs"]["items"]["additionalProperties"] is False
     assert got["$defs"]["d"]["anyOf"][0]["additionalProperties"] is False
     assert "additionalProperties" not in got["$defs"]["d"]["anyOf"][1]
+
+
+def test_large_spec_texts_are_worked_out_once_and_the_memo_stays_bounded(monkeypatch):
+    """A large JSON source's canonical text and depth are kept (tool sets resent on every request),
+    bad input is refused every time and never kept, and the memo drops its oldest texts past its
+    budget."""
+    from maskd import specs
+    memo = specs._TextMemo()
+    monkeypatch.setattr(specs, "_MEMO", memo)
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 40}
+                                               for i in range(120)}}
+    text = json.dumps(schema, indent=2)
+    assert len(text) >= memo.MIN_CHARS
+    a = GrammarSpec.create("json_schema", text)
+    b = GrammarSpec.create("json_schema", text)
+    assert a == b == GrammarSpec.create("json_schema", schema) and a.depth == b.depth == 3
+    assert len(memo._items) == 2   # the canonical text of this text, the depth of the canonical one
+    for _ in range(2):
+        with pytest.raises(SpecError, match="not valid JSON"):
+            GrammarSpec.create("json_schema", text[:-1])
+    assert len(memo._items) == 2
+    monkeypatch.setattr(memo, "MAX_CHARS", 12 * len(text))
+    for i in range(6):
+        GrammarSpec.create("json_schema", text.replace('"p0"', f'"q{i}"'))
+    assert memo._chars <= memo.MAX_CHARS and ("json_schema", text) not in memo._items
