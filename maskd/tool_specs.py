@@ -41,7 +41,7 @@ def tool_call_schema(tools: Any, tool_choice: Any = None, parallel_tool_calls: A
     """The JSON schema of the output a request's tool keys ask for, or None where they ask for
     no constraint. Pydantic objects (vLLM's ``ChatCompletionToolsParam``, a named tool choice)
     are read through ``model_dump``. Malformed keys raise SpecError naming the key."""
-    functions = None if tools is None else _functions(tools)
+    functions, with_refs = (None, set()) if tools is None else _functions(tools)
     if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
         raise SpecError(f"parallel_tool_calls is true or false, not {parallel_tool_calls!r}")
     choice = _plain(tool_choice)
@@ -62,7 +62,7 @@ def tool_call_schema(tools: Any, tool_choice: Any = None, parallel_tool_calls: A
         return functions[name]
     if not functions:
         return None          # vLLM and OpenAI: "required" with an empty tools list means "none"
-    return _calls_schema(functions, single=parallel_tool_calls is False)
+    return _calls_schema(functions, with_refs, single=parallel_tool_calls is False)
 
 
 def _some(names: Mapping[str, Any], shown: int = 8) -> str:
@@ -78,11 +78,13 @@ def _plain(value: Any) -> Any:
     return dump() if callable(dump) else value
 
 
-def _functions(tools: Any) -> dict[str, dict[str, Any]]:
-    """Each tool's name and its parameters schema (a fresh copy), in the tools' order."""
+def _functions(tools: Any) -> tuple[dict[str, dict[str, Any]], set[str]]:
+    """Each tool's name and its parameters schema (a fresh copy), in the tools' order; and the
+    names of the tools whose parameters hold a "$ref" anywhere (the others need no ref check)."""
     if isinstance(tools, (str, bytes)) or not isinstance(tools, Sequence):
         raise SpecError(f"tools is a list of {_TOOL}, not {type(tools).__name__}")
     functions: dict[str, dict[str, Any]] = {}
+    with_refs: set[str] = set()
     where_named: dict[str, int] = {}
     for i, raw in enumerate(tools):
         tool = _plain(raw)
@@ -101,15 +103,19 @@ def _functions(tools: Any) -> dict[str, dict[str, Any]]:
         if name in functions:
             raise SpecError(f"tools[{where_named[name]}] and tools[{i}] both name the function {name!r}: "
                             "a call could not say which one it means")
-        functions[name] = _parameters(function.get("parameters"), f"tools[{i}].function.parameters ({name!r})")
+        functions[name], has_ref = _parameters(function.get("parameters"),
+                                               f"tools[{i}].function.parameters ({name!r})")
+        if has_ref:
+            with_refs.add(name)
         where_named[name] = i
-    return functions
+    return functions, with_refs
 
 
-def _parameters(params: Any, where: str) -> dict[str, Any]:
+def _parameters(params: Any, where: str) -> tuple[dict[str, Any], bool]:
+    """A copy of the parameters schema, and whether its JSON text holds a "$ref" key anywhere."""
     params = _plain(params)
     if params is None or (isinstance(params, Mapping) and not params):
-        return dict(EMPTY_PARAMETERS)    # vLLM: none declared, an object with any members
+        return dict(EMPTY_PARAMETERS), False    # vLLM: none declared, an object with any members
     if not isinstance(params, Mapping):
         raise SpecError(f"{where} is a JSON schema object describing the arguments, not {type(params).__name__}")
     declared = params.get("type")
@@ -117,12 +123,13 @@ def _parameters(params: Any, where: str) -> dict[str, Any]:
         raise SpecError(f"{where} has type {declared!r}: a call's arguments are a JSON object, so the "
                         "parameters schema describes an object (type 'object')")
     try:    # a copy of our own (the $defs are moved out of it), and JSON through and through
-        copy = json.loads(json.dumps(params, ensure_ascii=False))
+        text = json.dumps(params, ensure_ascii=False)
+        copy = json.loads(text)
     except (TypeError, ValueError) as exc:
         raise SpecError(f"{where} is not JSON: {exc}") from None
     except RecursionError:
         raise SpecError(f"{where} is nested too deeply to parse") from None
-    return copy
+    return copy, '"$ref"' in text
 
 
 def _named(choice: Any) -> str:
@@ -138,7 +145,7 @@ def _named(choice: Any) -> str:
     return name
 
 
-def _calls_schema(functions: dict[str, dict[str, Any]], *, single: bool) -> dict[str, Any]:
+def _calls_schema(functions: dict[str, dict[str, Any]], with_refs: set[str], *, single: bool) -> dict[str, Any]:
     """vLLM's array for "required", key order included (the same text, so the same grammar id as
     the schema vLLM hands its backend): items any of ``{"name": enum [one name], "parameters":
     ...}``, both required; each tool's ``$defs`` moved to the root, where its ``#/$defs/...``
@@ -156,7 +163,8 @@ def _calls_schema(functions: dict[str, dict[str, Any]], *, single: bool) -> dict
                                 "call array has one $defs for all tools (as vLLM's), so a name means one schema")
             defs.setdefault(key, sub)
             defined_by.setdefault(key, name)
-        _check_refs(params, name)
+        if name in with_refs:
+            _check_refs(params, name)
         calls.append({"properties": {"name": {"type": "string", "enum": [name]}, "parameters": params},
                       "required": ["name", "parameters"]})
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": calls}}
