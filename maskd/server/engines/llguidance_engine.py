@@ -163,15 +163,13 @@ class LLGuidanceEngine(Engine):
         return llguidance.LLMatcher.grammar_from_lark("start: " + body)
 
     def _checked(self, grammar: str) -> llguidance.LLMatcher:
-        """A matcher in the grammar's initial state, or GrammarCompileError with llguidance's message."""
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.ll)
-        if is_error:
-            raise GrammarCompileError(_first_line(messages[0] if messages else "grammar does not compile"))
-        # Building one matcher does the remaining (lexer/parser) construction and catches
-        # errors that validation leaves to the first matcher.
+        """A matcher in the grammar's initial state, or GrammarCompileError with llguidance's message.
+        Building the matcher parses and checks the grammar as ``validate_grammar_with_warnings``
+        does (the same errors, the same messages) and builds its lexer and parser too; validating
+        first parsed it twice (55 of 137 ms for a 200-tool call array)."""
         probe = llguidance.LLMatcher(self.ll, grammar, log_level=0)
         if probe.is_error():
-            raise GrammarCompileError(_first_line(probe.get_error()))
+            raise GrammarCompileError(_first_line(probe.get_error() or "grammar does not compile"))
         return probe
 
     @staticmethod
