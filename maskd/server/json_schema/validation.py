@@ -158,6 +158,10 @@ def passes(validator, value: Any) -> bool:
         return False
 
 
+def _dependent_message(key: str, validator, obj: dict, where: str) -> str:
+    return f"with {json.dumps(key)} present: {check(validator, obj, where) or 'a dependent schema does not pass'}"
+
+
 def parse(data: bytes | bytearray) -> tuple[Any, str | None]:
     """The JSON value of ``data``, or an error message (never raises)."""
     try:
@@ -318,44 +322,43 @@ class SchemaValidator:
                 names = frozenset(props) if names is None else names & frozenset(props)
         return names
 
+    def check_at(self, ctx: frozenset[str], value: Any, where: str) -> str | None:
+        """The first failure of ``value`` against the relaxed subschemas ``ctx`` pins, or None."""
+        validator = self._failing_at(ctx, value)
+        return None if validator is None else check(validator, value, where)
+
     def fails_at(self, ctx: frozenset[str], value: Any, where: str) -> Problem | None:
         """``check_at`` with the message left for when it is read."""
-        for ptr in sorted(ctx):
-            if not self._own_relaxed(ptr):
-                continue
-            validator = self._validator(ptr)
-            if validator is not None and not passes(validator, value):
-                return Problem(lambda: self.check_at(ctx, value, where) or "the value does not pass")
-        return None
+        validator = self._failing_at(ctx, value)
+        if validator is None:
+            return None
+        return Problem(lambda: check(validator, value, where) or "the value does not pass")
 
-    def fails_dependents(self, dependents: dict[str, tuple[Any, ...]], keys, obj: dict,
-                         where: str) -> Problem | None:
-        """``check_dependents`` with the message left for when it is read."""
-        for key in keys:
-            for validator in dependents.get(key, ()):
-                if not passes(validator, obj):
-                    return Problem(lambda: self.check_dependents(dependents, keys, obj, where)
-                                   or "a dependent schema does not pass")
+    def _failing_at(self, ctx: frozenset[str], value: Any):
+        for ptr in sorted(ctx):
+            if self._own_relaxed(ptr):
+                validator = self._validator(ptr)
+                if validator is not None and not passes(validator, value):
+                    return validator
         return None
 
     def check_dependents(self, dependents: dict[str, tuple[Any, ...]], keys, obj: dict, where: str) -> str | None:
         """The first failure of the dependent schemas that ``keys`` trigger, on the object ``obj``."""
+        failing = self._failing_dependent(dependents, keys, obj)
+        return None if failing is None else _dependent_message(*failing, obj, where)
+
+    def fails_dependents(self, dependents: dict[str, tuple[Any, ...]], keys, obj: dict,
+                         where: str) -> Problem | None:
+        """``check_dependents`` with the message left for when it is read."""
+        failing = self._failing_dependent(dependents, keys, obj)
+        return None if failing is None else Problem(lambda: _dependent_message(*failing, obj, where))
+
+    @staticmethod
+    def _failing_dependent(dependents: dict[str, tuple[Any, ...]], keys, obj: dict) -> tuple[str, Any] | None:
         for key in keys:
             for validator in dependents.get(key, ()):
-                problem = check(validator, obj, where)
-                if problem is not None:
-                    return f"with {json.dumps(key)} present: {problem}"
-        return None
-
-    def check_at(self, ctx: frozenset[str], value: Any, where: str) -> str | None:
-        for ptr in sorted(ctx):
-            if not self._own_relaxed(ptr):
-                continue
-            validator = self._validator(ptr)
-            if validator is not None:
-                problem = check(validator, value, where)
-                if problem:
-                    return problem
+                if not passes(validator, obj):
+                    return key, validator
         return None
 
     def _validator(self, ptr: str):
