@@ -392,14 +392,21 @@ def test_maskds_rows_under_speculative_decoding_land_at_vllm_033s_strided_places
     _expect_distinct(rows_b)
     all_allowed = np.full_like(rows_a[0], -1)
     expected = {"a": [rows_a[0]], "b": rows_b, "c": rows_a, "d": [*rows_b, all_allowed]}
-    assert bitmask.shape == (len(order) * stride, server.engine.words_per_row)
+    _expect_strided(bitmask, order, stride, server.engine.words_per_row, expected)
+
+
+def _expect_strided(bitmask, order, stride, width, expected):
+    """Request k's row j at k * stride + j; rows past a request's positions all allowed (as vLLM
+    leaves them)."""
+    import numpy as np
+    assert bitmask.shape == (len(order) * stride, width)
     for k, req_id in enumerate(order):
         for j in range(stride):
             row = bitmask[k * stride + j]
             if j < len(expected[req_id]):
                 assert np.array_equal(row, expected[req_id][j]), (req_id, j)
             else:
-                assert (row == -1).all(), (req_id, j)        # past its positions: as vLLM leaves them
+                assert (row == -1).all(), (req_id, j)
 
 
 def test_a_batch_of_maskds_and_vllms_requests_is_laid_out_and_applied_as_vllm_033_does(
@@ -428,14 +435,7 @@ def test_a_batch_of_maskds_and_vllms_requests_is_laid_out_and_applied_as_vllm_03
     tagged = [np.full(width, 1 * 16 + j, dtype=np.int32) for j in range(3)]
     expected = {"v1": tagged, "a": _server_rows(server, LAYOUT_SPECS["a"][0], [])[:1],
                 "v2": [np.full(width, 2 * 16, dtype=np.int32)], "c": rows_c, "b": rows_b}
-    assert bitmask.shape == (len(order) * stride, width)
-    for k, req_id in enumerate(order):
-        for j in range(stride):
-            row = bitmask[k * stride + j]
-            if j < len(expected[req_id]):
-                assert np.array_equal(row, expected[req_id][j]), (req_id, j)
-            else:
-                assert (row == -1).all(), (req_id, j)
+    _expect_strided(bitmask, order, stride, width, expected)
 
     # vLLM 0.33's own apply_grammar_bitmask puts every row on its request's logits; here the batch
     # runs in another order, with a request that has no grammar
