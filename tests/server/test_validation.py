@@ -315,3 +315,22 @@ def test_a_serialized_grammar_with_garbage_checks_is_refused_with_a_message(cl10
     data = _CHECKED_MAGIC + len(garbage).to_bytes(8, "little") + garbage + grammar
     with pytest.raises(GrammarCompileError, match="serialized grammar's document checks"):
         engine.deserialize(spec, data)
+
+
+def test_a_document_too_deep_is_refused_whatever_the_recursion_limit():
+    """A library in the same process may raise the interpreter's recursion limit (torch's inductor
+    sets 2,000): documents deeper than MAX_DEPTH are refused all the same, shallower ones parse."""
+    import sys
+
+    from maskd.server.json_schema.validation import MAX_DEPTH, parse
+    old = sys.getrecursionlimit()
+    try:
+        for limit in (old, 5000):
+            sys.setrecursionlimit(limit)
+            assert parse(b"[" * 1500 + b"]" * 1500) == (None, "the document nests too deeply to be checked")
+            assert parse(b"[" * (MAX_DEPTH + 1) + b"]" * (MAX_DEPTH + 1))[1] is not None
+            value, problem = parse(b"[" * MAX_DEPTH + b"]" * MAX_DEPTH)
+            assert problem is None and isinstance(value, list), limit
+            assert parse(b'["' + b"[" * 2000 + b'"]') == (["[" * 2000], None)   # brackets in a string
+    finally:
+        sys.setrecursionlimit(old)

@@ -23,6 +23,7 @@ import jsonschema_rs
 
 from maskd.server.json_schema.formats import FORMAT_CHECKERS
 from maskd.server.json_schema.relax import map_schemas, node_at, pointer_path, subschemas
+from maskd.specs import json_depth
 
 _LEGACY_DRAFTS = ("draft-03", "draft-04", "draft-06", "draft-07")
 # Per oneOf / anyOf: the pointers of each branch still possible.
@@ -162,14 +163,25 @@ def _dependent_message(key: str, validator, obj: dict, where: str) -> str:
     return f"with {json.dumps(key)} present: {check(validator, obj, where) or 'a dependent schema does not pass'}"
 
 
+# Deeper documents are not checked (the validator recurses per level): refused whatever the
+# interpreter's recursion limit, which a library in the same process may have raised (torch's
+# inductor sets it to 2,000).
+MAX_DEPTH = 900
+_TOO_DEEP = "the document nests too deeply to be checked"
+
+
 def parse(data: bytes | bytearray) -> tuple[Any, str | None]:
     """The JSON value of ``data``, or an error message (never raises)."""
     try:
-        return json.loads(bytes(data)), None
+        value = json.loads(bytes(data))
     except RecursionError:
-        return None, "the document nests too deeply to be checked"
+        return None, _TOO_DEEP
     except (ValueError, UnicodeDecodeError) as exc:
         return None, f"the document is not JSON the validator can read: {exc}"
+    # a value is no deeper than its opening brackets are many: the walk only for documents with that many
+    if data.count(b"[") + data.count(b"{") > MAX_DEPTH and json_depth(value) > MAX_DEPTH:
+        return None, _TOO_DEEP
+    return value, None
 
 
 class SchemaValidator:
