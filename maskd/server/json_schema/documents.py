@@ -303,7 +303,6 @@ class JsonDocumentChecker(DocumentChecker):
         closers = self.closers
         if closers is None or top.ctx is None:
             return None
-        dependents = self.validator.dependents(top.ctx[0]) if top.is_object else None
         if sc.in_string:
             start, kind, tail = sc.string_start, "escaped string" if sc.escape else "string", b'"'
             if top.is_object and top.expect_key:
@@ -311,10 +310,10 @@ class JsonDocumentChecker(DocumentChecker):
             else:
                 # a string's context is looked up when it ends (the scanner skips strings whole)
                 ctx = self._watch(top.ctx, top.key if top.is_object else top.index)
-                judge = self._member_judge(ctx, top, lambda: bytes(data[top.start:start]), dependents)
+                judge = self._member_judge(ctx, top, lambda: bytes(data[top.start:start]))
         elif sc.scalar_start >= 0:
             start, kind, tail = sc.scalar_start, "number", b""
-            judge = self._member_judge(top.child_ctx, top, lambda: bytes(data[top.start:start]), dependents)
+            judge = self._member_judge(top.child_ctx, top, lambda: bytes(data[top.start:start]))
         else:
             return None
         if judge is None or len(data) - start > _CLOSE_CHECK_BYTES:
@@ -352,12 +351,13 @@ class JsonDocumentChecker(DocumentChecker):
         fails[failing] = True
         return ids[fails[which]]
 
-    def _member_judge(self, ctx, top, members_so_far, dependents):
+    def _member_judge(self, ctx, top, members_so_far):
         """What decides whether a value ending here passes: its pinned subschemas, and in an object,
         the branches of its unions the member leaves (none: it fails) and the dependent schemas
         (``validation.dependents``) its members trigger, on the object with this member
         (``members_so_far()``: its text up to the value); None when nothing would."""
         pinned = ctx is not None and bool(ctx[0])
+        dependents = self.validator.dependents(top.ctx[0]) if top.is_object else None
         unions = top.ctx[2] if top.is_object and isinstance(top.key, str) else ()
         if not pinned and not dependents and not unions:
             return None
@@ -518,8 +518,7 @@ class JsonDocumentChecker(DocumentChecker):
                 return False
             key = top.key if top.is_object else top.index + (lead == ",")
             ctx = self._watch(top.ctx, key)
-            judge = self._member_judge(ctx, top, lambda: bytes(data[top.start:]).rstrip(_WS).removesuffix(b":") + b":",
-                                       self.validator.dependents(top.ctx[0]) if top.is_object else None)
+            judge = self._member_judge(ctx, top, lambda: bytes(data[top.start:]).rstrip(_WS).removesuffix(b":") + b":")
             problem = None if judge is None else judge(value)
         if problem is not None:
             state.veto = _lead(f"writing {json.dumps(value)} here: ", problem)
