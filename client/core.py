@@ -269,7 +269,7 @@ class ClientCore(Recovery):
                 part = parts.get(owner[a.seq_id])
                 if part is None:
                     part = parts[owner[a.seq_id]] = _Part()
-                if not a.drafts and not a.rollback and ledger.plain(a.seq_id):
+                if not a.drafts and not a.rollback and not a.propose and ledger.plain(a.seq_id):
                     part.plain_ids.append(a.seq_id)     # a columnar entry: a handle, a step, tokens
                     part.plain_tokens.append(a.tokens)
                 else:
@@ -377,7 +377,7 @@ def _parse(tokens_by_seq: Mapping[str, Any]) -> list[Advance]:
         for seq_id, value in tokens_by_seq.items():
             if isinstance(value, StepInput):
                 append(Advance(seq_id, [int(t) for t in value.tokens], [int(t) for t in value.drafts],
-                               int(value.rollback)))
+                               int(value.rollback), int(value.propose)))
             else:
                 append(Advance(seq_id, [int(t) for t in value], _NO_DRAFTS, 0))
     except (TypeError, ValueError) as exc:

@@ -74,6 +74,7 @@ class Advance(NamedTuple):
     tokens: list[int]
     drafts: Sequence[int]
     rollback: int
+    propose: int = 0
 
 
 class SequenceLedger:
@@ -116,6 +117,9 @@ class SequenceLedger:
             seq = self._seqs.get(a.seq_id)
             if seq is None:
                 raise MaskClientError(f"sequence {a.seq_id!r} is not open on this client", grpc.StatusCode.NOT_FOUND)
+            if a.propose < 0:
+                raise MaskClientError(f"sequence {a.seq_id!r}: propose must be >= 0, not {a.propose}",
+                                      grpc.StatusCode.INVALID_ARGUMENT)
             if a.rollback < 0 or a.rollback > len(seq.history):
                 raise MaskClientError(f"cannot roll back {a.rollback} tokens of {a.seq_id!r}: it has "
                                       f"{len(seq.history)}", grpc.StatusCode.OUT_OF_RANGE)
@@ -123,7 +127,8 @@ class SequenceLedger:
     def advance(self, a: Advance) -> tuple[pb.SeqStep, UndoRecord]:
         """Applies one checked input to its record; returns its wire entry and its undo record."""
         seq = self._seqs[a.seq_id]
-        entry = pb.SeqStep(seq_id=a.seq_id, tokens=a.tokens, draft_tokens=a.drafts, rollback=a.rollback)
+        entry = pb.SeqStep(seq_id=a.seq_id, tokens=a.tokens, draft_tokens=a.drafts, rollback=a.rollback,
+                           propose_drafts=a.propose)
         opened_here = not seq.opened
         if opened_here:
             entry.spec.CopyFrom(seq.spec)

@@ -185,7 +185,8 @@ def result_of(reply: pb.StepResponse, item: InFlight, bitmask: np.ndarray) -> St
         status = SeqStatus(r.status)
         has_rows = status is SeqStatus.READY or status is SeqStatus.FINISHED
         details[r.seq_id] = SeqResult(r.seq_id, r.step, status, r.first_row if has_rows else -1, r.num_rows,
-                                      list(r.forced_tokens), r.reason, grpc_code(r.code), r.accepting, r.drafts_valid)
+                                      list(r.forced_tokens), r.reason, grpc_code(r.code), r.accepting, r.drafts_valid,
+                                      list(r.proposed_drafts))
         rich_ids.append(r.seq_id)
     closing = {sid for sid, _ in item.closes}
     rich_ids = [sid for sid in rich_ids if sid not in closing]

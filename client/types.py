@@ -38,6 +38,9 @@ class StepInput:
     tokens: Sequence[int] = ()
     drafts: Sequence[int] = ()
     rollback: int = 0
+    # Ask the server to propose up to this many draft tokens (grammar drafts; not with ``drafts``):
+    # SeqResult.proposed_drafts has them, with a row for every draft position plus the bonus one.
+    propose: int = 0
 
 
 @dataclasses.dataclass
@@ -53,6 +56,7 @@ class SeqResult:
     code: grpc.StatusCode | None = None
     accepting: bool = False
     drafts_valid: int = 0
+    proposed_drafts: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def has_rows(self) -> bool:

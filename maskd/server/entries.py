@@ -25,13 +25,14 @@ _NO_DRAFTS: tuple[int, ...] = ()
 class Entry:
     """One entry of a step: what it asks of one sequence. ``seq`` is the sequence a columnar
     entry's handle names (a handle outlives a reuse of its id); None for entries named by id."""
-    __slots__ = ("close", "drafts", "grammar_id", "history_offset", "opens", "rollback", "seq", "seq_id", "spec",
-                 "step", "tokens")
+    __slots__ = ("close", "drafts", "grammar_id", "history_offset", "opens", "propose", "rollback", "seq", "seq_id",
+                 "spec", "step", "tokens")
 
     def __init__(self, seq_id: str, step: int, tokens: list[int], seq: Any = None) -> None:
         self.seq_id, self.step, self.tokens, self.seq = seq_id, step, tokens, seq
         self.drafts = _NO_DRAFTS
         self.rollback = self.history_offset = 0
+        self.propose = 0                  # draft tokens the server is asked to propose
         self.close = False
         self.opens: str | None = None     # None, "grammar_id" or "spec"
         self.grammar_id = ""
@@ -43,6 +44,7 @@ class Entry:
         if msg.draft_tokens:
             e.drafts = tuple(msg.draft_tokens)
         e.rollback, e.history_offset, e.close = msg.rollback, msg.history_offset, msg.close
+        e.propose = msg.propose_drafts
         e.opens = msg.WhichOneof("open")
         if e.opens == "grammar_id":
             e.grammar_id = msg.grammar_id
@@ -55,7 +57,7 @@ class Result:
     """One entry's answer. ``index``: the entry's place among those of its form; ``columnar``:
     which form it came in (and goes back in)."""
     __slots__ = ("accepting", "code", "columnar", "drafts_valid", "first_row", "forced_tokens", "handle", "index",
-                 "num_rows", "reason", "seq_id", "status", "step")
+                 "num_rows", "proposed", "reason", "seq_id", "status", "step")
 
     def __init__(self, index: int, seq_id: str, step: int, columnar: bool) -> None:
         self.index, self.seq_id, self.step, self.columnar = index, seq_id, step, columnar
@@ -64,6 +66,7 @@ class Result:
         self.first_row = self.num_rows = self.drafts_valid = self.handle = 0
         self.accepting = False
         self.forced_tokens: list[int] = []
+        self.proposed: tuple[int, ...] = _NO_DRAFTS    # drafts the server proposes (propose_drafts)
 
     def copy_answer(self, src: Result) -> None:
         """A kept answer into this result (its own index, form and rows' place stay)."""
@@ -72,6 +75,7 @@ class Result:
         self.drafts_valid, self.handle = src.drafts_valid, src.handle
         if src.forced_tokens:
             self.forced_tokens = list(src.forced_tokens)
+        self.proposed = src.proposed
 
 
 def refuse(res: Result, refusals, code: Code, message: str, kind: str | None = None) -> None:
@@ -137,6 +141,8 @@ def answer(results: list[Result], reply: pb.StepResponse, want_forced: bool) -> 
                   handle=r.handle)
         if r.forced_tokens:
             out.forced_tokens.extend(r.forced_tokens)
+        if r.proposed:
+            out.proposed_drafts.extend(r.proposed)
     if not columnar:
         return
     reply.statuses = bytes([int(r.status) | (ACCEPTING_BIT if r.accepting else 0) for r in columnar])

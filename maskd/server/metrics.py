@@ -49,6 +49,12 @@ class Metrics:
             "maskd_validation_failures", "Complete JSON-schema mode: sequences failed by the JSON Schema validator "
             "(final: the finished document; early: a closed sub-document; eos: an EOS token on a document that "
             "does not pass; draft: a draft EOS on one)", ["kind"], registry=r)
+        self.drafts_proposed = Counter(
+            "maskd_drafts_proposed", "Grammar drafts proposed (propose_drafts), by source: forced (the grammar "
+            "forces the token) or learned (counts of what the grammar's sequences wrote next)", ["source"], registry=r)
+        self.drafts_accepted = Counter(
+            "maskd_drafts_accepted", "Proposed grammar drafts the next step's tokens took, by source", ["source"],
+            registry=r)
         self.errors = Counter("maskd_errors", "Errors by kind (refused entries, failed sequences, "
                                               "compile failures, aborted calls)", ["kind"], registry=r)
 

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from maskd.server.config import Limits
+from maskd.server.drafts import DraftModel
 from maskd.server.engines import Engine
 from maskd.server.grammar_cache import GrammarCache
 from maskd.server.quotas import Quotas
@@ -33,6 +34,7 @@ class SessionRegistry:
         self.cache = cache
         self.limits = limits
         self.quotas = quotas
+        self.drafts = DraftModel(metrics=cache.metrics)    # grammar drafts, learned from every session
         self._sessions: dict[tuple[str, str], Session] = {}
         self._attached: set[Attachment] = set()
         self._lock = threading.Lock()
@@ -41,7 +43,8 @@ class SessionRegistry:
         with self._lock:
             session = self._sessions.get((tenant, key))
             if session is None:
-                session = Session(key, self.engine, self.cache, self.limits, tenant=tenant, quotas=self.quotas)
+                session = Session(key, self.engine, self.cache, self.limits, tenant=tenant, quotas=self.quotas,
+                                  drafts=self.drafts)
                 self._sessions[(tenant, key)] = session
             session.streams += 1
             attachment = Attachment(session, context)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from maskd.server.drafts import Proposal
 from maskd.server.engines import Matcher
 from maskd.server.entries import Entry, Result
 from maskd.server.grammar_cache import CacheEntry
@@ -36,15 +37,19 @@ class SequenceState:
         "finished",
         "handle",
         "last_drafts",
+        "last_propose",
         "last_rollback",
         "last_status",
         "last_tokens",
         "matcher",
         "parts",
         "pending",
+        "proposal",
+        "proposal_step",
         "recent",
         "seq_id",
         "step",
+        "tail",
     )
 
     def __init__(self, seq_id: str, entry: CacheEntry, step: int, handle: int) -> None:
@@ -60,6 +65,7 @@ class SequenceState:
         self.dead_code = Code.INVALID_ARGUMENT
         self.last_tokens: tuple = ()
         self.last_drafts: tuple = ()
+        self.last_propose = 0
         self.last_rollback = 0
         self.last_status = SeqStatus.WAITING     # readiness decided for the last step
         self.finished = False
@@ -69,6 +75,11 @@ class SequenceState:
         # rank that lags behind the others, or retries, gets the answer every rank got.
         self.recent: dict[int, Answer] = {}
         self.closed = False
+        # Grammar drafts (drafts.py): the last tokens accepted (what a guess is conditioned on), and
+        # the drafts proposed at step ``proposal_step`` (a repeat of that step gets them again).
+        self.tail: tuple[int, ...] = ()
+        self.proposal: Proposal | None = None
+        self.proposal_step = -1
 
     @property
     def history_length(self) -> int:
@@ -83,10 +94,11 @@ class Answer:
     """What one (sequence, step) was answered: its inputs, the result, and where its rows are: a
     row buffer and its generation then, ``rows`` (that step's own array, when no buffer was free),
     or ``packed`` (the row codec's bytes, once the ring of buffers came round)."""
-    __slots__ = ("buffer", "drafts", "generation", "packed", "result", "rollback", "rows", "tokens")
+    __slots__ = ("buffer", "drafts", "generation", "packed", "propose", "result", "rollback", "rows", "tokens")
 
-    def __init__(self, tokens: tuple, drafts: tuple, rollback: int, result: Result) -> None:
+    def __init__(self, tokens: tuple, drafts: tuple, rollback: int, result: Result, propose: int = 0) -> None:
         self.tokens, self.drafts, self.rollback, self.result = tokens, drafts, rollback, result
+        self.propose = propose
         self.buffer = -1
         self.generation = 0
         self.rows: np.ndarray | None = None
@@ -100,12 +112,13 @@ def record_step(seq: SequenceState, msg: Entry, res: Result) -> None:
     seq.step = msg.step
     seq.last_tokens = tuple(msg.tokens)
     seq.last_drafts = msg.drafts
+    seq.last_propose = msg.propose
     seq.last_rollback = msg.rollback
     # The answer of this step (its rows are set by the fill phase); older ones beyond the window go, except
     # WAITING ones: steps that poll a compiling grammar come as fast as a rank sends them, so the
     # ranks' lag in steps is not bounded there (those answers are small, and end with the compile).
     recent = seq.recent
-    recent[msg.step] = Answer(seq.last_tokens, seq.last_drafts, msg.rollback, res)
+    recent[msg.step] = Answer(seq.last_tokens, seq.last_drafts, msg.rollback, res, msg.propose)
     old = recent.get(msg.step - RECENT_STEPS)
     if old is not None and old.result.status != SeqStatus.WAITING:
         del recent[msg.step - RECENT_STEPS]

@@ -35,6 +35,7 @@ import numpy as np
 
 from maskd.server import entries
 from maskd.server.config import Limits
+from maskd.server.drafts import CONTEXT, DraftModel
 from maskd.server.engines import Engine
 from maskd.server.entries import Result, refuse
 from maskd.server.grammar_cache import GrammarCache
@@ -64,7 +65,7 @@ class StepOutcome:
 
 class Session(StepRouting):
     def __init__(self, key: str, engine: Engine, cache: GrammarCache, limits: Limits, *, tenant: str = "",
-                 quotas: Quotas | None = None) -> None:
+                 quotas: Quotas | None = None, drafts: DraftModel | None = None) -> None:
         self.key = key
         self.tenant = tenant
         self.quotas = quotas
@@ -82,6 +83,8 @@ class Session(StepRouting):
         self.buffers = RowBuffers(engine.allocate, engine.width, self._kept_answer,
                                   max_count=limits.max_row_buffers_per_session)
         self.checks = DocumentChecks(engine, cache.metrics)   # complete-mode hooks (doc_checks.py)
+        # Grammar drafts: the server's drafter (one per server: every session's sequences teach it).
+        self.drafts = drafts if drafts is not None else DraftModel()
 
     # -- public -----------------------------------------------------------------------------------
     def step(self, request: pb.StepRequest) -> StepOutcome:
@@ -181,12 +184,13 @@ class Session(StepRouting):
                         seq.doc.rollback(msg.rollback)
                     seq.accepted -= msg.rollback
                     seq.finished = False
+                    seq.tail = ()   # the tokens before are not known here: guesses start over
             except Exception as exc:   # an engine fault costs this sequence only
                 record_step(seq, msg, res)
                 self._internal(res, seq, "advancing", exc, refusals)
                 continue
             record_step(seq, msg, res)
-            (consume if tokens else fill).append(Fill(res, seq, matcher, tokens, seq.last_drafts))
+            (consume if tokens else fill).append(Fill(res, seq, matcher, tokens, seq.last_drafts, msg.propose))
         return consume, fill
 
     # -- phase 4: consuming -----------------------------------------------------------------------
@@ -210,6 +214,7 @@ class Session(StepRouting):
                 self._internal(adv.res, seq, "consuming tokens", reason, refusals)
             elif reason is None:
                 seq.accepted += len(adv.tokens)
+                self._learn(seq, adv.tokens)
                 fill.append(adv)
             else:
                 seq.dead_reason = f"token rejected: {reason}"
@@ -217,11 +222,48 @@ class Session(StepRouting):
                 refusals["token_rejected"] += 1
                 fail(adv.res, seq, seq.dead_reason)
 
+    def _learn(self, seq: SequenceState, tokens) -> None:
+        """Accepted tokens teach the grammar's drafter; the drafts proposed at the step before are
+        scored against them."""
+        proposal = seq.proposal
+        if proposal is not None:
+            seq.proposal = None
+            if seq.proposal_step == seq.step - 1:
+                self.drafts.accepted(proposal, tokens)
+        self.drafts.learn(self._drafts_key(seq), seq.tail, tokens)
+        seq.tail = (*seq.tail, *tokens[-CONTEXT:])[-CONTEXT:]
+
+    def _drafts_key(self, seq: SequenceState) -> str:
+        """Whose counts a sequence learns from and is proposed from: its grammar's, within its tenant
+        (one tenant's outputs never shape the drafts another tenant sees)."""
+        return f"{self.tenant}\x00{seq.entry.grammar_id}" if self.tenant else seq.entry.grammar_id
+
+    def _propose(self, fill: list[Fill], refusals) -> list[Fill]:
+        """The drafts of entries that ask for them (a repeat of a step gets the same ones): set as
+        the entry's drafts, so the fill writes their rows. Returns the entries still filling."""
+        kept = []
+        for job in fill:
+            if job.propose and not job.drafts:
+                seq = job.seq
+                try:
+                    if seq.proposal is None or seq.proposal_step != seq.step:
+                        seq.proposal = self.drafts.propose(self._drafts_key(seq), job.matcher, seq.tail, job.propose)
+                        seq.proposal_step = seq.step
+                except Exception as exc:   # an engine fault costs this sequence only
+                    self._internal(job.res, seq, "proposing drafts", exc, refusals)
+                    continue
+                job.drafts = tuple(seq.proposal.drafts)
+                job.res.proposed = job.drafts
+            kept.append(job)
+        return kept
+
     # -- phase 5: filling -------------------------------------------------------------------------
     def _fill(self, fill: list[Fill], replays: list[Replay], want_forced: bool,
               refusals) -> tuple[np.ndarray, Callable[[], None] | None]:
         """Rows in entry order (SeqStep entries first, then columnar ones by index): filled by the
-        engine, or copied from the kept answer of a repeat."""
+        engine, or copied from the kept answer of a repeat. Entries that ask for drafts get them
+        proposed first (drafts.py)."""
+        fill = self._propose(fill, refusals)
         jobs: list[Fill | Replay] = [*fill, *replays]
         jobs.sort(key=_row_order)
         n_rows = sum(j.answer.result.num_rows if isinstance(j, Replay) else 1 + len(j.drafts) for j in jobs)

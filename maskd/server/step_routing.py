@@ -45,6 +45,7 @@ class Fill:
     matcher: Matcher
     tokens: Sequence[int] = ()
     drafts: tuple = ()
+    propose: int = 0        # drafts the server proposes (the fill phase sets ``drafts`` to them)
 
 
 @dataclasses.dataclass(slots=True)
@@ -77,7 +78,7 @@ class StepRouting:
         n = len(entries)
         total_rows = n
         if n * (1 + self.limits.max_draft_tokens) > self.limits.max_rows_per_step:
-            total_rows += sum(len(m.drafts) for m in entries)
+            total_rows += sum(len(m.drafts) + m.propose for m in entries)
         if total_rows > self.limits.max_rows_per_step:
             for res in results:
                 refuse(res, refusals, Code.RESOURCE_EXHAUSTED,
@@ -109,6 +110,11 @@ class StepRouting:
     def _check_tokens(self, msg: Entry) -> str:
         tokens = msg.tokens
         n_drafts = len(msg.drafts)
+        if msg.propose:
+            if n_drafts:
+                return "a step either carries draft tokens or asks for proposed ones (propose_drafts), not both"
+            if msg.propose > self.limits.max_draft_tokens:
+                return f"propose_drafts {msg.propose}; the limit is {self.limits.max_draft_tokens}"
         if not n_drafts:
             n = len(tokens)
             if n == 0 or (n == 1 and 0 <= tokens[0] < self.vocab_limit):  # the decode-step case
@@ -211,7 +217,7 @@ class StepRouting:
         offset = msg.history_offset
         known = seq.parts.get(offset) if seq.parts is not None else None
         if known is not None:
-            if known == digest(msg.tokens) and msg.drafts == seq.last_drafts:
+            if known == digest(msg.tokens) and msg.drafts == seq.last_drafts and msg.propose == seq.last_propose:
                 self._answer_repeat(res, seq, repeats, replays)
             else:
                 self._divergence(res, seq, refusals)
@@ -281,7 +287,7 @@ class StepRouting:
     @staticmethod
     def _same_inputs(msg: Entry, seq: SequenceState) -> bool:
         return (tuple(msg.tokens) == seq.last_tokens and msg.drafts == seq.last_drafts
-                and msg.rollback == seq.last_rollback)
+                and msg.rollback == seq.last_rollback and msg.propose == seq.last_propose)
 
     def _replay(self, msg, res, seq: SequenceState, replays: list, refusals) -> bool:
         """A repeat of an older step (a rank that lags, a retry, a step of a closed sequence): the
@@ -292,7 +298,8 @@ class StepRouting:
         if msg.opens is not None and seq.entry.grammar_id != self._open_grammar_id(msg):
             refuse(res, refusals, Code.ALREADY_EXISTS,
                     f"sequence {msg.seq_id!r} is already open with grammar {seq.entry.grammar_id}")
-        elif tuple(msg.tokens) != answer.tokens or msg.drafts != answer.drafts or msg.rollback != answer.rollback:
+        elif (tuple(msg.tokens) != answer.tokens or msg.drafts != answer.drafts or msg.rollback != answer.rollback
+              or msg.propose != answer.propose):
             self._divergence(res, seq, refusals)
         else:
             replays.append(Replay(res, answer))
@@ -311,7 +318,7 @@ class StepRouting:
         elif status == WAITING or seq.matcher is None:
             res.status = WAITING
         else:
-            repeats.append(Fill(res, seq, seq.matcher, (), seq.last_drafts))
+            repeats.append(Fill(res, seq, seq.matcher, (), seq.last_drafts, seq.last_propose))
 
     @staticmethod
     def _divergence(res: Result, seq: SequenceState, refusals) -> None:

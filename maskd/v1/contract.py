@@ -16,7 +16,7 @@ AUTH_METADATA_KEY = "authorization"
 #: Scheme word before the token in auth_metadata_key's value.
 AUTH_SCHEME = "Bearer"
 #: Revision of this contract within v1; InfoResponse.contract_revision reports the server's.
-CONTRACT_REVISION = 3
+CONTRACT_REVISION = 4
 
 
 class Code(enum.IntEnum):
@@ -146,7 +146,7 @@ class ServerInfo:
     contract_revision: int = 0
     #: Most tokens one SeqStep may carry (restores longer than this go in parts).
     max_tokens_per_step: int = 0
-    #: Most draft tokens one SeqStep may carry.
+    #: Most draft tokens one SeqStep may carry or ask for (propose_drafts).
     max_draft_tokens: int = 0
     #: Most live sequences one session may hold.
     max_sequences_per_session: int = 0
