@@ -50,6 +50,20 @@ rows are the rows of the next forward pass (``grammar_bitmask`` asks again only 
 whose drafts or tokens changed since). That step is not hidden behind the forward pass, the plain
 decode step is.
 
+Grammar drafts (the server proposes the drafts: the tokens the grammar forces, then what this
+grammar's sequences wrote next in the same context; contract revision 4)::
+
+    vllm serve MODEL --speculative-config \
+        '{"method": "custom_class", "model": "maskd_client.vllm.GrammarDrafts", "num_speculative_tokens": 4}'
+
+vLLM's worker loads ``GrammarDrafts`` as its proposer; it proposes nothing itself (no draft model,
+no forward pass): the drafts of maskd's requests are made where their grammar state is. When the
+worker's (empty) drafts arrive in the engine core, the one maskd step that carries every maskd
+request's accepted tokens asks the server for ``num_speculative_tokens`` drafts each; the server
+answers the drafts with a row for every draft position plus the bonus one, and they become the
+request's drafts. vLLM verifies them in the next forward pass like any drafts, applying the exact
+row at each position; requests that are not maskd's get no drafts under this config.
+
 Tested against vLLM 0.32.0 (the CPU build, a real engine in tests/engines/real) and 0.33.0
 (interfaces). What it patches: ``SamplingParams._validate_structured_outputs``,
 ``StructuredOutputManager.grammar_init`` / ``grammar_bitmask``, ``Scheduler._free_request``,
@@ -77,7 +91,8 @@ from maskd.specs import GrammarSpec, SpecError
 from maskd_client.engine_env import EngineConfigError, EngineSettings
 from maskd_client.types import MaskClientError, SeqStatus, StepInput
 
-__all__ = ["BACKEND", "EXTRA_ARGS_KEY", "MaskdGrammar", "MaskdStructuredOutputs", "register", "spec_of"]
+__all__ = ["BACKEND", "EXTRA_ARGS_KEY", "GrammarDrafts", "MaskdGrammar", "MaskdStructuredOutputs", "register",
+           "spec_of"]
 
 EXTRA_ARGS_KEY = "maskd"
 BACKEND = "maskd"       # StructuredOutputsParams._backend of maskd's requests
@@ -338,16 +353,17 @@ class MaskdGrammar:
 
 class _Entry:
     """One request's part of a step: which positions its rows go to."""
-    __slots__ = ("count", "drafts", "first", "grammar", "positions", "start")
+    __slots__ = ("count", "drafts", "first", "grammar", "positions", "propose", "start")
 
     def __init__(self, grammar: MaskdGrammar, start: int, count: int, positions: range, first: int,
-                 drafts: list[int]) -> None:
+                 drafts: list[int], propose: int = 0) -> None:
         self.grammar = grammar
         self.start = start          # its first row in the batch's bitmask
         self.count = count          # its rows: 1 + scheduled drafts
         self.positions = positions  # positions (0 = the first scheduled token) that take maskd's rows
         self.first = first          # the position of maskd's row 0 (where the grammar starts)
         self.drafts = drafts
+        self.propose = propose      # drafts the server is asked to propose (then ``drafts`` are those)
 
 
 class MaskdStructuredOutputs:
@@ -369,6 +385,10 @@ class MaskdStructuredOutputs:
         for t in self.eos_ids:
             self.eos_row[t >> 5] |= np.uint32(1) << np.uint32(t & 31)
         self.eos_row = self.eos_row.view(np.int32)
+        self.propose = _grammar_drafts(vllm_config)   # drafts asked of the server per request and step (0: none)
+        if self.propose > int(info.max_draft_tokens):
+            raise EngineConfigError(f"num_speculative_tokens {self.propose} is more than the maskd server at "
+                                    f"{self.settings.target} proposes ({info.max_draft_tokens}, --max-draft-tokens)")
         self.compiles = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="maskd-compile")
         self.known = KnownSpecs()     # compiled: a request's grammar is ready at once, no round trip
         self.steps = 0
@@ -441,18 +461,27 @@ class MaskdStructuredOutputs:
     def check_drafts(self, manager: Any, requests: dict, draft_token_ids: Any) -> None:
         """One step for the new drafts of every maskd request (with its accepted tokens): each
         grammar keeps the answer, so vLLM's validate_tokens cuts the drafts to the valid prefix and
-        the next grammar_bitmask has its rows."""
+        the next grammar_bitmask has its rows. With grammar drafts (``GrammarDrafts``) the step asks
+        the server for them, and they replace the worker's (empty) drafts of the request."""
         from vllm.v1.structured_output.utils import strip_speculative_padding
 
         self.settle()
         entries: list[_Entry] = []
-        for req_id, raw in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids):
+        where: dict[str, int] = {}
+        for i, (req_id, raw) in enumerate(zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids)):
             request = requests.get(req_id)
             if request is None or request.is_finished() or request.is_prefill_chunk or not _is_maskd(request):
                 continue
             so = request.structured_output_request
             grammar = so.grammar if so is not None and so.is_grammar_ready else None
             if not isinstance(grammar, MaskdGrammar) or grammar.is_terminated():
+                continue
+            if self.propose:
+                # The grammar constrains the next token (not inside reasoning): the server proposes.
+                if manager._get_constraint_bounds(request, [])[0] == 0:
+                    where[grammar.seq_id] = i
+                    entries.append(_Entry(grammar, 0, 1 + self.propose, range(0, self.propose + 1), 0, [],
+                                          self.propose))
                 continue
             drafts = strip_speculative_padding(list(raw))
             begin, _ = manager._get_constraint_bounds(request, drafts)
@@ -468,9 +497,11 @@ class MaskdStructuredOutputs:
             e.start, at = at, at + e.count
         answers = self._step(entries, scratch)
         for e in entries:
-            if e.grammar.seq_id in answers:
-                e.grammar.prepared = (e.drafts, scratch[e.start:e.start + e.count].copy(),
-                                      answers[e.grammar.seq_id])
+            sid = e.grammar.seq_id
+            if sid in answers:
+                e.grammar.prepared = (e.drafts, scratch[e.start:e.start + 1 + len(e.drafts)].copy(), answers[sid])
+                if sid in where:
+                    draft_token_ids.draft_token_ids[where[sid]] = list(e.drafts)
 
     def step_ahead(self) -> None:
         """(after vLLM's update_from_output) One step now for every maskd sequence that accepted tokens:
@@ -534,7 +565,7 @@ class MaskdStructuredOutputs:
                 self.client.open(g.seq_id, g.spec)
                 g.opened = True
             tokens, g.pending = g.pending, []
-            request[g.seq_id] = StepInput(tokens, e.drafts) if e.drafts else tokens
+            request[g.seq_id] = StepInput(tokens, e.drafts, propose=e.propose) if e.drafts or e.propose else tokens
         by_id = {e.grammar.seq_id: e for e in entries}
         answered: set[str] = set()
         waited, attempt = 0.0, 0
@@ -548,10 +579,12 @@ class MaskdStructuredOutputs:
                     if res.status is not SeqStatus.WAITING:
                         answered.add(sid)
                     if res.has_rows:
+                        if e.propose:
+                            e.drafts = res.proposed_drafts
                         valid[sid] = self._place(e, result.bitmask[res.row:res.row + res.num_rows],
                                                  res.drafts_valid, out)
                     elif res.status is SeqStatus.WAITING:
-                        waiting[sid] = StepInput((), e.drafts)
+                        waiting[sid] = StepInput((), e.drafts, propose=e.propose)
                     else:
                         self._give_up(e, res.reason or res.status.name, out)
                 if waiting and waited > self.settings.wait_timeout_s:
@@ -593,6 +626,38 @@ class MaskdStructuredOutputs:
         self.ahead = None
         self.compiles.shutdown(wait=False, cancel_futures=True)
         self.client.shutdown()
+
+
+# -- grammar drafts (the worker's proposer) ----------------------------------------------------------
+GRAMMAR_DRAFTS = "maskd_client.vllm.GrammarDrafts"
+
+
+class GrammarDrafts:
+    """vLLM's speculative proposer for maskd's grammar drafts (``--speculative-config
+    '{"method": "custom_class", "model": "maskd_client.vllm.GrammarDrafts", "num_speculative_tokens": K}'``).
+
+    It runs in vLLM's worker and proposes no tokens itself: the drafts of maskd's requests are made
+    by the maskd server, which holds their grammar state, and take the place of these empty ones in
+    the engine core (``MaskdStructuredOutputs.check_drafts``). No draft model is loaded."""
+
+    def __init__(self, vllm_config: Any) -> None:
+        self.k = int(vllm_config.speculative_config.num_speculative_tokens)
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        """Nothing to load: the drafts come from the grammar."""
+
+    def propose(self, sampled_token_ids: list, *args: Any, **kwargs: Any) -> list[list[int]]:
+        return [[] for _ in sampled_token_ids]
+
+
+def _grammar_drafts(vllm_config: Any) -> int:
+    """The drafts the server proposes per request and step: num_speculative_tokens when vLLM's
+    speculative config names GrammarDrafts, else 0 (drafts, if any, come from vLLM's drafter)."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None or getattr(spec, "method", None) != "custom_class" \
+            or getattr(spec, "model", None) != GRAMMAR_DRAFTS:
+        return 0
+    return int(spec.num_speculative_tokens)
 
 
 @functools.cache

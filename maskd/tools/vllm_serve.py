@@ -24,6 +24,7 @@ from typing import Any
 REPO = pathlib.Path(__file__).resolve().parents[2]
 VLLM_VENV = REPO / ".venv-vllm"
 MODEL_DIR = REPO / ".cache" / "tiny-llama-deepseek"
+JSON_MODEL_DIR = REPO / ".cache" / "tiny-llama-deepseek-json"   # trained on MaskBench JSON (json_training.py)
 MODEL = "tiny"
 READY_TIMEOUT_S = 600      # a loaded 2-core CI machine: 30-70 s usually
 THINK_END = "</think>"
@@ -35,6 +36,12 @@ ENGINE_OPTIONS = ("--structured-outputs-config", '{"backend": "guidance", "disab
 def model_dir() -> pathlib.Path:
     from maskd.tools.tiny_model import build
     return build(MODEL_DIR)
+
+
+def json_model_dir(maskbench: str | os.PathLike) -> pathlib.Path:
+    """The tiny Llama trained on the train half of these MaskBench files (minutes, the first time)."""
+    from maskd.tools.json_training import train
+    return train(JSON_MODEL_DIR, maskbench, base=model_dir())
 
 
 def free_port() -> int:
@@ -94,9 +101,10 @@ def vllm_prefix() -> pathlib.Path:
 
 @contextlib.contextmanager
 def vllm_engine(log_dir: pathlib.Path, *args: str, env: Mapping[str, str] | None = None,
-                name: str = "vllm", prefix: pathlib.Path | None = None) -> Iterator[Engine]:
-    """``vllm serve`` of the tiny model with ``args``; ``env`` on top of this process's environment
-    (MASKD_* and vLLM's own variables removed first, so only what the caller names is set)."""
+                name: str = "vllm", prefix: pathlib.Path | None = None,
+                model: pathlib.Path | None = None) -> Iterator[Engine]:
+    """``vllm serve`` of the tiny model (or ``model``) with ``args``; ``env`` on top of this process's
+    environment (MASKD_* and vLLM's own variables removed first, so only what the caller names is set)."""
     port = free_port()
     prefix = prefix or vllm_prefix()
     bindir = prefix / "bin"
@@ -110,7 +118,7 @@ def vllm_engine(log_dir: pathlib.Path, *args: str, env: Mapping[str, str] | None
         full["VLLM_CPU_KVCACHE_SPACE"] = "1"
     full.update(env or {})
     log = pathlib.Path(log_dir) / f"{name}.log"
-    cmd = [str(bindir / "vllm"), "serve", str(model_dir()), "--host", "127.0.0.1", "--port", str(port),
+    cmd = [str(bindir / "vllm"), "serve", str(model or model_dir()), "--host", "127.0.0.1", "--port", str(port),
            "--served-model-name", MODEL, "--max-model-len", "1024", "--seed", "0", *args]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full, start_new_session=True,
