@@ -194,6 +194,20 @@ def test_e2e(tmp_path):
     assert "inprocess-overlapped" in (out / "e2e.md").read_text()
 
 
+def test_e2e_grammar_drafts(tmp_path):
+    """maskd-drafts: several tokens per slot and step where drafts are accepted, every one of them
+    checked against its position's row (0 violations), its cost model stated in the report."""
+    report, out = _run("e2e", tmp_path, "--batch-sizes", "4", "--forward-ms", "2", "--steps", "24", "--warmup", "2",
+                       "--pin", "none", "--modes", "unstructured,maskd-drafts", "--drafts", "3")
+    assert report["failed"] is False and report["violations"] == 0
+    r = report["results"][0]["runs"]["maskd-drafts"]
+    assert r["drafts"] > 0 and r["failed_rows"] == 0
+    assert r["masks_checked"] == r["tokens"] > 0 and r["token_violations"] == 0
+    assert r["tokens_per_slot_step"] > 1.0          # the sample's schemas force keys and punctuation
+    text = (out / "e2e.md").read_text()
+    assert "Grammar drafts" in text and "max(1, (B + D) / max(B, S))" in text
+
+
 def test_wire(tmp_path):
     report, out = _run("wire", tmp_path, "--batch-sizes", "1,4")
     assert report["dense_row_bytes"] == 16160

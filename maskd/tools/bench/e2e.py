@@ -29,6 +29,18 @@ The modes differ only in where the masks come from:
 ``maskd``
     the sampled tokens go out with ``step_async`` right after sampling; the reply is taken after
     the next forward pass (its wait is measured: zero when the reply was already there).
+``maskd-drafts``
+    grammar drafts (speculative decoding): the sampled tokens go out asking the server for up to
+    ``--drafts`` K draft tokens per slot; the reply (in the critical path: the drafts are the next
+    forward pass's input) has them with a row for every draft position. The forward pass verifies
+    them: a slot keeps the drafts its instance's next tokens agree with, plus one token of its own
+    (the bonus, or the correction), each checked against its position's row. **Cost model of the
+    verification pass** (an estimate for a GPU, not a measurement): a forward pass over B + D tokens
+    (D drafts in the batch) costs ``forward_ms * max(1, (B + D) / max(B, S))``, S =
+    ``--saturation-tokens`` (256): decoding is memory bound, so a pass costs about one decode step
+    until the batch reaches S tokens, then grows with them. The instance's tokens stand in for a
+    model that writes the tokenizer's own tokenization; a real model's acceptance is measured in
+    a real engine (``maskd bench vllm``, tests/vllm_engine/test_grammar_drafts.py).
 
 With ``--pin S+W`` (default 1+1) the maskd server runs as a child process on S cores of its own
 and this process (the worker: its loop, the client, and the in-process modes' llguidance) on the
@@ -47,7 +59,7 @@ from maskd.tools.bench import common
 from maskd.tools.progress import bar
 
 QUICK_LIMIT = 48
-MODES = ("unstructured", "inprocess-critical", "inprocess-overlapped", "maskd")
+MODES = ("unstructured", "inprocess-critical", "inprocess-overlapped", "maskd", "maskd-drafts")
 STRUCTURED = MODES[1:]
 DETOKENIZE_WINDOW = 6          # tokens decoded per slot and step (incremental detokenization)
 STOP_STRING = "<|stop|>"       # a stop string that never occurs: the check runs, never ends a slot
@@ -66,9 +78,9 @@ class _Slot:
 class _Replay:
     """B slots over the instance pool, the same sequence of instances in every mode."""
 
-    def __init__(self, pool: list[common.Instance], batch: int, eos: int, tag: str) -> None:
+    def __init__(self, pool: list[common.Instance], batch: int, eos: int, tag: str, start: int = 0) -> None:
         self.pool, self.eos, self.tag = pool, eos, tag
-        self.cursor = 0
+        self.cursor = start
         self.slots = [self._fresh() for _ in range(batch)]
 
     def _fresh(self) -> _Slot:
@@ -116,6 +128,9 @@ class _Tally:
     periods: list = dataclasses.field(default_factory=list)
     mask_wait: list = dataclasses.field(default_factory=list)
     critical: list = dataclasses.field(default_factory=list)   # mask work in the critical path, s
+    drafts: int = 0                                              # maskd-drafts: drafts verified
+    slot_steps: int = 0                                          # maskd-drafts: (slot, step)s with rows
+    repeated: int = 0          # maskd-drafts: instances its server had seen before (the pool came round)
     host: list = dataclasses.field(default_factory=list)
 
 
@@ -270,6 +285,99 @@ def _loop_maskd(ctx, batch: int, forward_s: float, steps: int, warmup: int) -> _
     return tally
 
 
+def _loop_maskd_drafts(ctx, batch: int, forward_s: float, steps: int, warmup: int) -> _Tally:
+    from maskd_client import MaskClient, SeqStatus, StepInput
+
+    # Its own server, and instances that server has not seen while the pool lasts (a run goes on
+    # where the one before stopped): learned drafts come only from other documents of the grammar.
+    replay = _Replay(ctx.pool, batch, ctx.eos, f"d{batch}-{int(forward_s * 1e3)}", start=ctx.drafts_cursor)
+    tally = _Tally()
+    k, saturation = ctx.drafts, ctx.saturation_tokens
+    materialize = common.Materializer(batch * (1 + k), (ctx.tok.logits_width + 31) // 32)
+    with MaskClient(ctx.drafts_address, want_forced_tokens=False, timeout_s=600) as mc:
+        for s in replay.slots:
+            mc.open(s.sid, s.inst.spec_pb)
+        send: dict[str, list[int]] = {s.sid: [] for s in replay.slots}
+        t_prev = time.perf_counter()
+        for step in bar(range(warmup + steps), desc=f"maskd-drafts B={batch}", unit="step"):
+            measured = step >= warmup
+            t0 = time.perf_counter()
+            res = mc.step({s.sid: StepInput(send[s.sid], propose=k) for s in replay.slots})
+            t1 = time.perf_counter()
+            rows = materialize(res.bitmask)
+            seqs = res.seqs
+            plans: list[tuple[int, list[int]] | None] = []
+            for s in replay.slots:
+                r = seqs[s.sid]
+                if r.has_rows:
+                    plans.append((r.row, list(r.proposed_drafts)))
+                else:
+                    plans.append(None)
+                    if measured:
+                        tally.waiting += r.status is SeqStatus.WAITING
+                        tally.failed += r.status is not SeqStatus.WAITING
+            drafted = sum(len(p[1]) for p in plans if p is not None)
+            time.sleep(forward_s * max(1.0, (batch + drafted) / max(batch, saturation)))   # the verification pass
+            # Each slot's tokens: the drafts its instance agrees with, then one of its own.
+            took: list[list[int]] = []
+            check_rows, check_tokens = [], []
+            for s, plan in zip(replay.slots, plans):
+                mine: list[int] = []
+                if plan is not None:
+                    row, drafts = plan
+                    at = s.pos
+                    for j in range(len(drafts) + 1):
+                        t = s.inst.tokens[at + j] if at + j < len(s.inst.tokens) else replay.eos
+                        mine.append(t)
+                        check_rows.append(row + j)
+                        check_tokens.append(t)
+                        if t == replay.eos or j == len(drafts) or drafts[j] != t:
+                            break
+                took.append(mine)
+            ok = common.allowed(rows, np.asarray(check_rows), np.asarray(check_tokens)).tolist()
+            at = 0
+            sampled: list[int | None] = []
+            refilled = []
+            send = {}
+            for i, (s, mine) in enumerate(zip(replay.slots, took)):
+                if not mine:
+                    sampled.append(None)
+                    send[s.sid] = []
+                    continue
+                good = all(ok[at:at + len(mine)])
+                at += len(mine)
+                if measured:
+                    tally.masks_checked += len(mine)
+                    tally.violations += 0 if good else 1
+                    tally.tokens += len(mine)
+                sampled.append(mine[-1])
+                s.output.extend(mine[:-1])
+                if not good or mine[-1] == replay.eos:     # a violation starts the slot over; EOS ends it
+                    if measured and good:
+                        tally.completed += 1
+                    refilled.append(i)
+                    continue
+                s.pos += len(mine)
+                send[s.sid] = mine
+            for i in refilled:
+                mc.close(replay.slots[i].sid)
+                new = replay.refill(i)
+                mc.open(new.sid, new.inst.spec_pb)
+                send[new.sid] = []
+            ctx.host(replay.slots, sampled)
+            t = time.perf_counter()
+            if measured:
+                tally.critical.append(t1 - t0)
+                tally.mask_wait.append(t1 - t0)
+                tally.periods.append(t - t_prev)
+                tally.drafts += drafted
+                tally.slot_steps += sum(1 for mine in took if mine)
+            t_prev = t
+    ctx.drafts_cursor = replay.cursor
+    tally.repeated = max(0, replay.cursor - len(ctx.pool))
+    return tally
+
+
 @dataclasses.dataclass
 class _Context:
     tok: object
@@ -279,6 +387,10 @@ class _Context:
     worker_threads: int
     host: _HostWork
     materialize: common.Materializer
+    drafts: int = 4
+    saturation_tokens: int = 256
+    drafts_address: str = ""      # the maskd-drafts mode's own server
+    drafts_cursor: int = 0
 
 
 def _summary(mode: str, tally: _Tally) -> dict:
@@ -298,6 +410,11 @@ def _summary(mode: str, tally: _Tally) -> dict:
                     "critical_path_mask_ms": common.summarize(tally.critical)})
     if mode == "maskd":
         out.update({"mask_wait_ms": common.summarize(tally.mask_wait), "waited_steps": tally.waited_steps,
+                    "waiting_rows": tally.waiting, "failed_rows": tally.failed})
+    if mode == "maskd-drafts":
+        out.update({"round_trip_ms": common.summarize(tally.mask_wait), "drafts": tally.drafts,
+                    "tokens_per_slot_step": round(tally.tokens / max(1, tally.slot_steps), 3),
+                    "instances_seen_before": tally.repeated,
                     "waiting_rows": tally.waiting, "failed_rows": tally.failed})
     return out
 
@@ -327,6 +444,7 @@ def run(args, log=print) -> dict:
                              getattr(args, "target", None), log_path=common.pathlib.Path(args.out) / "server.log",
                              cpus=placement.server_cpus if placement else None)
     results: list[dict] = []
+    drafts_srv = None
     try:
         from maskd_client import MaskClient
         with MaskClient(srv.address, timeout_s=600) as mc:
@@ -334,11 +452,19 @@ def run(args, log=print) -> dict:
             errors = common.register_all(mc, schemas)
         pool = common.instance_pool(schemas, errors, args.seed, "e2e")
         ctx = _Context(tok, pool, tok.eos_token_ids[0], srv.address, worker_threads, _HostWork(tok),
-                       common.Materializer(max(batches), (tok.logits_width + 31) // 32))
+                       common.Materializer(max(batches), (tok.logits_width + 31) // 32),
+                       getattr(args, "drafts", 4), getattr(args, "saturation_tokens", 256))
         log(f"e2e: {len(pool)} instances of {len(schemas) - len(errors)} schemas, server {srv.kind} at "
             f"{srv.address} ({server_threads} fill threads), in-process modes {worker_threads} threads; "
             + (placement.describe() if placement else "not pinned")
             + f"; {steps} steps per run after {warmup}")
+        if "maskd-drafts" in modes:     # its own server: what it learns comes only from its own sequences
+            drafts_srv = common.open_server(getattr(args, "server", "subprocess"), args.tokenizer, server_threads,
+                                            None, log_path=common.pathlib.Path(args.out) / "server-drafts.log",
+                                            cpus=placement.server_cpus if placement else None)
+            with MaskClient(drafts_srv.address, timeout_s=600) as mc:
+                common.register_all(mc, [s for s in schemas if s.name not in errors])
+            ctx.drafts_address = drafts_srv.address
         with common.pinned_here(placement.worker_cpus if placement else None):
             for batch in batches:
                 for fwd in forwards:
@@ -350,6 +476,8 @@ def run(args, log=print) -> dict:
                             tally = _loop_unstructured(ctx, batch, fs, steps, warmup)
                         elif mode == "maskd":
                             tally = _loop_maskd(ctx, batch, fs, steps, warmup)
+                        elif mode == "maskd-drafts":
+                            tally = _loop_maskd_drafts(ctx, batch, fs, steps, warmup)
                         else:
                             tally = _loop_inprocess(ctx, batch, fs, steps, warmup,
                                                     overlapped=mode == "inprocess-overlapped")
@@ -362,6 +490,8 @@ def run(args, log=print) -> dict:
                         f"{m} {r['tokens_per_s']:,.0f} tok/s (x{r['ratio_to_unstructured']})" for m, r in runs.items()))
     finally:
         srv.close()
+        if drafts_srv is not None:
+            drafts_srv.close()
 
     violations = sum(r.get("token_violations", 0) for x in results for r in x["runs"].values())
     report = {
@@ -460,6 +590,21 @@ def _markdown(r: dict) -> str:
                      *[runs[m]["critical_path_mask_ms"].get("p50", "-") if m in runs else "-" for m in STRUCTURED],
                      runs[next(iter(runs))]["host_work_ms"].get("p50", "-")])
     lines.append(common.md_table(["batch", "forward ms", *STRUCTURED, "host work p50"], rows))
+    drafted = [x for x in r["results"] if "maskd-drafts" in x["runs"]]
+    if drafted:
+        lines.append("\n## Grammar drafts (maskd-drafts)\n\nAn **estimate** for a GPU: the verification pass over "
+                     "B + D tokens is charged `forward_ms * max(1, (B + D) / max(B, S))`, S = "
+                     f"{r['args'].get('saturation_tokens', 256)} tokens; drafts asked per slot and step: "
+                     f"{r['args'].get('drafts', 4)}; the server's round trip is in the critical path. The mode has a "
+                     "server of its own and takes instances that server has not seen (until the pool comes "
+                     "round: counted), so its learned drafts come from other documents of the same schemas.\n\n")
+        rows = [[x["batch"], x["forward_ms"], x["runs"]["maskd-drafts"]["tokens_per_slot_step"],
+                 x["runs"]["maskd-drafts"]["drafts"], x["runs"]["maskd-drafts"]["round_trip_ms"].get("p50", "-"),
+                 x["runs"]["maskd-drafts"]["instances_seen_before"],
+                 x["runs"]["maskd-drafts"]["ratio_to_unstructured"]] for x in drafted]
+        lines.append(common.md_table(["batch", "forward ms", "tokens per slot and step", "drafts verified",
+                                      "round trip p50 ms", "instances its server saw before",
+                                      "tokens/s vs unstructured"], rows))
     checked = sum(v.get("masks_checked", 0) for x in r["results"] for v in x["runs"].values())
     lines.append(f"\nMasks checked: {checked:,}; violations: {r['violations']}.\n")
     lines += common.targets_markdown(r.get("targets"))
