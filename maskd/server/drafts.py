@@ -22,7 +22,8 @@ The context a guess is keyed on is (grammar id, the last ``CONTEXT`` accepted to
 its counts on the parser state; llguidance exposes no state id a server could key on (its state is
 an Earley parse plus a lexer state), so the tokens just written stand in for it, inside one grammar,
 and the grammar itself filters every guess. Counts are learned from every token any sequence of the
-grammar accepts on this server, whether it asked for drafts or not.
+grammar accepts on this server once drafts were asked for that grammar (whether or not the sequence
+itself asked): grammars nobody drafts cost the step nothing.
 
 Memory is bounded: at most ``max_grammars`` grammars (least recently used go first) of at most
 ``max_contexts`` contexts each (the oldest half goes when a grammar fills up), a few next tokens per

@@ -44,6 +44,7 @@ class CacheEntry:
     compile_seconds: float = 0.0
     started: float = 0.0            # monotonic time the compile began (0: still queued)
     size: int = 0                   # bytes counted against the cache's limit
+    drafting: bool = False          # a sequence asked for grammar drafts: its sequences teach the drafter
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
 
 

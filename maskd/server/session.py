@@ -214,7 +214,8 @@ class Session(StepRouting):
                 self._internal(adv.res, seq, "consuming tokens", reason, refusals)
             elif reason is None:
                 seq.accepted += len(adv.tokens)
-                self._learn(seq, adv.tokens)
+                if seq.entry.drafting:
+                    self._learn(seq, adv.tokens)
                 fill.append(adv)
             else:
                 seq.dead_reason = f"token rejected: {reason}"
@@ -223,8 +224,8 @@ class Session(StepRouting):
                 fail(adv.res, seq, seq.dead_reason)
 
     def _learn(self, seq: SequenceState, tokens) -> None:
-        """Accepted tokens teach the grammar's drafter; the drafts proposed at the step before are
-        scored against them."""
+        """Accepted tokens teach the grammar's drafter (a grammar for which drafts were asked: the
+        others cost nothing); the drafts proposed at the step before are scored against them."""
         proposal = seq.proposal
         if proposal is not None:
             seq.proposal = None
@@ -245,6 +246,7 @@ class Session(StepRouting):
         for job in fill:
             if job.propose and not job.drafts:
                 seq = job.seq
+                seq.entry.drafting = True
                 try:
                     if seq.proposal is None or seq.proposal_step != seq.step:
                         seq.proposal = self.drafts.propose(self._drafts_key(seq), job.matcher, seq.tail, job.propose)

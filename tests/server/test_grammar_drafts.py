@@ -90,8 +90,8 @@ def test_learned_drafts_come_from_what_the_grammars_sequences_wrote(stub, server
     spec = {"regex": "[a-z ]{1,80}"}           # nothing is forced: every draft here is learned
     text = cl100k.encode("the quick brown fox jumps over the lazy dog")
     s = Stream(stub)
-    for i in range(MIN_COUNT):                  # two sequences write the text
-        n, _ = ready(s, f"teach{i}", spec)
+    for i in range(MIN_COUNT):                  # two sequences write the text (drafting: the grammar learns)
+        n, _ = ready(s, f"teach{i}", spec, propose_drafts=1)
         s.send(step(f"teach{i}", n + 1, text))
     proposed = metric(server, "maskd_drafts_proposed_total", "learned")
     accepted = metric(server, "maskd_drafts_accepted_total", "learned")
@@ -114,7 +114,7 @@ def test_a_draft_the_grammar_refuses_is_never_proposed(stub, cl100k):
     text = cl100k.encode(" the quick brown fox")          # 20 characters
     s = Stream(stub)
     for i in range(MIN_COUNT):
-        n, _ = ready(s, f"t{i}", spec)
+        n, _ = ready(s, f"t{i}", spec, propose_drafts=1)
         s.send(step(f"t{i}", n + 1, text))
     # The same context 12 characters later: " brown" would pass the grammar's 24.
     n, _ = ready(s, "late", spec)
@@ -124,6 +124,19 @@ def test_a_draft_the_grammar_refuses_is_never_proposed(stub, cl100k):
     n, _ = ready(s, "early", spec)                         # where it fits, it is proposed
     r = s.send(step("early", n + 1, text[:2], propose_drafts=4))
     assert list(r.results[0].proposed_drafts) == text[2:4]
+    s.close()
+
+
+def test_a_grammar_nobody_drafts_teaches_nothing(stub, server, cl100k):
+    spec = {"regex": "[a-z ]{1,70}"}
+    text = cl100k.encode(" the quick brown fox")
+    s = Stream(stub)
+    for i in range(MIN_COUNT):                   # nobody asks for drafts: no counts are kept
+        n, _ = ready(s, f"plain{i}", spec)
+        s.send(step(f"plain{i}", n + 1, text))
+    n, _ = ready(s, "ask", spec)
+    r = s.send(step("ask", n + 1, text[:2], propose_drafts=2))
+    assert list(r.results[0].proposed_drafts) == []
     s.close()
 
 
