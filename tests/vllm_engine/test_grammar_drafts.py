@@ -94,7 +94,7 @@ def test_greedy_outputs_with_grammar_drafts_equal_vllms_own_backend_without(engi
     counters = SpecCounters(engine)
     proposed = server_metric(maskd_server, "maskd_drafts_proposed_total")
     ours, theirs = run_all(engine, requests), run_all(reference, requests)
-    drafts, tokens, accepted = counters.delta()
+    _, tokens, accepted = counters.delta()
     assert tokens > 0 and accepted > 0, "no grammar draft was proposed or accepted"
     assert server_metric(maskd_server, "maskd_drafts_proposed_total") > proposed
     for name, (status, reply) in ours.items():
@@ -112,7 +112,7 @@ def per_step(engine, requests: dict) -> tuple[float, dict]:
     counters = SpecCounters(engine)
     replies = run_all(engine, requests)
     drafts, tokens, accepted = counters.delta()
-    for name, (status, reply) in replies.items():
+    for status, reply in replies.values():
         assert status == 200, reply
         choice = reply["choices"][0]
         assert choice["finish_reason"] == "stop", choice

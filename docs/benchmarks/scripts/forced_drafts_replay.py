@@ -14,12 +14,12 @@ import random
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3] / "tests" / "vllm_engine"))
-from test_grammar_drafts import ACCOUNT  # noqa: E402
+from test_grammar_drafts import ACCOUNT
 
-from maskd.server.drafts import DraftModel  # noqa: E402
-from maskd.server.engines import create_engine  # noqa: E402
-from maskd.server.tokenizers import load_tokenizer  # noqa: E402
-from maskd.specs import GrammarSpec  # noqa: E402
+from maskd.server.drafts import DraftModel
+from maskd.server.engines import create_engine
+from maskd.server.tokenizers import load_tokenizer
+from maskd.specs import GrammarSpec
 
 tok = load_tokenizer("deepseek-v4")
 engine = create_engine("llguidance", tok, threads=1)
