@@ -641,7 +641,7 @@ class GrammarDrafts:
     the engine core (``MaskdStructuredOutputs.check_drafts``). No draft model is loaded."""
 
     def __init__(self, vllm_config: Any) -> None:
-        self.k = int(vllm_config.speculative_config.num_speculative_tokens)
+        """vLLM constructs its proposer with its config; the drafts' count is read in the engine core."""
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         """Nothing to load: the drafts come from the grammar."""

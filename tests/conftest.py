@@ -60,3 +60,11 @@ def fuzz_seconds(request):
     return float(value if value is not None else os.environ.get("MASKD_FUZZ_SECONDS", 20))
 
 
+@pytest.fixture
+def stub(server):
+    """A MaskService stub on a channel to the requesting module's own ``server`` fixture."""
+    import grpc
+
+    from maskd.v1 import maskd_pb2_grpc as pb_grpc
+    with grpc.insecure_channel(server.address) as ch:
+        yield pb_grpc.MaskServiceStub(ch)

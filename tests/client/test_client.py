@@ -197,10 +197,13 @@ def test_garbage_tokens_change_nothing(server, cl100k):
         mc.open("g-b", {"regex": "[0-9]+"})
         _ready(mc, "g-a", "g-b")
         closed = mc.close("g-b")
-        for garbage in (["x"], [None], [1.5j], StepInput(tokens=[1], rollback="two")):
+        for garbage in (["x"], [None], [1.5j], StepInput(tokens=[1], rollback="two"), StepInput(propose="four")):
             with pytest.raises(MaskClientError, match="integers") as err:
                 mc.step({"g-a": garbage})
             assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(MaskClientError, match="propose must be >= 0") as err:
+            mc.step({"g-a": StepInput(propose=-1)})
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
         assert mc.history("g-a") == [] and not closed.done()
         res = mc.step({"g-a": cl100k.encode("42")})    # step numbers still line up
         assert res.seqs["g-a"].status is SeqStatus.READY

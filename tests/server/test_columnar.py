@@ -10,7 +10,6 @@ from test_server import Stream, step
 from maskd.server import Limits, MaskServer, ServerConfig
 from maskd.server.sequence import CLOSED_STEPS, RECENT_STEPS
 from maskd.v1 import maskd_pb2 as pb
-from maskd.v1 import maskd_pb2_grpc as pb_grpc
 
 C = grpc.StatusCode
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}},
@@ -25,12 +24,6 @@ def server():
                                   limits=Limits(max_message_bytes=1 << 20))).start()
     yield srv
     srv.stop(grace=1.0)
-
-
-@pytest.fixture
-def stub(server):
-    with grpc.insecure_channel(server.address) as ch:
-        yield pb_grpc.MaskServiceStub(ch)
 
 
 def columnar(entries, *, forced=False, seqs=()):

@@ -27,15 +27,6 @@ def server():
     srv.stop(grace=1.0)
 
 
-@pytest.fixture
-def stub(server):
-    import grpc
-
-    from maskd.v1 import maskd_pb2_grpc as pb_grpc
-    with grpc.insecure_channel(server.address) as ch:
-        yield pb_grpc.MaskServiceStub(ch)
-
-
 def ready(s, seq_id, spec, **kw):
     """Opens a sequence and steps until its grammar is ready; returns (step, reply)."""
     r = s.send(step(seq_id, 0, spec=spec, **kw))

@@ -14,7 +14,6 @@ from maskd.server import Limits, MaskServer, ServerConfig
 from maskd.v1.contract import SESSION_METADATA_KEY
 from maskd.specs import GrammarSpec
 from maskd.v1 import maskd_pb2 as pb
-from maskd.v1 import maskd_pb2_grpc as pb_grpc
 
 C = grpc.StatusCode
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
@@ -27,12 +26,6 @@ def server():
                                   metrics_port=0, limits=Limits(max_message_bytes=1 << 20, max_grammar_bytes=4096))).start()
     yield srv
     srv.stop(grace=1.0)
-
-
-@pytest.fixture
-def stub(server):
-    with grpc.insecure_channel(server.address) as ch:
-        yield pb_grpc.MaskServiceStub(ch)
 
 
 class Reply:
