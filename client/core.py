@@ -269,7 +269,7 @@ class ClientCore(Recovery):
                 part = parts.get(owner[a.seq_id])
                 if part is None:
                     part = parts[owner[a.seq_id]] = _Part()
-                if not a.drafts and not a.rollback and not a.propose and ledger.plain(a.seq_id):
+                if not a.drafts and not a.rollback and not a.propose and not a.unmasked and ledger.plain(a.seq_id):
                     part.plain_ids.append(a.seq_id)     # a columnar entry: a handle, a step, tokens
                     part.plain_tokens.append(a.tokens)
                 else:
@@ -325,9 +325,14 @@ class ClientCore(Recovery):
         with self._cond:
             self._ledger.set_handles(handles)
 
-    def _refused(self, undo: list[Undo], seq_ids: set[str]) -> None:
+    def _refused(self, undo: list[Undo], seq_ids: set[str], step_kept: bool = False) -> None:
+        """Entries the server refused (their steps are taken back), or with ``step_kept`` the
+        sampled_unmasked tokens it refused (only the tokens are)."""
         with self._cond:
-            self._ledger.undo(undo, seq_ids)
+            if step_kept:
+                self._ledger.retract(undo, seq_ids)
+            else:
+                self._ledger.undo(undo, seq_ids)
 
     # -- teardown ---------------------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -377,7 +382,7 @@ def _parse(tokens_by_seq: Mapping[str, Any]) -> list[Advance]:
         for seq_id, value in tokens_by_seq.items():
             if isinstance(value, StepInput):
                 append(Advance(seq_id, [int(t) for t in value.tokens], [int(t) for t in value.drafts],
-                               int(value.rollback), int(value.propose)))
+                               int(value.rollback), int(value.propose), bool(value.sampled_unmasked)))
             else:
                 append(Advance(seq_id, [int(t) for t in value], _NO_DRAFTS, 0))
     except (TypeError, ValueError) as exc:

@@ -75,6 +75,7 @@ class Advance(NamedTuple):
     drafts: Sequence[int]
     rollback: int
     propose: int = 0
+    unmasked: bool = False
 
 
 class SequenceLedger:
@@ -128,7 +129,7 @@ class SequenceLedger:
         """Applies one checked input to its record; returns its wire entry and its undo record."""
         seq = self._seqs[a.seq_id]
         entry = pb.SeqStep(seq_id=a.seq_id, tokens=a.tokens, draft_tokens=a.drafts, rollback=a.rollback,
-                           propose_drafts=a.propose)
+                           propose_drafts=a.propose, sampled_unmasked=a.unmasked)
         opened_here = not seq.opened
         if opened_here:
             entry.spec.CopyFrom(seq.spec)
@@ -179,6 +180,14 @@ class SequenceLedger:
             if seq is None or seq.step != rec.step:
                 continue
             _revert(seq, rec)
+
+    def retract(self, records: Iterable[Undo], only: set[str]) -> None:
+        """Takes back the tokens of answered steps the server did not consume (sampled_unmasked
+        tokens it refused: ``resample``); the steps themselves count."""
+        for rec in records_of(records, only):
+            seq = self._seqs.get(rec.seq_id)
+            if seq is not None and seq.step == rec.step and rec.n_tokens:
+                del seq.history[-rec.n_tokens:]
 
     # -- restores ---------------------------------------------------------------------------------
     def restore_requests(self, seq_ids: Iterable[str], in_flight: Sequence[Sequence[Undo]],

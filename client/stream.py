@@ -50,7 +50,7 @@ class StreamLost(MaskClientError):
 class StepStream:
     def __init__(self, connection: Connection, session: str, info: ServerInfo, *,
                  on_lost: Callable[[StepStream, grpc.RpcError | None], None],
-                 on_refused: Callable[[list[Undo], set[str]], None],
+                 on_refused: Callable[..., None],
                  on_handles: Callable[[dict[str, int]], None]) -> None:
         self.connection = connection
         self.address = connection.target
@@ -172,6 +172,9 @@ class StepStream:
             refused = {sid for sid, d in details.items() if d.status is SeqStatus.ERROR}
             if refused:   # an ERROR leaves the server's sequence unchanged: take the step back here
                 self._on_refused(item.undo, refused)
+            resampled = {sid for sid, d in details.items() if d.resample}
+            if resampled:   # sampled_unmasked tokens refused: the server consumed nothing of them
+                self._on_refused(item.undo, resampled, True)
         if not item.future.done():
             item.future.set_result(result)
 
@@ -184,9 +187,10 @@ def result_of(reply: pb.StepResponse, item: InFlight, bitmask: np.ndarray) -> St
     for r in reply.results:
         status = SeqStatus(r.status)
         has_rows = status is SeqStatus.READY or status is SeqStatus.FINISHED
-        details[r.seq_id] = SeqResult(r.seq_id, r.step, status, r.first_row if has_rows else -1, r.num_rows,
+        details[r.seq_id] = SeqResult(r.seq_id, r.step, status, r.first_row if has_rows and r.num_rows else -1,
+                                      r.num_rows,
                                       list(r.forced_tokens), r.reason, grpc_code(r.code), r.accepting, r.drafts_valid,
-                                      list(r.proposed_drafts))
+                                      list(r.proposed_drafts), r.resample)
         rich_ids.append(r.seq_id)
     closing = {sid for sid, _ in item.closes}
     rich_ids = [sid for sid in rich_ids if sid not in closing]

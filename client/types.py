@@ -41,6 +41,10 @@ class StepInput:
     # Ask the server to propose up to this many draft tokens (grammar drafts; not with ``drafts``):
     # SeqResult.proposed_drafts has them, with a row for every draft position plus the bonus one.
     propose: int = 0
+    # Opportunistic masking: ``tokens`` (one) were sampled without this sequence's row. The server
+    # checks it: allowed, it is consumed and the answer has no row; refused, nothing is consumed
+    # and SeqResult.resample is set with the row to sample again with (send that token next step).
+    sampled_unmasked: bool = False
 
 
 @dataclasses.dataclass
@@ -57,6 +61,8 @@ class SeqResult:
     accepting: bool = False
     drafts_valid: int = 0
     proposed_drafts: list[int] = dataclasses.field(default_factory=list)
+    # sampled_unmasked: the token was refused (not consumed); the row is for the same position.
+    resample: bool = False
 
     @property
     def has_rows(self) -> bool:

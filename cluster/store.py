@@ -10,7 +10,13 @@ waiters compiles.
 The payload is opaque bytes from ``Engine.serialize`` (for llguidance the validated grammar
 string; for xgrammar ``CompiledGrammar.serialize_json``), so the store carries any backend.
 
-``RayGrammarStore`` is the worker-side adapter implementing maskd.server.grammar_cache.SharedGrammarStore.
+It also keeps the grammar drafts' counts of the cluster (``exchange_draft_counts``): each
+worker's server sends what its sequences of a grammar wrote and takes back what every worker's
+did, so drafts of a grammar are learned from the whole cluster (maskd.server.drafts). Bounded like
+a server's own counts (grammars least recently exchanged go first).
+
+``RayGrammarStore`` is the worker-side adapter implementing maskd.server.grammar_cache.SharedGrammarStore
+and maskd.server.drafts.SharedDraftCounts.
 """
 from __future__ import annotations
 
@@ -19,6 +25,8 @@ import collections
 import dataclasses
 import logging
 import time
+
+from maskd.server.drafts import GrammarCounts
 
 log = logging.getLogger("maskd_cluster.store")
 
@@ -33,7 +41,8 @@ class _Claim:
 class GrammarStore:
     """Ray actor (asyncio): create with ``ray.remote(GrammarStore).options(...)``."""
 
-    def __init__(self, max_entries: int = 4096, max_bytes: int = 1 << 30, claim_s: float = 30.0) -> None:
+    def __init__(self, max_entries: int = 4096, max_bytes: int = 1 << 30, claim_s: float = 30.0,
+                 max_draft_grammars: int = 512, max_draft_contexts: int = 8192) -> None:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self.claim_s = claim_s
@@ -42,6 +51,10 @@ class GrammarStore:
         self._claims: dict[str, _Claim] = {}
         self._publishes: collections.Counter[str] = collections.Counter()
         self.hits = self.misses = self.waits = self.publishes = self.evictions = 0
+        self.max_draft_grammars = max_draft_grammars
+        self.max_draft_contexts = max_draft_contexts
+        self._draft_counts: collections.OrderedDict[str, GrammarCounts] = collections.OrderedDict()
+        self.draft_exchanges = 0
 
     async def get(self, grammar_id: str, requester: str, wait_s: float = 30.0):
         """(data, error) when known; None when the caller should compile (it then holds the claim)."""
@@ -87,6 +100,26 @@ class GrammarStore:
             claim.event.set()
         self._evict()
 
+    async def exchange_draft_counts(self, learned: dict, wanted: list) -> dict:
+        """Adds a server's newly learned counts (key -> rows of GrammarCounts.rows) to the cluster's;
+        returns the cluster's counts of the ``wanted`` keys it holds."""
+        self.draft_exchanges += 1
+        for key, rows in learned.items():
+            counts = self._draft_counts.get(key)
+            if counts is None:
+                counts = self._draft_counts[key] = GrammarCounts(self.max_draft_contexts)
+            self._draft_counts.move_to_end(key)
+            counts.merge(rows)
+        while len(self._draft_counts) > self.max_draft_grammars:
+            self._draft_counts.popitem(last=False)
+        out = {}
+        for key in wanted:
+            counts = self._draft_counts.get(key)
+            if counts is not None:
+                self._draft_counts.move_to_end(key)
+                out[key] = counts.rows()
+        return out
+
     async def release(self, requester_prefix: str) -> int:
         """Drops the claims of a worker that is gone, so that a waiter compiles now."""
         gone = [g for g, c in self._claims.items() if c.requester.startswith(requester_prefix)]
@@ -97,7 +130,8 @@ class GrammarStore:
     async def stats(self) -> dict:
         return {"entries": len(self._entries), "bytes": self._bytes, "hits": self.hits, "misses": self.misses,
                 "waits": self.waits, "publishes": self.publishes, "evictions": self.evictions,
-                "claims": len(self._claims)}
+                "claims": len(self._claims), "draft_grammars": len(self._draft_counts),
+                "draft_exchanges": self.draft_exchanges}
 
     async def publish_count(self, grammar_id: str) -> int:
         """How many times workers published this grammar (the number of compiles cluster-wide)."""
@@ -136,3 +170,7 @@ class RayGrammarStore:
     def put(self, grammar_id: str, serialized: bytes | None, error: str | None) -> None:
         # Fire and forget: the compiled grammar is already in use here; publishing helps the others.
         self.handle.put.remote(grammar_id, serialized, error, self.requester)
+
+    def exchange_draft_counts(self, learned: dict, wanted: list) -> dict:
+        import ray
+        return ray.get(self.handle.exchange_draft_counts.remote(learned, wanted), timeout=self.call_timeout_s)

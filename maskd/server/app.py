@@ -21,6 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from maskd.server import compile_pool
 from maskd.server.auth import AuthConfigError, AuthInterceptor, Credentials
 from maskd.server.config import ConfigError, ServerConfig
+from maskd.server.drafts import SharedDraftCounts
 from maskd.server.engines import create_engine
 from maskd.server.grammar_cache import GrammarCache, SharedGrammarStore
 from maskd.server.metrics import Metrics
@@ -59,7 +60,8 @@ class MaskServer:
                                   max_queued=limits.max_compiles_queued,
                                   max_running_per_tenant=limits.max_compiles_running_per_tenant)
         self.service = MaskService(self.engine, self.cache, limits=limits, metrics=self.metrics,
-                                   credentials=self.credentials, row_dict_size=config.row_dict_size)
+                                   credentials=self.credentials, row_dict_size=config.row_dict_size,
+                                   shared_drafts=_draft_counts(shared_cache))
         self.health = health.HealthServicer()
         self._grpc = grpc.server(
             concurrent.futures.ThreadPoolExecutor(max_workers=limits.max_streams + UNARY_THREADS,
@@ -85,6 +87,8 @@ class MaskServer:
         self._stopped = threading.Event()
         self._stop_lock = threading.Lock()
         self._housekeeper = threading.Thread(target=self._housekeeping, daemon=True, name="maskd-housekeeping")
+        self._drafts_sync = (threading.Thread(target=self._sync_drafts, daemon=True, name="maskd-drafts-sync")
+                             if self.service.sessions.drafts.shared is not None else None)
 
     def _tls_credentials(self) -> grpc.ServerCredentials:
         cfg = self.config
@@ -115,6 +119,8 @@ class MaskServer:
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._housekeeper.start()
+        if self._drafts_sync is not None:
+            self._drafts_sync.start()
         log.info("maskd serving on %s (backend %s, tokenizer %s, width %d, compiles in %ss)", self.address,
                  self.engine.name, self.engine.tokenizer.spec, self.engine.width, self.config.compile_isolation)
         return self
@@ -183,11 +189,23 @@ class MaskServer:
             self.service.end_idle_streams()
             self.credentials.reload_if_changed()
 
+    def _sync_drafts(self) -> None:
+        """Grammar drafts' counts with the cluster's store, every --drafts-sync seconds (a thread of
+        its own: an exchange waits on the store)."""
+        drafts = self.service.sessions.drafts
+        while not self._stopped.wait(self.config.drafts_sync_s):
+            drafts.sync()
+
     def __enter__(self) -> MaskServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop(grace=1.0)
+
+
+def _draft_counts(shared: SharedGrammarStore | None) -> SharedDraftCounts | None:
+    """The shared store as the drafter's cluster-wide counts, where it keeps them."""
+    return shared if shared is not None and hasattr(shared, "exchange_draft_counts") else None  # type: ignore[return-value]
 
 
 def _exit_now(limit: float) -> None:

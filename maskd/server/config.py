@@ -109,6 +109,8 @@ class ServerConfig:
     tls_client_ca: str | None = setting(None, help="PEM CA bundle: clients must present a certificate it signed "
                                                    "(mTLS); its common name is the tenant")
     allow_plaintext_auth: bool = setting(False, help="accept bearer tokens on a plaintext port that is not loopback")
+    drafts_sync_s: float = setting(2.0, flag="--drafts-sync", help="in a cluster: seconds between exchanges of "
+                                   "grammar drafts' counts with the cluster's store")
     drain_delay_s: float = setting(2.0, flag="--drain-delay", help="seconds after SIGTERM during which health "
                                    "says NOT_SERVING but the port still answers (load balancers see the drain)")
     drain_grace_s: float = setting(10.0, flag="--drain-grace", help="seconds open streams get to finish after the "
@@ -130,6 +132,8 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, not {value}")
+        if not self.drafts_sync_s > 0:
+            raise ConfigError(f"--drafts-sync must be > 0 seconds, not {self.drafts_sync_s}")
         if self.row_dict_size < 0:
             raise ConfigError(f"--row-dict-size must be >= 0, not {self.row_dict_size}")
         if self.logits_width is not None and self.logits_width < 1:

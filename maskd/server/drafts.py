@@ -25,6 +25,12 @@ and the grammar itself filters every guess. Counts are learned from every token 
 grammar accepts on this server once drafts were asked for that grammar (whether or not the sequence
 itself asked): grammars nobody drafts cost the step nothing.
 
+Cluster-wide (``shared``, the cluster's grammar store): every ``sync`` sends the counts this server
+learned since the last one and takes back, for every grammar it learned or proposed from, the
+counts the whole cluster learned (its own included), so a grammar's sequences on every worker
+teach the drafts every worker proposes; the same grammar id means the same statistics on every
+replica. A server that cannot reach the store keeps proposing from what it has.
+
 Memory is bounded: at most ``max_grammars`` grammars (least recently used go first) of at most
 ``max_contexts`` contexts each (the oldest half goes when a grammar fills up), a few next tokens per
 context. Metrics count proposed and accepted drafts by source (forced, learned).
@@ -32,11 +38,16 @@ context. Metrics count proposed and accepted drafts by source (forced, learned).
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
+
+import numpy as np
 
 from maskd.server.engines import Matcher
+
+log = logging.getLogger("maskd.server.drafts")
 
 CONTEXT = 2          # accepted tokens a learned guess is conditioned on
 MIN_COUNT = 2        # a guess seen fewer times than this is not proposed
@@ -56,26 +67,40 @@ class GrammarCounts:
     def add(self, history: Sequence[int], tokens: Sequence[int]) -> None:
         """Counts each of ``tokens`` after the CONTEXT tokens before it (``history`` ends where they start)."""
         window = list(history[-CONTEXT:])
-        contexts = self.contexts
         for t in tokens:
             if len(window) == CONTEXT:
-                key = tuple(window)
-                nexts = contexts.get(key)
-                if nexts is None:
-                    if len(contexts) >= self.limit:
-                        for old in list(contexts)[: self.limit // 2]:    # the oldest half
-                            del contexts[old]
-                    nexts = contexts[key] = {}
-                if t in nexts:
-                    nexts[t] += 1
-                elif len(nexts) < NEXT_KEPT:
-                    nexts[t] = 1
-                else:       # the rarest gives way (and its count is forgotten)
-                    rare = min(nexts, key=nexts.__getitem__)
-                    del nexts[rare]
-                    nexts[t] = 1
+                self.bump(tuple(window), t, 1)
                 window.pop(0)
             window.append(t)
+
+    def bump(self, key: tuple[int, ...], t: int, n: int) -> None:
+        """``n`` more of token ``t`` after context ``key``, within the bounds."""
+        contexts = self.contexts
+        nexts = contexts.get(key)
+        if nexts is None:
+            if len(contexts) >= self.limit:
+                for old in list(contexts)[: self.limit // 2]:    # the oldest half
+                    del contexts[old]
+            nexts = contexts[key] = {}
+        if t in nexts:
+            nexts[t] += n
+        elif len(nexts) < NEXT_KEPT:
+            nexts[t] = n
+        else:       # the rarest gives way (and its count is forgotten)
+            rare = min(nexts, key=nexts.__getitem__)
+            del nexts[rare]
+            nexts[t] = n
+
+    def rows(self) -> np.ndarray:
+        """The counts as rows of (context tokens..., next token, count): what travels between a
+        server and the cluster's store."""
+        flat = [(*key, t, n) for key, nexts in self.contexts.items() for t, n in nexts.items()]
+        return np.array(flat, dtype=np.int64).reshape(len(flat), CONTEXT + 2)
+
+    def merge(self, rows: np.ndarray) -> None:
+        """Adds counts in the form ``rows`` gives them."""
+        for r in np.asarray(rows, dtype=np.int64).reshape(-1, CONTEXT + 2).tolist():
+            self.bump(tuple(r[:CONTEXT]), r[CONTEXT], r[CONTEXT + 1])
 
     def guess(self, context: Sequence[int]) -> int | None:
         nexts = self.contexts.get(tuple(context[-CONTEXT:]))
@@ -97,16 +122,29 @@ class Proposal:
         self.sources: list[str] = []
 
 
+class SharedDraftCounts(Protocol):
+    """What the cluster's store offers a server's drafter (maskd_cluster's grammar store)."""
+
+    def exchange_draft_counts(self, learned: dict[str, np.ndarray], wanted: list[str]) -> dict[str, np.ndarray]:
+        """Adds ``learned`` (counts as ``GrammarCounts.rows``) to the cluster's; returns the
+        cluster's counts of the ``wanted`` keys it has."""
+
+
 class DraftModel:
     """The server's drafter: learned counts per grammar id and the proposal walk. Thread-safe
     (sessions step on their own threads)."""
 
-    def __init__(self, *, max_grammars: int = 512, max_contexts: int = 8192, metrics: Any = None) -> None:
+    def __init__(self, *, max_grammars: int = 512, max_contexts: int = 8192, metrics: Any = None,
+                 shared: SharedDraftCounts | None = None) -> None:
         self.max_grammars = max_grammars
         self.max_contexts = max_contexts
         self.metrics = metrics
+        self.shared = shared
         self._grammars: collections.OrderedDict[str, GrammarCounts] = collections.OrderedDict()
         self._lock = threading.Lock()
+        # With a shared store: counts learned here since the last sync, and keys proposed from.
+        self._unsent: dict[str, GrammarCounts] = {}
+        self._asked: set[str] = set()
 
     def _counts(self, grammar_id: str) -> GrammarCounts | None:
         counts = self._grammars.get(grammar_id)
@@ -125,6 +163,48 @@ class DraftModel:
                 while len(self._grammars) > self.max_grammars:     # the least recently used goes
                     self._grammars.popitem(last=False)
             counts.add(history, tokens)
+            if self.shared is not None:
+                unsent = self._unsent.get(grammar_id)
+                if unsent is None:
+                    if len(self._unsent) >= self.max_grammars:   # bounded like the counts themselves
+                        del self._unsent[next(iter(self._unsent))]
+                    unsent = self._unsent[grammar_id] = GrammarCounts(self.max_contexts)
+                unsent.add(history, tokens)
+
+    def sync(self) -> int:
+        """One exchange with the cluster's store: what was learned here goes out, the cluster's
+        counts of every grammar learned or proposed from since the last sync come back (plus what
+        was learned here meanwhile). Returns the grammars updated; a store that does not answer
+        costs nothing but the exchange (counts learned meanwhile go out with the next one)."""
+        if self.shared is None:
+            return 0
+        with self._lock:
+            unsent, self._unsent = self._unsent, {}
+            wanted = sorted(set(unsent) | self._asked)
+            self._asked = set()
+        if not wanted:
+            return 0
+        try:
+            merged = self.shared.exchange_draft_counts({k: c.rows() for k, c in unsent.items()}, wanted)
+        except Exception as exc:   # the store is gone or slow: keep what is known here, resend later
+            log.warning("grammar drafts: cannot exchange counts with the cluster's store: %s", exc)
+            with self._lock:
+                for key, counts in unsent.items():
+                    again = self._unsent.setdefault(key, GrammarCounts(self.max_contexts))
+                    again.merge(counts.rows())
+            return 0
+        with self._lock:
+            for key, rows in merged.items():
+                counts = GrammarCounts(self.max_contexts)
+                counts.merge(rows)
+                since = self._unsent.get(key)
+                if since is not None:
+                    counts.merge(since.rows())
+                self._grammars[key] = counts
+                self._grammars.move_to_end(key)
+            while len(self._grammars) > self.max_grammars:
+                self._grammars.popitem(last=False)
+        return len(merged)
 
     def propose(self, grammar_id: str, matcher: Matcher, history: Sequence[int], k: int) -> Proposal:
         """Up to ``k`` drafts the grammar allows after ``history`` (the sequence's last tokens); the
@@ -133,6 +213,8 @@ class DraftModel:
         drafts, sources = proposal.drafts, proposal.sources
         with self._lock:
             counts = self._counts(grammar_id)
+            if self.shared is not None:
+                self._asked.add(grammar_id)
         context = list(history[-CONTEXT:])
         consumed = 0
         try:

@@ -26,13 +26,14 @@ class Entry:
     """One entry of a step: what it asks of one sequence. ``seq`` is the sequence a columnar
     entry's handle names (a handle outlives a reuse of its id); None for entries named by id."""
     __slots__ = ("close", "drafts", "grammar_id", "history_offset", "opens", "propose", "rollback", "seq", "seq_id",
-                 "spec", "step", "tokens")
+                 "spec", "step", "tokens", "unmasked")
 
     def __init__(self, seq_id: str, step: int, tokens: list[int], seq: Any = None) -> None:
         self.seq_id, self.step, self.tokens, self.seq = seq_id, step, tokens, seq
         self.drafts = _NO_DRAFTS
         self.rollback = self.history_offset = 0
         self.propose = 0                  # draft tokens the server is asked to propose
+        self.unmasked = False             # the tokens were sampled without a row: check them
         self.close = False
         self.opens: str | None = None     # None, "grammar_id" or "spec"
         self.grammar_id = ""
@@ -45,6 +46,7 @@ class Entry:
             e.drafts = tuple(msg.draft_tokens)
         e.rollback, e.history_offset, e.close = msg.rollback, msg.history_offset, msg.close
         e.propose = msg.propose_drafts
+        e.unmasked = msg.sampled_unmasked
         e.opens = msg.WhichOneof("open")
         if e.opens == "grammar_id":
             e.grammar_id = msg.grammar_id
@@ -57,7 +59,7 @@ class Result:
     """One entry's answer. ``index``: the entry's place among those of its form; ``columnar``:
     which form it came in (and goes back in)."""
     __slots__ = ("accepting", "code", "columnar", "drafts_valid", "first_row", "forced_tokens", "handle", "index",
-                 "num_rows", "proposed", "reason", "seq_id", "status", "step")
+                 "num_rows", "proposed", "reason", "resample", "seq_id", "status", "step")
 
     def __init__(self, index: int, seq_id: str, step: int, columnar: bool) -> None:
         self.index, self.seq_id, self.step, self.columnar = index, seq_id, step, columnar
@@ -67,6 +69,7 @@ class Result:
         self.accepting = False
         self.forced_tokens: list[int] = []
         self.proposed: tuple[int, ...] = _NO_DRAFTS    # drafts the server proposes (propose_drafts)
+        self.resample = False     # sampled_unmasked tokens refused: the row is for the position before them
 
     def copy_answer(self, src: Result) -> None:
         """A kept answer into this result (its own index, form and rows' place stay)."""
@@ -76,6 +79,7 @@ class Result:
         if src.forced_tokens:
             self.forced_tokens = list(src.forced_tokens)
         self.proposed = src.proposed
+        self.resample = src.resample
 
 
 def refuse(res: Result, refusals, code: Code, message: str, kind: str | None = None) -> None:
@@ -138,7 +142,7 @@ def answer(results: list[Result], reply: pb.StepResponse, want_forced: bool) -> 
             continue
         out = add(seq_id=r.seq_id, step=r.step, status=r.status, code=r.code, reason=r.reason,
                   first_row=r.first_row, num_rows=r.num_rows, drafts_valid=r.drafts_valid, accepting=r.accepting,
-                  handle=r.handle)
+                  handle=r.handle, resample=r.resample)
         if r.forced_tokens:
             out.forced_tokens.extend(r.forced_tokens)
         if r.proposed:

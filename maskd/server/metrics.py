@@ -55,6 +55,10 @@ class Metrics:
         self.drafts_accepted = Counter(
             "maskd_drafts_accepted", "Proposed grammar drafts the next step's tokens took, by source", ["source"],
             registry=r)
+        self.opportunistic_steps = Counter(
+            "maskd_opportunistic_steps", "Steps whose token was sampled without a row (sampled_unmasked), by "
+            "outcome: allowed (consumed, no row sent) or resample (refused: a row sent to sample again with)",
+            ["outcome"], registry=r)
         self.errors = Counter("maskd_errors", "Errors by kind (refused entries, failed sequences, "
                                               "compile failures, aborted calls)", ["kind"], registry=r)
 

@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from maskd.server.config import Limits
-from maskd.server.drafts import DraftModel
+from maskd.server.drafts import DraftModel, SharedDraftCounts
 from maskd.server.engines import Engine
 from maskd.server.grammar_cache import GrammarCache
 from maskd.server.quotas import Quotas
@@ -29,12 +29,14 @@ class Attachment:
 
 
 class SessionRegistry:
-    def __init__(self, engine: Engine, cache: GrammarCache, limits: Limits, quotas: Quotas) -> None:
+    def __init__(self, engine: Engine, cache: GrammarCache, limits: Limits, quotas: Quotas,
+                 shared_drafts: SharedDraftCounts | None = None) -> None:
         self.engine = engine
         self.cache = cache
         self.limits = limits
         self.quotas = quotas
-        self.drafts = DraftModel(metrics=cache.metrics)    # grammar drafts, learned from every session
+        # Grammar drafts, learned from every session (and the cluster's, with a shared store).
+        self.drafts = DraftModel(metrics=cache.metrics, shared=shared_drafts)
         self._sessions: dict[tuple[str, str], Session] = {}
         self._attached: set[Attachment] = set()
         self._lock = threading.Lock()

@@ -41,6 +41,7 @@ class SequenceState:
         "last_rollback",
         "last_status",
         "last_tokens",
+        "last_unmasked",
         "matcher",
         "parts",
         "pending",
@@ -66,6 +67,7 @@ class SequenceState:
         self.last_tokens: tuple = ()
         self.last_drafts: tuple = ()
         self.last_propose = 0
+        self.last_unmasked = False
         self.last_rollback = 0
         self.last_status = SeqStatus.WAITING     # readiness decided for the last step
         self.finished = False
@@ -94,11 +96,14 @@ class Answer:
     """What one (sequence, step) was answered: its inputs, the result, and where its rows are: a
     row buffer and its generation then, ``rows`` (that step's own array, when no buffer was free),
     or ``packed`` (the row codec's bytes, once the ring of buffers came round)."""
-    __slots__ = ("buffer", "drafts", "generation", "packed", "propose", "result", "rollback", "rows", "tokens")
+    __slots__ = ("buffer", "drafts", "generation", "packed", "propose", "result", "rollback", "rows", "tokens",
+                 "unmasked")
 
-    def __init__(self, tokens: tuple, drafts: tuple, rollback: int, result: Result, propose: int = 0) -> None:
+    def __init__(self, tokens: tuple, drafts: tuple, rollback: int, result: Result, propose: int = 0,
+                 unmasked: bool = False) -> None:
         self.tokens, self.drafts, self.rollback, self.result = tokens, drafts, rollback, result
         self.propose = propose
+        self.unmasked = unmasked
         self.buffer = -1
         self.generation = 0
         self.rows: np.ndarray | None = None
@@ -113,12 +118,13 @@ def record_step(seq: SequenceState, msg: Entry, res: Result) -> None:
     seq.last_tokens = tuple(msg.tokens)
     seq.last_drafts = msg.drafts
     seq.last_propose = msg.propose
+    seq.last_unmasked = msg.unmasked
     seq.last_rollback = msg.rollback
     # The answer of this step (its rows are set by the fill phase); older ones beyond the window go, except
     # WAITING ones: steps that poll a compiling grammar come as fast as a rank sends them, so the
     # ranks' lag in steps is not bounded there (those answers are small, and end with the compile).
     recent = seq.recent
-    recent[msg.step] = Answer(seq.last_tokens, seq.last_drafts, msg.rollback, res, msg.propose)
+    recent[msg.step] = Answer(seq.last_tokens, seq.last_drafts, msg.rollback, res, msg.propose, msg.unmasked)
     old = recent.get(msg.step - RECENT_STEPS)
     if old is not None and old.result.status != SeqStatus.WAITING:
         del recent[msg.step - RECENT_STEPS]

@@ -10,7 +10,7 @@ import logging
 import secrets
 import threading
 import time
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import grpc
 
@@ -40,7 +40,7 @@ MAX_BLOCKING_REGISTERS = 8
 class MaskService(pb_grpc.MaskServiceServicer):
     def __init__(self, engine: Engine, cache: GrammarCache, *, limits: Limits, metrics: Metrics,
                  credentials: Credentials | None = None, row_dict_size: int = DEFAULT_DICT_SIZE,
-                 row_encodings: tuple[int, ...] = tuple(ALL_ENCODINGS)) -> None:
+                 row_encodings: tuple[int, ...] = tuple(ALL_ENCODINGS), shared_drafts: Any = None) -> None:
         self.engine = engine
         self.cache = cache
         self.limits = limits
@@ -49,7 +49,7 @@ class MaskService(pb_grpc.MaskServiceServicer):
         self.row_dict_size = row_dict_size
         self.row_encodings = tuple(row_encodings)
         self.quotas = Quotas(limits)
-        self.sessions = SessionRegistry(engine, cache, limits, self.quotas)
+        self.sessions = SessionRegistry(engine, cache, limits, self.quotas, shared_drafts)
         self.draining = threading.Event()
         self._blocking_registers = threading.BoundedSemaphore(MAX_BLOCKING_REGISTERS)
 
@@ -155,6 +155,8 @@ class MaskService(pb_grpc.MaskServiceServicer):
         self.metrics.observe_step(seconds=seconds, batch=len(outcome.results),
                                   fill_seconds=outcome.fill_seconds, row_sizes=encoder.last_sizes,
                                   row_encodings=encoder.last_kinds, refusals=outcome.refusals)
+        for outcome_kind, n in outcome.unmasked.items():
+            self.metrics.opportunistic_steps.labels(outcome_kind).inc(n)
         if outcome.refusals and log.isEnabledFor(logging.DEBUG):
             log.debug("step of %d entries: refused or failed %s", len(outcome.results), dict(outcome.refusals))
         return reply

@@ -11,9 +11,12 @@ a ``Result`` (entries.py). A step runs in phases:
 1. admission and 2. routing (step_routing.py): the request's size, duplicate entries and token
    ids; closes, repeats (idempotency), opens and restores, step order.
 3. ``_advance``: grammar readiness (tokens queue while it compiles), rollback; which sequences
-   consume tokens and which only need rows.
-4. ``_consume``: every matcher's tokens in one batched engine call.
-5. ``_fill``: every row of the reply in one batched engine call, in entry order.
+   consume tokens, which only need rows, and which tokens were sampled without a row.
+4. ``_check``: tokens sampled without a row (opportunistic masking, DOMINO §3.5) are checked
+   against the row the sequence would have had: allowed ones go on to be consumed (and get no
+   row), refused ones consume nothing and get that row to sample again with.
+5. ``_consume``: every matcher's tokens in one batched engine call.
+6. ``_fill``: every row of the reply in one batched engine call, in entry order.
 
 The rules (idempotency, restores in parts, readiness once per step, answers kept for ranks that
 lag) are the contract's: see proto/maskd/v1/maskd.proto.
@@ -61,6 +64,7 @@ class StepOutcome:
     refusals: collections.Counter      # error kind -> entries refused or failed this step
     fill_seconds: float = 0.0
     release: Callable[[], None] | None = None
+    unmasked: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # allowed / resample
 
 
 class Session(StepRouting):
@@ -102,12 +106,16 @@ class Session(StepRouting):
             admitted = self._admit([pair for pair in pairs if not pair[1].status], refusals)
             replays: list[Replay] = []
             moving, repeats = self._route(admitted, refusals, replays)
-            consume, fill = self._advance(moving, refusals)
+            consume, fill, check = self._advance(moving, refusals)
             fill += repeats
+            unmasked: collections.Counter = collections.Counter()
+            if check:
+                self._check(check, consume, fill, unmasked, refusals)
             self._consume(consume, fill, refusals)
             t0 = time.perf_counter()
             rows, release = self._fill(fill, replays, request.want_forced_tokens, refusals)
-            return StepOutcome([res for _, res in pairs], rows, refusals, time.perf_counter() - t0, release)
+            return StepOutcome([res for _, res in pairs], rows, refusals, time.perf_counter() - t0, release,
+                               unmasked)
 
     def refuse_all(self, request: pb.StepRequest, reason: str) -> StepOutcome:
         """Every entry refused with INTERNAL: the answer when a step failed in a way no phase caught."""
@@ -134,10 +142,12 @@ class Session(StepRouting):
         return sum(1 for s in self.seqs.values() if s.waiting)
 
     # -- phase 3: advancing -----------------------------------------------------------------------
-    def _advance(self, moving: list, refusals) -> tuple[list[Fill], list[Fill]]:
-        """Readiness, rollback and the tokens each moving entry applies."""
+    def _advance(self, moving: list, refusals) -> tuple[list[Fill], list[Fill], list[Fill]]:
+        """Readiness, rollback and the tokens each moving entry applies: (entries that consume
+        tokens, entries that only need rows, entries whose tokens were sampled without a row)."""
         consume: list[Fill] = []
         fill: list[Fill] = []
+        check: list[Fill] = []
         for msg, res, seq, tokens in moving:
             if seq.dead_reason:
                 record_step(seq, msg, res)
@@ -190,10 +200,84 @@ class Session(StepRouting):
                 self._internal(res, seq, "advancing", exc, refusals)
                 continue
             record_step(seq, msg, res)
-            (consume if tokens else fill).append(Fill(res, seq, matcher, tokens, seq.last_drafts, msg.propose))
-        return consume, fill
+            job = Fill(res, seq, matcher, tokens, seq.last_drafts, msg.propose, msg.unmasked)
+            (check if tokens and msg.unmasked else consume if tokens else fill).append(job)
+        return consume, fill, check
 
-    # -- phase 4: consuming -----------------------------------------------------------------------
+    # -- phase 4: checking tokens sampled without a row ---------------------------------------------
+    def _check(self, check: list[Fill], consume: list[Fill], fill: list[Fill], outcomes, refusals) -> None:
+        """Opportunistic masking: each token is checked against the row its sequence would have had
+        here. The grammar alone decides where the sequence has no document checks (one validate,
+        no row filled); in the complete JSON-schema mode the row itself is filled with the
+        document's checks (they take tokens the grammar allows out of it) and the token's bit read.
+        Allowed: the entry consumes it and is answered without a row. Refused: nothing consumed,
+        the entry gets the row for this position (``resample``); the sequence lives on."""
+        plain = [job for job in check if job.seq.doc is None]
+        checked = [job for job in check if job.seq.doc is not None]
+        allowed: dict[int, bool] = {}
+        eos = self.checks.eos
+        for job in plain:
+            m = job.matcher
+            try:   # EOS is in a row where the grammar may end (a stopped matcher refuses to validate it)
+                allowed[id(job)] = ((m.is_stopped() or m.is_accepting()) if job.tokens[0] in eos
+                                    else m.validate(job.tokens) == 1)
+            except Exception as exc:   # an engine fault costs this sequence only
+                self._internal(job.res, job.seq, "checking a token sampled without its row", exc, refusals)
+        if checked:
+            allowed.update(self._check_with_rows(checked, refusals))
+        for job in check:
+            ok = allowed.get(id(job))
+            if ok is None:             # failed while checking
+                continue
+            if ok:
+                outcomes["allowed"] += 1
+                consume.append(job)
+            else:
+                outcomes["resample"] += 1
+                job.res.resample = True
+                job.tokens, job.unmasked = (), False
+                fill.append(job)
+
+    def _check_with_rows(self, jobs: list[Fill], refusals) -> dict[int, bool]:
+        """The rows of sequences with document checks at their current position, as the fill phase
+        would write them, and whether each one's token is in its row. A sequence whose row is left
+        empty fails here, as it would have when filled."""
+        pairs: list[tuple[Fill, Fill]] = []      # (probe, job): the probe's result is scratch
+        for job in jobs:
+            probe = Fill(Result(len(pairs), job.res.seq_id, job.res.step, False), job.seq, job.matcher)
+            try:
+                probe.res.accepting = job.matcher.is_stopped() or job.matcher.is_accepting()
+            except Exception as exc:   # an engine fault costs this sequence only
+                self._internal(job.res, job.seq, "checking a token sampled without its row", exc, refusals)
+                continue
+            probe.res.first_row, probe.res.num_rows = len(pairs), 1
+            pairs.append((probe, job))
+        out = self.engine.allocate(len(pairs))
+        try:
+            self.engine.fill_batch([job.matcher for _, job in pairs], list(range(len(pairs))), None, out)
+        except Exception:   # one by one: only the sequences the engine chokes on fail
+            kept = []
+            for probe, job in pairs:
+                try:
+                    self.engine.fill_batch([job.matcher], [probe.res.first_row], None, out)
+                    kept.append((probe, job))
+                except Exception as exc:
+                    self._internal(job.res, job.seq, "checking a token sampled without its row", exc, refusals)
+            pairs = kept
+        checking = self.checks.start([probe for probe, _ in pairs])
+        if checking is not None:
+            self.checks.finish(checking, out, refusals)
+        allowed: dict[int, bool] = {}
+        for probe, job in pairs:
+            if probe.res.status == FAILED:      # the document cannot pass from here: as in a fill
+                fail(job.res, job.seq, probe.res.reason, Code(probe.res.code))
+                continue
+            t = int(job.tokens[0])
+            row = out[probe.res.first_row]
+            allowed[id(job)] = t < self.engine.width and bool((int(row[t >> 5]) >> (t & 31)) & 1)
+        return allowed
+
+    # -- phase 5: consuming -----------------------------------------------------------------------
     def _consume(self, consume: list[Fill], fill: list[Fill], refusals) -> None:
         if not consume:
             return
@@ -259,7 +343,7 @@ class Session(StepRouting):
             kept.append(job)
         return kept
 
-    # -- phase 5: filling -------------------------------------------------------------------------
+    # -- phase 6: filling -------------------------------------------------------------------------
     def _fill(self, fill: list[Fill], replays: list[Replay], want_forced: bool,
               refusals) -> tuple[np.ndarray, Callable[[], None] | None]:
         """Rows in entry order (SeqStep entries first, then columnar ones by index): filled by the
@@ -268,7 +352,8 @@ class Session(StepRouting):
         fill = self._propose(fill, refusals)
         jobs: list[Fill | Replay] = [*fill, *replays]
         jobs.sort(key=_row_order)
-        n_rows = sum(j.answer.result.num_rows if isinstance(j, Replay) else 1 + len(j.drafts) for j in jobs)
+        n_rows = sum(j.answer.result.num_rows if isinstance(j, Replay) else (not j.unmasked) + len(j.drafts)
+                     for j in jobs)
         buffer, generation, out = self.buffers.take(n_rows) if fill else (-1, 0, self.engine.allocate(n_rows))
         handles: list[int] = []                     # whose rows this step fills: (handle, step)
         steps: list[int] = []
@@ -297,14 +382,19 @@ class Session(StepRouting):
                 continue
             seq.finished = stopped
             seq.last_status = res.status = FINISHED if stopped else READY
+            res.accepting = accepting
+            if forced:
+                res.forced_tokens.extend(forced)
+            if job.unmasked:                        # its sampled token passed the check: no row
+                answer = seq.recent.get(seq.step)
+                if answer is not None:
+                    answer.result, answer.buffer, answer.rows, answer.packed = res, -1, None, None
+                continue
             res.first_row = row
             res.num_rows = 1 + len(d)
-            res.accepting = accepting
             if d:
                 any_drafts = True
                 res.drafts_valid = drafts_valid
-            if forced:
-                res.forced_tokens.extend(forced)
             answer = seq.recent.get(seq.step)
             if answer is not None:                  # its rows are these (a re-filled repeat too)
                 answer.result, answer.buffer, answer.generation = res, buffer, generation

@@ -46,6 +46,7 @@ class Fill:
     tokens: Sequence[int] = ()
     drafts: tuple = ()
     propose: int = 0        # drafts the server proposes (the fill phase sets ``drafts`` to them)
+    unmasked: bool = False  # tokens sampled without a row: checked, and no row when they pass
 
 
 @dataclasses.dataclass(slots=True)
@@ -110,6 +111,12 @@ class StepRouting:
     def _check_tokens(self, msg: Entry) -> str:
         tokens = msg.tokens
         n_drafts = len(msg.drafts)
+        if msg.unmasked:
+            if n_drafts or msg.propose:
+                return "sampled_unmasked tokens are checked one step at a time: not with draft_tokens or propose_drafts"
+            if len(tokens) > 1:
+                return (f"{len(tokens)} sampled_unmasked tokens in one step; a step checks one (the token "
+                        "sampled for the next position)")
         if msg.propose:
             if n_drafts:
                 return "a step either carries draft tokens or asks for proposed ones (propose_drafts), not both"
@@ -217,7 +224,8 @@ class StepRouting:
         offset = msg.history_offset
         known = seq.parts.get(offset) if seq.parts is not None else None
         if known is not None:
-            if known == digest(msg.tokens) and msg.drafts == seq.last_drafts and msg.propose == seq.last_propose:
+            if (known == digest(msg.tokens) and msg.drafts == seq.last_drafts and msg.propose == seq.last_propose
+                    and msg.unmasked == seq.last_unmasked):
                 self._answer_repeat(res, seq, repeats, replays)
             else:
                 self._divergence(res, seq, refusals)
@@ -287,7 +295,8 @@ class StepRouting:
     @staticmethod
     def _same_inputs(msg: Entry, seq: SequenceState) -> bool:
         return (tuple(msg.tokens) == seq.last_tokens and msg.drafts == seq.last_drafts
-                and msg.rollback == seq.last_rollback and msg.propose == seq.last_propose)
+                and msg.rollback == seq.last_rollback and msg.propose == seq.last_propose
+                and msg.unmasked == seq.last_unmasked)
 
     def _replay(self, msg, res, seq: SequenceState, replays: list, refusals) -> bool:
         """A repeat of an older step (a rank that lags, a retry, a step of a closed sequence): the
@@ -299,7 +308,7 @@ class StepRouting:
             refuse(res, refusals, Code.ALREADY_EXISTS,
                     f"sequence {msg.seq_id!r} is already open with grammar {seq.entry.grammar_id}")
         elif (tuple(msg.tokens) != answer.tokens or msg.drafts != answer.drafts or msg.rollback != answer.rollback
-              or msg.propose != answer.propose):
+              or msg.propose != answer.propose or msg.unmasked != answer.unmasked):
             self._divergence(res, seq, refusals)
         else:
             replays.append(Replay(res, answer))
@@ -310,7 +319,7 @@ class StepRouting:
         rows come from the kept answer when they are still there (no second fill)."""
         status = seq.last_status
         answer = seq.recent.get(seq.step)
-        if status in (READY, FINISHED) and answer is not None and answer.result.num_rows \
+        if status in (READY, FINISHED) and answer is not None and (answer.result.num_rows or answer.unmasked) \
                 and self.buffers.holds(answer):
             replays.append(Replay(res, answer))
         elif status == FAILED:

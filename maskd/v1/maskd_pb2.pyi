@@ -177,7 +177,7 @@ class RegisterGrammarResponse(_message.Message):
     def __init__(self, grammar_id: _Optional[str] = ..., state: _Optional[_Union[GrammarState, str]] = ..., error: _Optional[str] = ..., compile_seconds: _Optional[float] = ...) -> None: ...
 
 class SeqStep(_message.Message):
-    __slots__ = ("seq_id", "step", "tokens", "draft_tokens", "grammar_id", "spec", "close", "rollback", "history_offset", "propose_drafts")
+    __slots__ = ("seq_id", "step", "tokens", "draft_tokens", "grammar_id", "spec", "close", "rollback", "history_offset", "propose_drafts", "sampled_unmasked")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -188,6 +188,7 @@ class SeqStep(_message.Message):
     ROLLBACK_FIELD_NUMBER: _ClassVar[int]
     HISTORY_OFFSET_FIELD_NUMBER: _ClassVar[int]
     PROPOSE_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_UNMASKED_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     step: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -198,7 +199,8 @@ class SeqStep(_message.Message):
     rollback: int
     history_offset: int
     propose_drafts: int
-    def __init__(self, seq_id: _Optional[str] = ..., step: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., grammar_id: _Optional[str] = ..., spec: _Optional[_Union[GrammarSpec, _Mapping]] = ..., close: _Optional[bool] = ..., rollback: _Optional[int] = ..., history_offset: _Optional[int] = ..., propose_drafts: _Optional[int] = ...) -> None: ...
+    sampled_unmasked: bool
+    def __init__(self, seq_id: _Optional[str] = ..., step: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., grammar_id: _Optional[str] = ..., spec: _Optional[_Union[GrammarSpec, _Mapping]] = ..., close: _Optional[bool] = ..., rollback: _Optional[int] = ..., history_offset: _Optional[int] = ..., propose_drafts: _Optional[int] = ..., sampled_unmasked: _Optional[bool] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("seqs", "want_forced_tokens", "handles", "steps", "token_counts", "tokens")
@@ -217,7 +219,7 @@ class StepRequest(_message.Message):
     def __init__(self, seqs: _Optional[_Iterable[_Union[SeqStep, _Mapping]]] = ..., want_forced_tokens: _Optional[bool] = ..., handles: _Optional[bytes] = ..., steps: _Optional[bytes] = ..., token_counts: _Optional[bytes] = ..., tokens: _Optional[bytes] = ...) -> None: ...
 
 class SeqResult(_message.Message):
-    __slots__ = ("seq_id", "step", "status", "code", "reason", "forced_tokens", "first_row", "num_rows", "drafts_valid", "accepting", "handle", "proposed_drafts")
+    __slots__ = ("seq_id", "step", "status", "code", "reason", "forced_tokens", "first_row", "num_rows", "drafts_valid", "accepting", "handle", "proposed_drafts", "resample")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
@@ -230,6 +232,7 @@ class SeqResult(_message.Message):
     ACCEPTING_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     PROPOSED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    RESAMPLE_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     step: int
     status: SeqStatus
@@ -242,7 +245,8 @@ class SeqResult(_message.Message):
     accepting: bool
     handle: int
     proposed_drafts: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[str] = ..., step: _Optional[int] = ..., status: _Optional[_Union[SeqStatus, str]] = ..., code: _Optional[int] = ..., reason: _Optional[str] = ..., forced_tokens: _Optional[_Iterable[int]] = ..., first_row: _Optional[int] = ..., num_rows: _Optional[int] = ..., drafts_valid: _Optional[int] = ..., accepting: _Optional[bool] = ..., handle: _Optional[int] = ..., proposed_drafts: _Optional[_Iterable[int]] = ...) -> None: ...
+    resample: bool
+    def __init__(self, seq_id: _Optional[str] = ..., step: _Optional[int] = ..., status: _Optional[_Union[SeqStatus, str]] = ..., code: _Optional[int] = ..., reason: _Optional[str] = ..., forced_tokens: _Optional[_Iterable[int]] = ..., first_row: _Optional[int] = ..., num_rows: _Optional[int] = ..., drafts_valid: _Optional[int] = ..., accepting: _Optional[bool] = ..., handle: _Optional[int] = ..., proposed_drafts: _Optional[_Iterable[int]] = ..., resample: _Optional[bool] = ...) -> None: ...
 
 class EntryProblem(_message.Message):
     __slots__ = ("index", "code", "reason")

@@ -3,6 +3,7 @@ cache, recovery from a killed worker, and the cluster CLI. One Ray cluster for t
 import json
 import os
 import signal
+import time
 import uuid
 
 import pytest
@@ -11,15 +12,19 @@ import pytest
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 ray = pytest.importorskip("ray")
 
+from test_cluster_units import generate, generation_specs  # noqa: E402
+
 from conftest import MASKBENCH, needs_maskbench  # noqa: E402
 from maskd.server import ServerConfig  # noqa: E402
-from maskd.tools import conformance  # noqa: E402
 from maskd.specs import GrammarSpec  # noqa: E402
+from maskd.tools import conformance  # noqa: E402
 from maskd_client import MaskClient, SeqStatus  # noqa: E402
+from maskd_client.routing import (  # noqa: E402
+    DirectoryClient,
+    HashRing,
+    is_directory,
+)
 from maskd_cluster import launcher  # noqa: E402
-from maskd_client.routing import DirectoryClient, is_directory  # noqa: E402
-from maskd_client.routing import HashRing  # noqa: E402
-from test_cluster_units import generate, generation_specs  # noqa: E402
 
 pytestmark = pytest.mark.cluster
 NS = "maskd-test"
@@ -42,7 +47,7 @@ def cluster():
     cfg = launcher.ClusterConfig(workers=2, namespace=NS, worker_cpus=0.5, detached=False, poll_s=0.25,
                                  ready_timeout_s=150,
                                  server=ServerConfig(port=0, tokenizer="cl100k", threads=1, compile_threads=1,
-                                                     drain_grace_s=1.0))
+                                                     drain_grace_s=1.0, drafts_sync_s=0.25))
     address = launcher.up(cfg)
 
     class C:
@@ -187,6 +192,47 @@ def test_a_grammar_used_on_both_workers_is_compiled_once(cluster):
     assert compiles == 2            # one per grammar, cluster-wide
     assert shared_hits == 2         # the other worker took each from the cluster cache
     assert publishes == [1, 1]
+
+
+def test_grammar_drafts_learned_on_one_worker_are_proposed_on_the_other(cluster, cl100k):
+    """Sequences of a grammar on worker-0 write a text; a sequence of the same grammar on worker-1,
+    which never saw one, is proposed that text's next tokens once the counts went round the store."""
+    from maskd.server.drafts import MIN_COUNT
+    from maskd_client import StepInput
+
+    spec = {"regex": f"[a-z ]{{1,{90 + uuid.uuid4().int % 100}}}"}    # a grammar new to this cluster
+    text = cl100k.encode("the quick brown fox jumps over the lazy dog")
+    ids = balanced_ids(cluster, 2 * (MIN_COUNT + 40), f"drafts-{uuid.uuid4().hex[:8]}")
+    teachers, guessers = ids[0::2][:MIN_COUNT], ids[1::2]           # worker-0's, worker-1's
+
+    def ready(mc, sid):
+        mc.open(sid, spec)
+        r = mc.step({sid: StepInput((), propose=1)})
+        for _ in range(400):
+            if r.seqs[sid].status is not SeqStatus.WAITING:
+                break
+            r = mc.step({sid: StepInput((), propose=1)})
+        assert r.seqs[sid].status is SeqStatus.READY, r.seqs[sid]
+
+    workers = live_workers(cluster.address)
+    with MaskClient(cluster.target) as mc:
+        for sid in teachers:
+            ready(mc, sid)
+            mc.step({sid: text})
+        assert {mc.owner_of(s) for s in teachers} == {workers["worker-0"].address}
+        proposed = []
+        deadline = time.monotonic() + 60       # a few sync periods (0.25 s) on a loaded machine
+        for sid in guessers:
+            ready(mc, sid)
+            assert mc.owner_of(sid) == workers["worker-1"].address
+            proposed = mc.step({sid: StepInput(text[:2], propose=5)}).seqs[sid].proposed_drafts
+            mc.close(sid)
+            if proposed or time.monotonic() > deadline:
+                break
+            time.sleep(0.25)
+    assert proposed == text[2:7]
+    stats = ray.get(launcher.get_store(NS).stats.remote())
+    assert stats["draft_grammars"] >= 1 and stats["draft_exchanges"] >= 2
 
 
 def live_vnodes(cluster):

@@ -11,10 +11,9 @@ import pytest
 
 from maskd.v1 import directory_pb2_grpc as dpb_grpc
 from maskd_client import MaskClient, SeqStatus
+from maskd_client.routing import DirectoryClient, HashRing, is_directory
 from maskd_client.types import SeqResult, StepResult
 from maskd_cluster.directory import DirectoryServicer, DirectoryState
-from maskd_client.routing import DirectoryClient, is_directory
-from maskd_client.routing import HashRing
 from maskd_cluster.store import GrammarStore
 
 # -- a deterministic generation driver (shared with test_cluster.py) ------------------------------
@@ -357,3 +356,61 @@ def test_cli_forgets_state_whose_ray_cluster_is_gone(tmp_path, monkeypatch, caps
         path.write_text(json.dumps({"ray_address": live, "started_head": True}))
         assert ccli._live_state("ns1")["ray_address"] == live
     assert not ccli._reachable("no-port") and not ccli._reachable(None)
+
+
+# -- grammar drafts learned cluster-wide, through the store's own code (without Ray) ----------------
+class StoreDrafts:
+    """The GrammarStore actor's draft-count exchange, called in process (Ray only carries the call)."""
+
+    def __init__(self):
+        self.store = GrammarStore(max_draft_grammars=4, max_draft_contexts=64)
+
+    def exchange_draft_counts(self, learned, wanted):
+        return asyncio.run(self.store.exchange_draft_counts(learned, wanted))
+
+
+def test_draft_counts_exchanged_through_the_store_merge_and_stay_bounded():
+    from maskd.server.drafts import CONTEXT, DraftModel, GrammarCounts
+
+    shared = StoreDrafts()
+    a, b = DraftModel(shared=shared), DraftModel(shared=shared)
+    text = list(range(100, 120))
+    a.learn("g", [], text)
+    a.learn("g", [], text)
+    assert b.sync() == 0                           # b learned and asked nothing: nothing to exchange
+    assert a.sync() == 1 and b.stats("g") == 0     # a's counts went to the store
+    b.learn("g", [], text[:5])                     # b learns a little itself, then exchanges
+    assert b.sync() == 1
+    counts = b._grammars["g"]
+    assert counts.guess(text[:CONTEXT]) == text[CONTEXT]
+    assert counts.contexts[tuple(text[:CONTEXT])][text[CONTEXT]] == 3     # a's two and b's one
+    # Rows are what travels: they round-trip, and the store keeps its bounds.
+    rows = counts.rows()
+    again = GrammarCounts(64)
+    again.merge(rows)
+    assert again.contexts == counts.contexts
+    for k in range(10):
+        a.learn(f"other{k}", [], list(range(0, 200)))
+    a.sync()
+    assert len(shared.store._draft_counts) == 4
+    assert all(len(c.contexts) <= 64 for c in shared.store._draft_counts.values())
+
+
+def test_a_store_that_does_not_answer_loses_no_counts():
+    from maskd.server.drafts import DraftModel
+
+    class Gone:
+        calls = 0
+
+        def exchange_draft_counts(self, learned, wanted):
+            Gone.calls += 1
+            raise TimeoutError("the store did not answer")
+
+    model = DraftModel(shared=Gone())
+    model.learn("g", [], [1, 2, 3, 1, 2, 3])
+    assert model.sync() == 0 and Gone.calls == 1
+    assert model.stats("g") == 3                       # proposing goes on from what is known here
+    shared = StoreDrafts()
+    model.shared = shared
+    assert model.sync() == 1                           # what did not go out goes with the next one
+    assert shared.store._draft_counts["g"].contexts[(1, 2)] == {3: 2}

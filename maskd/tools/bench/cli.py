@@ -88,11 +88,14 @@ def add_parser(sub) -> None:
     p.add_argument("--warmup", type=int, default=None, help="unmeasured steps first (default 10; --quick 5)")
     p.add_argument("--modes", default="unstructured,inprocess-critical,inprocess-overlapped,maskd",
                    help="comma-separated modes to run (the ratios need unstructured); maskd-drafts: grammar drafts "
-                        "with a stated verification-cost model (see maskd.tools.bench.e2e)")
+                        "with a stated verification-cost model; maskd-opportunistic: sample first, the server checks "
+                        "(see maskd.tools.bench.e2e)")
     p.add_argument("--drafts", type=int, default=4, help="maskd-drafts: drafts asked per slot and step (default 4)")
     p.add_argument("--saturation-tokens", type=int, default=256,
                    help="maskd-drafts cost model: tokens per forward pass up to which a pass costs one decode step "
                         "(default 256)")
+    p.add_argument("--off-grammar", type=float, default=0.05,
+                   help="maskd-opportunistic: share of unmasked samples the grammar refuses (default 0.05)")
     p.add_argument("--seed", type=int, default=0, help="shuffles the instance order")
     p.set_defaults(func=_run_mode("e2e"))
 

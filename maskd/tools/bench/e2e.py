@@ -41,6 +41,16 @@ The modes differ only in where the masks come from:
     until the batch reaches S tokens, then grows with them. The instance's tokens stand in for a
     model that writes the tokenizer's own tokenization; a real model's acceptance is measured in
     a real engine (``maskd bench vllm``, tests/vllm_engine/test_grammar_drafts.py).
+``maskd-opportunistic``
+    opportunistic masking (DOMINO §3.5): the loop samples first, from unmasked logits, and sends
+    the token for the server to check (``StepInput(sampled_unmasked=True)``) while the next forward
+    pass runs on it; the verdict is taken after that pass. Allowed: no row was filled or sent.
+    Refused: the reply has the row, the slot samples again with it and the pass that ran on the
+    refused token is lost for that slot (its new token goes in with the next pass). The model's
+    unmasked token is its instance's next token, or with probability ``--off-grammar`` (0.05) a
+    token no JSON grammar allows anywhere (a raw control byte): the share of steps that needed a
+    row is reported. Every step of this mode goes as SeqStep entries (the columnar form has no
+    place for the flag yet).
 
 With ``--pin S+W`` (default 1+1) the maskd server runs as a child process on S cores of its own
 and this process (the worker: its loop, the client, and the in-process modes' llguidance) on the
@@ -59,7 +69,7 @@ from maskd.tools.bench import common
 from maskd.tools.progress import bar
 
 QUICK_LIMIT = 48
-MODES = ("unstructured", "inprocess-critical", "inprocess-overlapped", "maskd", "maskd-drafts")
+MODES = ("unstructured", "inprocess-critical", "inprocess-overlapped", "maskd", "maskd-drafts", "maskd-opportunistic")
 STRUCTURED = MODES[1:]
 DETOKENIZE_WINDOW = 6          # tokens decoded per slot and step (incremental detokenization)
 STOP_STRING = "<|stop|>"       # a stop string that never occurs: the check runs, never ends a slot
@@ -131,6 +141,9 @@ class _Tally:
     drafts: int = 0                                              # maskd-drafts: drafts verified
     slot_steps: int = 0                                          # maskd-drafts: (slot, step)s with rows
     repeated: int = 0          # maskd-drafts: instances its server had seen before (the pool came round)
+    checked: int = 0           # maskd-opportunistic: tokens the server checked
+    resampled: int = 0         # maskd-opportunistic: of them, refused (a row came back to sample again with)
+    off_grammar_allowed: int = 0   # maskd-opportunistic: off-grammar tokens the server let through (must be 0)
     host: list = dataclasses.field(default_factory=list)
 
 
@@ -378,6 +391,103 @@ def _loop_maskd_drafts(ctx, batch: int, forward_s: float, steps: int, warmup: in
     return tally
 
 
+def _loop_maskd_opportunistic(ctx, batch: int, forward_s: float, steps: int, warmup: int) -> _Tally:
+    from maskd_client import MaskClient, SeqStatus, StepInput
+
+    replay = _Replay(ctx.pool, batch, ctx.eos, f"p{batch}-{int(forward_s * 1e3)}")
+    rng = np.random.default_rng(batch)
+    tally = _Tally()
+    nothing = StepInput((), sampled_unmasked=True)      # an open, or a slot with nothing to check
+
+    def sample_unmasked(s: _Slot) -> tuple[int, bool]:
+        """The model's token from unmasked logits: (token, whether it is off the grammar)."""
+        if rng.random() < ctx.off_grammar:
+            return ctx.off_grammar_token, True
+        return replay.next_token(s), False
+
+    with MaskClient(ctx.address, want_forced_tokens=False, timeout_s=600) as mc:
+        for s in replay.slots:
+            mc.open(s.sid, s.inst.spec_pb)
+        sent: list[tuple[int, bool] | None] = [None] * batch      # the token each slot has out for checking
+        fut = mc.step_async({s.sid: nothing for s in replay.slots})
+        t_prev = time.perf_counter()
+        for k in bar(range(warmup + steps), desc=f"maskd-opportunistic B={batch}", unit="step"):
+            measured = k >= warmup
+            time.sleep(forward_s)            # the pass runs on the tokens out for checking
+            done = fut.done()
+            t0 = time.perf_counter()
+            res = fut.result()
+            t1 = time.perf_counter()
+            rows = ctx.materialize(res.bitmask) if len(res.bitmask) else None
+            seqs = res.seqs
+            request: dict[str, StepInput] = {}
+            sampled: list[int | None] = []
+            for i, s in enumerate(replay.slots):
+                r, out = seqs[s.sid], sent[i]
+                sent[i] = None
+                if not r.has_rows:            # WAITING (nothing sampled yet) or failed (starts over)
+                    sampled.append(None)
+                    if r.status is not SeqStatus.WAITING:
+                        if measured:
+                            tally.failed += 1
+                        mc.close(s.sid)
+                        s = replay.refill(i)
+                        mc.open(s.sid, s.inst.spec_pb)
+                    request[s.sid] = nothing
+                    continue
+                if out is not None and measured:
+                    tally.checked += 1
+                if r.resample:                # the pass ran on a refused token: sample again with the row
+                    t = replay.next_token(s)
+                    ok = rows is not None and bool(common.allowed(rows, np.asarray([r.row]), np.asarray([t]))[0])
+                    if measured:
+                        tally.resampled += 1
+                        tally.masks_checked += 1
+                        tally.violations += not ok
+                    sent[i] = (t, False)
+                    request[s.sid] = StepInput([t], sampled_unmasked=True)
+                    sampled.append(None)
+                    continue
+                new = None
+                if out is not None:           # the token stands: it is output, the pass's logits are good
+                    t, off = out
+                    new = t
+                    if measured:
+                        tally.tokens += 1
+                    if off:                   # the server let a token through that no JSON grammar allows
+                        if measured:
+                            tally.off_grammar_allowed += 1
+                        t = ctx.eos
+                    elif t != ctx.eos:
+                        s.pos += 1
+                    if t == ctx.eos:          # the request ends (EOS was checked like any token)
+                        if measured and not off:
+                            tally.completed += 1
+                        sampled.append(new)
+                        mc.close(s.sid)
+                        s = replay.refill(i)
+                        mc.open(s.sid, s.inst.spec_pb)
+                        request[s.sid] = nothing
+                        continue
+                sampled.append(new)
+                sent[i] = sample_unmasked(s)
+                request[s.sid] = StepInput([sent[i][0]], sampled_unmasked=True)
+            t2 = time.perf_counter()
+            fut = mc.step_async(request)
+            t3 = time.perf_counter()
+            ctx.host(replay.slots, sampled)
+            t = time.perf_counter()
+            if measured:
+                tally.mask_wait.append(0.0 if done else t1 - t0)
+                tally.waited_steps += 0 if done else 1
+                tally.critical.append((t1 - t0) + (t3 - t2))
+                tally.host.append(t - t3)
+                tally.periods.append(t - t_prev)
+            t_prev = t
+        fut.result()
+    return tally
+
+
 @dataclasses.dataclass
 class _Context:
     tok: object
@@ -391,6 +501,8 @@ class _Context:
     saturation_tokens: int = 256
     drafts_address: str = ""      # the maskd-drafts mode's own server
     drafts_cursor: int = 0
+    off_grammar: float = 0.05     # maskd-opportunistic: share of unmasked samples off the grammar
+    off_grammar_token: int = 0    # a token no JSON grammar allows anywhere (a raw control byte)
 
 
 def _summary(mode: str, tally: _Tally) -> dict:
@@ -416,6 +528,12 @@ def _summary(mode: str, tally: _Tally) -> dict:
                     "tokens_per_slot_step": round(tally.tokens / max(1, tally.slot_steps), 3),
                     "instances_seen_before": tally.repeated,
                     "waiting_rows": tally.waiting, "failed_rows": tally.failed})
+    if mode == "maskd-opportunistic":
+        out.update({"mask_wait_ms": common.summarize(tally.mask_wait), "waited_steps": tally.waited_steps,
+                    "tokens_checked": tally.checked, "resampled": tally.resampled,
+                    "share_needing_a_row": round(tally.resampled / tally.checked, 4) if tally.checked else None,
+                    "off_grammar_allowed": tally.off_grammar_allowed,
+                    "waiting_rows": tally.waiting, "failed_rows": tally.failed})
     return out
 
 
@@ -432,6 +550,9 @@ def run(args, log=print) -> dict:
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         raise SystemExit(f"maskd bench e2e: unknown mode(s) {unknown}; choose from {list(MODES)}")
+    off_grammar = getattr(args, "off_grammar", 0.05)
+    if not 0.0 <= off_grammar < 1.0:
+        raise SystemExit(f"maskd bench e2e: --off-grammar is a share of samples, 0 <= p < 1, not {off_grammar}")
     out = common.Output(args.out, "e2e", args.json_out)
     t_start = time.perf_counter()
 
@@ -453,7 +574,8 @@ def run(args, log=print) -> dict:
         pool = common.instance_pool(schemas, errors, args.seed, "e2e")
         ctx = _Context(tok, pool, tok.eos_token_ids[0], srv.address, worker_threads, _HostWork(tok),
                        common.Materializer(max(batches), (tok.logits_width + 31) // 32),
-                       getattr(args, "drafts", 4), getattr(args, "saturation_tokens", 256))
+                       getattr(args, "drafts", 4), getattr(args, "saturation_tokens", 256),
+                       off_grammar=off_grammar, off_grammar_token=_off_grammar_token(tok))
         log(f"e2e: {len(pool)} instances of {len(schemas) - len(errors)} schemas, server {srv.kind} at "
             f"{srv.address} ({server_threads} fill threads), in-process modes {worker_threads} threads; "
             + (placement.describe() if placement else "not pinned")
@@ -478,6 +600,8 @@ def run(args, log=print) -> dict:
                             tally = _loop_maskd(ctx, batch, fs, steps, warmup)
                         elif mode == "maskd-drafts":
                             tally = _loop_maskd_drafts(ctx, batch, fs, steps, warmup)
+                        elif mode == "maskd-opportunistic":
+                            tally = _loop_maskd_opportunistic(ctx, batch, fs, steps, warmup)
                         else:
                             tally = _loop_inprocess(ctx, batch, fs, steps, warmup,
                                                     overlapped=mode == "inprocess-overlapped")
@@ -520,6 +644,14 @@ def run(args, log=print) -> dict:
     _plot(out, report)
     out.write(report, _markdown(report))
     return report
+
+
+def _off_grammar_token(tok) -> int:
+    """A token that is one raw control byte (U+0001): JSON allows it nowhere, not even in a string."""
+    ids = tok.encode("\x01")
+    if len(ids) != 1:
+        raise SystemExit(f"maskd bench e2e: the tokenizer has no single token for a raw control byte ({ids})")
+    return int(ids[0])
 
 
 def _targets(r: dict) -> dict:
@@ -605,6 +737,20 @@ def _markdown(r: dict) -> str:
         lines.append(common.md_table(["batch", "forward ms", "tokens per slot and step", "drafts verified",
                                       "round trip p50 ms", "instances its server saw before",
                                       "tokens/s vs unstructured"], rows))
+    sampled_first = [x for x in r["results"] if "maskd-opportunistic" in x["runs"]]
+    if sampled_first:
+        lines.append("\n## Opportunistic masking (maskd-opportunistic)\n\nSample first, the server checks the token "
+                     "while the next pass runs on it; a refused token costs its slot that pass. Unmasked samples "
+                     f"off the grammar: {r['args'].get('off_grammar', 0.05):.0%}.\n\n")
+        rows = []
+        for x in sampled_first:
+            v = x["runs"]["maskd-opportunistic"]
+            rows.append([x["batch"], x["forward_ms"], v["tokens_checked"], v["resampled"], v["share_needing_a_row"],
+                         v["off_grammar_allowed"], v["mask_wait_ms"].get("p50", "-"),
+                         f"{v['waited_steps']}/{v['steps']}", v["ratio_to_unstructured"]])
+        lines.append(common.md_table(["batch", "forward ms", "tokens checked", "refused: a row sent",
+                                      "share of steps needing a row", "off-grammar tokens let through",
+                                      "wait p50 ms", "steps that waited", "tokens/s vs unstructured"], rows))
     checked = sum(v.get("masks_checked", 0) for x in r["results"] for v in x["runs"].values())
     lines.append(f"\nMasks checked: {checked:,}; violations: {r['violations']}.\n")
     lines += common.targets_markdown(r.get("targets"))

@@ -1,0 +1,174 @@
+"""Opportunistic masking (contract revision 5, DOMINO §3.5): a decode loop samples first and sends
+the token it sampled without a row; the server checks it.
+
+Through the real gRPC server on cl100k: an allowed token is consumed and answered without a row;
+a refused one consumes nothing and gets the row of its position (equal to the row a sequence
+stepped there the usual way gets) and the sequence lives on; EOS; the complete JSON-schema mode's
+row-level checks (a token the grammar allows but the document's checks take out of the row is
+refused); the client's record of the history; repeats, divergence, bad requests and the metric.
+"""
+import time
+
+import numpy as np
+import pytest
+from test_server import Stream, step
+
+from maskd.server import MaskServer, ServerConfig
+from maskd.v1 import maskd_pb2 as pb
+from maskd_client import MaskClient, SeqStatus, StepInput
+
+READY, FINISHED, WAITING = SeqStatus.READY, SeqStatus.FINISHED, SeqStatus.WAITING
+REGEX = {"regex": "hello world[0-9]"}
+UNIQUE_TAGS = {"json_schema": {"type": "object", "properties": {
+    "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}, "note": {"type": "string"}},
+    "required": ["tags", "note"]}}
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = MaskServer(ServerConfig(port=0, tokenizer="cl100k", threads=2, compile_threads=1, metrics_port=0)).start()
+    yield srv
+    srv.stop(grace=1.0)
+
+
+@pytest.fixture
+def mc(server):
+    with MaskClient(server.address, want_forced_tokens=False) as client:
+        yield client
+
+
+def unmasked(*tokens):
+    return StepInput(list(tokens), sampled_unmasked=True)
+
+
+def opened(mc, sid, spec, first=None):
+    """Opens a sequence and steps until its grammar is ready (``first``: the opening step's input)."""
+    mc.open(sid, spec)
+    r = mc.step({sid: first if first is not None else []})
+    deadline = time.monotonic() + 120   # generous: CI runs on a loaded 2-core machine
+    while r.seqs[sid].status is WAITING:
+        assert time.monotonic() < deadline, "grammar never compiled"
+        time.sleep(0.005)
+        r = mc.step({sid: StepInput([], sampled_unmasked=True) if first is not None else []})
+    return r
+
+
+def row_of(r, sid):
+    res = r.seqs[sid]
+    assert res.row >= 0 and res.num_rows == 1, res
+    return r.bitmask[res.row].copy()
+
+
+def bit(row, token):
+    return bool((int(row[token >> 5]) >> (token & 31)) & 1)
+
+
+def reference_rows(mc, sid, spec, tokens):
+    """The row at every position along ``tokens``, stepping a sequence the usual way."""
+    r = opened(mc, sid, spec)
+    rows = [row_of(r, sid)]
+    for t in tokens:
+        r = mc.step({sid: [t]})
+        rows.append(row_of(r, sid))
+    return rows
+
+
+def test_allowed_tokens_are_consumed_without_a_row(mc, cl100k):
+    tokens = cl100k.encode("hello world5")
+    ref = reference_rows(mc, "ref", REGEX, tokens)
+    r = opened(mc, "a", REGEX, unmasked())
+    res = r.seqs["a"]
+    assert res.status is READY and res.num_rows == 0 and res.row == -1 and len(r.bitmask) == 0
+    for k, t in enumerate(tokens[:-1]):
+        r = mc.step({"a": unmasked(t)})
+        res = r.seqs["a"]
+        assert res.status is READY and res.num_rows == 0 and res.row == -1 and not res.resample, (k, res)
+    assert mc.history("a") == tokens[:-1]
+    # A plain step afterwards gets the row the usual way of stepping gives there.
+    r = mc.step({"a": [tokens[-1]]})
+    assert np.array_equal(row_of(r, "a"), ref[len(tokens)])
+    eos = cl100k.eos_token_ids[0]
+    r = mc.step({"a": unmasked(eos)})
+    assert r.seqs["a"].status is FINISHED and r.seqs["a"].num_rows == 0
+
+
+def test_a_refused_token_gets_the_row_to_sample_again_with(mc, cl100k):
+    tokens = cl100k.encode("hello world5")
+    ref = reference_rows(mc, "ref2", REGEX, tokens)
+    r = opened(mc, "b", REGEX, unmasked())
+    r = mc.step({"b": unmasked(tokens[0])})
+    wrong = cl100k.encode(" planet")[0]
+    assert not bit(ref[1], wrong)
+    r = mc.step({"b": unmasked(wrong)})
+    res = r.seqs["b"]
+    assert res.status is READY and res.resample and res.num_rows == 1
+    assert np.array_equal(r.bitmask[res.row], ref[1])          # the row of the position before it
+    assert mc.history("b") == tokens[:1]                        # nothing consumed, here or there
+    # The sequence lives on: the token sampled again with the row goes in as the next step.
+    r = mc.step({"b": unmasked(tokens[1])})
+    assert r.seqs["b"].status is READY and r.seqs["b"].num_rows == 0 and not r.seqs["b"].resample
+    # EOS before the grammar may end is refused like any token.
+    eos = cl100k.eos_token_ids[0]
+    r = mc.step({"b": unmasked(eos)})
+    assert r.seqs["b"].resample and np.array_equal(r.bitmask[r.seqs["b"].row], ref[2]) and not bit(ref[2], eos)
+    r = mc.step({"b": [tokens[2]]})
+    assert np.array_equal(row_of(r, "b"), ref[3])
+    assert mc.history("b") == tokens[:3]
+
+
+def test_the_complete_modes_row_checks_decide_not_the_grammar_alone(mc, cl100k):
+    """``'"]'`` after ``["a", "a`` is what the grammar allows, but it would close an array that does
+    not pass uniqueItems: the row does not allow it, so the check refuses it."""
+    tokens = cl100k.encode('{"tags": ["a", "a"], "note": "n"}')
+    r = opened(mc, "c", UNIQUE_TAGS, unmasked())
+    n = 0
+    while not cl100k.decode(tokens[:n]).endswith('"a", "a'):
+        r = mc.step({"c": unmasked(tokens[n])})
+        assert r.seqs["c"].status is READY and not r.seqs["c"].resample, cl100k.decode(tokens[:n + 1])
+        n += 1
+    closing = tokens[n]
+    r = mc.step({"c": unmasked(closing)})
+    res = r.seqs["c"]
+    assert res.resample and res.status is READY and not bit(r.bitmask[res.row], closing)
+    comma = cl100k.encode('",')[0]
+    assert bit(r.bitmask[res.row], comma)
+    r = mc.step({"c": unmasked(comma)})
+    assert r.seqs["c"].status is READY and not r.seqs["c"].resample and r.seqs["c"].num_rows == 0
+    assert mc.history("c") == tokens[:n] + [comma]
+
+
+def test_repeats_divergence_and_bad_requests(stub, cl100k, server):
+    s = Stream(stub)
+    r = s.send(step("r", 0, spec=REGEX, sampled_unmasked=True))
+    n = 0
+    while r.results[0].status == pb.SEQ_STATUS_WAITING:
+        n += 1
+        r = s.send(step("r", n, sampled_unmasked=True))
+    assert r.results[0].num_rows == 0
+    hello, wrong = cl100k.encode("hello")[0], cl100k.encode(" planet")[0]
+    first = s.send(step("r", n + 1, [wrong], sampled_unmasked=True))
+    again = s.send(step("r", n + 1, [wrong], sampled_unmasked=True))          # another rank, a retry
+    for reply in (first, again):
+        res = reply.results[0]
+        assert res.status == pb.SEQ_STATUS_READY and res.resample and res.num_rows == 1
+    assert np.array_equal(first.dense[0], again.dense[0])
+    diverged = s.send(step("r", n + 1, [wrong]))                              # the same tokens, masked
+    assert diverged.results[0].status == pb.SEQ_STATUS_ERROR and "divergence" in diverged.results[0].reason
+    ok = s.send(step("r", n + 2, [hello], sampled_unmasked=True))
+    repeat = s.send(step("r", n + 2, [hello], sampled_unmasked=True))
+    for reply in (ok, repeat):
+        assert reply.results[0].status == pb.SEQ_STATUS_READY and reply.results[0].num_rows == 0
+        assert not reply.results[0].resample
+    bad = [step("r", n + 3, [hello], draft_tokens=[hello], sampled_unmasked=True),
+           step("r", n + 3, [hello], propose_drafts=2, sampled_unmasked=True),
+           step("r", n + 3, [hello, hello], sampled_unmasked=True)]
+    for msg in bad:
+        res = s.send(msg).results[0]
+        assert res.status == pb.SEQ_STATUS_ERROR and res.code == 3 and "sampled_unmasked" in res.reason, res
+    # Nothing changed: the step after the last applied one is still n + 3.
+    world = cl100k.encode(" world")[0]
+    assert s.send(step("r", n + 3, [world], sampled_unmasked=True)).results[0].num_rows == 0
+    s.close()
+    registry = server.metrics.registry
+    assert registry.get_sample_value("maskd_opportunistic_steps_total", {"outcome": "resample"}) >= 1
+    assert registry.get_sample_value("maskd_opportunistic_steps_total", {"outcome": "allowed"}) >= 2
