@@ -57,12 +57,14 @@ FORCED, LEARNED = "forced", "learned"
 
 
 class GrammarCounts:
-    """Counts of next tokens by context for one grammar."""
-    __slots__ = ("contexts", "limit")
+    """Counts of next tokens by context for one grammar (and the drafts proposed from it on this
+    server, and how many of them the next steps took)."""
+    __slots__ = ("accepted", "contexts", "limit", "proposed")
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.contexts: dict[tuple[int, ...], dict[int, int]] = {}
+        self.proposed = self.accepted = 0
 
     def add(self, history: Sequence[int], tokens: Sequence[int]) -> None:
         """Counts each of ``tokens`` after the CONTEXT tokens before it (``history`` ends where they start)."""
@@ -114,10 +116,12 @@ class GrammarCounts:
 
 
 class Proposal:
-    """What one step proposed for a sequence: the drafts and where each came from."""
-    __slots__ = ("drafts", "sources")
+    """What one step proposed for a sequence: the drafts, where each came from, and whose counts
+    (the grammar's key) they are scored on."""
+    __slots__ = ("drafts", "key", "sources")
 
-    def __init__(self) -> None:
+    def __init__(self, key: str = "") -> None:
+        self.key = key
         self.drafts: list[int] = []
         self.sources: list[str] = []
 
@@ -152,16 +156,18 @@ class DraftModel:
             self._grammars.move_to_end(grammar_id)
         return counts
 
+    def _new_counts(self, grammar_id: str) -> GrammarCounts:
+        counts = self._grammars[grammar_id] = GrammarCounts(self.max_contexts)
+        while len(self._grammars) > self.max_grammars:     # the least recently used goes
+            self._grammars.popitem(last=False)
+        return counts
+
     def learn(self, grammar_id: str, history: Sequence[int], tokens: Sequence[int]) -> None:
         """Tokens a sequence of ``grammar_id`` accepted after ``history`` (its last tokens)."""
         if not tokens:
             return
         with self._lock:
-            counts = self._counts(grammar_id)
-            if counts is None:
-                counts = self._grammars[grammar_id] = GrammarCounts(self.max_contexts)
-                while len(self._grammars) > self.max_grammars:     # the least recently used goes
-                    self._grammars.popitem(last=False)
+            counts = self._counts(grammar_id) or self._new_counts(grammar_id)
             counts.add(history, tokens)
             if self.shared is not None:
                 unsent = self._unsent.get(grammar_id)
@@ -197,6 +203,9 @@ class DraftModel:
             for key, rows in merged.items():
                 counts = GrammarCounts(self.max_contexts)
                 counts.merge(rows)
+                before = self._grammars.get(key)
+                if before is not None:     # this server's own tallies stay
+                    counts.proposed, counts.accepted = before.proposed, before.accepted
                 since = self._unsent.get(key)
                 if since is not None:
                     counts.merge(since.rows())
@@ -209,7 +218,7 @@ class DraftModel:
     def propose(self, grammar_id: str, matcher: Matcher, history: Sequence[int], k: int) -> Proposal:
         """Up to ``k`` drafts the grammar allows after ``history`` (the sequence's last tokens); the
         matcher ends where it began."""
-        proposal = Proposal()
+        proposal = Proposal(grammar_id)
         drafts, sources = proposal.drafts, proposal.sources
         with self._lock:
             counts = self._counts(grammar_id)
@@ -240,6 +249,10 @@ class DraftModel:
         finally:
             if consumed:
                 matcher.rollback(consumed)
+        if drafts:
+            with self._lock:
+                counts = self._counts(grammar_id) or self._new_counts(grammar_id)
+                counts.proposed += len(drafts)
         if self.metrics is not None and drafts:
             for source in (FORCED, LEARNED):
                 n = sources.count(source)
@@ -255,10 +268,21 @@ class DraftModel:
             if d != t:
                 break
             n += 1
+        if n:
+            with self._lock:
+                counts = self._grammars.get(proposal.key)
+                if counts is not None:
+                    counts.accepted += n
         if self.metrics is not None:
             for source in proposal.sources[:n]:
                 self.metrics.drafts_accepted.labels(source).inc()
         return n
+
+    def per_grammar(self) -> list[tuple[str, int, int]]:
+        """(key, drafts proposed, drafts accepted) of every grammar the drafter holds (bounded by
+        ``max_grammars``): what the per-grammar metrics report."""
+        with self._lock:
+            return [(key, c.proposed, c.accepted) for key, c in self._grammars.items() if c.proposed]
 
     def grammars(self) -> int:
         with self._lock:

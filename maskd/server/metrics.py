@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -88,6 +89,35 @@ class Metrics:
         if len(row_encodings) > refs:
             self.row_dict.labels("miss").inc(len(row_encodings) - refs)
 
+    def watch_drafts(self, drafts: Any) -> None:
+        """Per-grammar draft metrics, read from the drafter at each scrape: one series per grammar
+        it holds (bounded by its grammars; a grammar it forgets leaves the scrape)."""
+        self.registry.register(_PerGrammarDrafts(drafts))
+
     def serve_http(self, port: int, addr: str):
         """Starts the /metrics endpoint on addr:port; returns (server, thread)."""
         return start_http_server(port, addr=addr, registry=self.registry)
+
+
+class _PerGrammarDrafts:
+    """Collector of maskd_grammar_drafts_{proposed,accepted}_total{tenant, grammar}."""
+
+    def __init__(self, drafts: Any) -> None:
+        self.drafts = drafts
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        proposed = CounterMetricFamily("maskd_grammar_drafts_proposed", "Grammar drafts proposed, per grammar "
+                                       "(the grammars the drafter holds)", labels=["tenant", "grammar"])
+        accepted = CounterMetricFamily("maskd_grammar_drafts_accepted", "Proposed grammar drafts the next "
+                                       "step's tokens took, per grammar", labels=["tenant", "grammar"])
+        for key, n_proposed, n_accepted in self.drafts.per_grammar():
+            tenant, _, grammar = key.rpartition("\x00")
+            proposed.add_metric([tenant, grammar], n_proposed)
+            accepted.add_metric([tenant, grammar], n_accepted)
+        yield proposed
+        yield accepted

@@ -37,6 +37,8 @@ class SessionRegistry:
         self.quotas = quotas
         # Grammar drafts, learned from every session (and the cluster's, with a shared store).
         self.drafts = DraftModel(metrics=cache.metrics, shared=shared_drafts)
+        if cache.metrics is not None:
+            cache.metrics.watch_drafts(self.drafts)
         self._sessions: dict[tuple[str, str], Session] = {}
         self._attached: set[Attachment] = set()
         self._lock = threading.Lock()

@@ -14,6 +14,7 @@ from test_server import Stream, step
 from conftest import allowed_ids
 from maskd.server import Limits, MaskServer, ServerConfig
 from maskd.server.drafts import MIN_COUNT, DraftModel, GrammarCounts
+from maskd.specs import GrammarSpec
 from maskd.v1 import maskd_pb2 as pb
 
 READY, ERROR = pb.SEQ_STATUS_READY, pb.SEQ_STATUS_ERROR
@@ -97,6 +98,35 @@ def test_learned_drafts_come_from_what_the_grammars_sequences_wrote(stub, server
     assert r2.results[0].status == READY
     assert metric(server, "maskd_drafts_proposed_total", "learned") == proposed + 5
     assert metric(server, "maskd_drafts_accepted_total", "learned") == accepted + 3
+    s.close()
+
+
+def grammar_metric(server, name, grammar_id):
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics").read().decode()
+    for line in text.splitlines():
+        if line.startswith(name + "{") and f'grammar="{grammar_id}"' in line:
+            return float(line.split()[-1])
+    return None
+
+
+def test_drafts_are_counted_per_grammar(stub, server, cl100k):
+    """maskd_grammar_drafts_{proposed,accepted}_total{tenant, grammar}: one series per grammar the
+    drafter holds, so an operator sees which grammars' drafts pay."""
+    spec = {"regex": "hello world[0-9] and more"}
+    s = Stream(stub)
+    n, r = ready(s, "pg", spec)
+    gid = s.send(step("pg", n + 1, propose_drafts=4))
+    proposed = list(gid.results[0].proposed_drafts)
+    assert proposed
+    assert cl100k.decode(proposed) == "hello world"
+    # An engine took the first draft and sampled its own token where the second was.
+    r = s.send(step("pg", n + 2, [proposed[0], cl100k.encode(" wor")[0]]))
+    assert r.results[0].status == READY
+    gid = server.cache.grammar_id(GrammarSpec.from_dict(spec))
+    assert grammar_metric(server, "maskd_grammar_drafts_proposed_total", gid) == len(proposed)
+    assert grammar_metric(server, "maskd_grammar_drafts_accepted_total", gid) == 1
+    never = server.cache.grammar_id(GrammarSpec.from_dict({"regex": "never used here"}))
+    assert grammar_metric(server, "maskd_grammar_drafts_proposed_total", never) is None
     s.close()
 
 

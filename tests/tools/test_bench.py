@@ -208,6 +208,21 @@ def test_e2e_grammar_drafts(tmp_path):
     assert "Grammar drafts" in text and "max(1, (B + D) / max(B, S))" in text
 
 
+def test_e2e_opportunistic_masking(tmp_path):
+    """maskd-opportunistic: the server lets no off-grammar token through, sends a row for about the
+    share of samples that were off the grammar, and every token sampled again with a row is in it."""
+    report, out = _run("e2e", tmp_path, "--batch-sizes", "4", "--forward-ms", "2", "--steps", "40", "--warmup", "2",
+                       "--pin", "none", "--modes", "unstructured,maskd-opportunistic", "--off-grammar", "0.25")
+    assert report["failed"] is False and report["violations"] == 0
+    r = report["results"][0]["runs"]["maskd-opportunistic"]
+    assert r["off_grammar_allowed"] == 0 and r["failed_rows"] == 0
+    assert r["tokens_checked"] > 0 and 0 < r["resampled"] == r["masks_checked"] < r["tokens_checked"]
+    assert 0.05 < r["share_needing_a_row"] < 0.6
+    assert "Opportunistic masking" in (out / "e2e.md").read_text()
+    with pytest.raises(SystemExit, match="--off-grammar"):
+        _run("e2e", tmp_path, "--modes", "unstructured,maskd-opportunistic", "--off-grammar", "1.5")
+
+
 def test_wire(tmp_path):
     report, out = _run("wire", tmp_path, "--batch-sizes", "1,4")
     assert report["dense_row_bytes"] == 16160

@@ -46,3 +46,23 @@ def test_cli_registers_demo():
 def test_unknown_schema_name():
     with pytest.raises(ValueError, match="unknown demo schemas"):
         run_demo(["nope"], out=None)
+
+
+def test_opportunistic_masking_samples_first_and_resamples_only_refused_tokens():
+    """--opportunistic: every token is sampled from unmasked logits and checked by the server; the
+    random model's tokens are nearly all refused, so rows come back and every output is still valid."""
+    printed = io.StringIO()
+    rows = run_demo(["enums", "booleans"], samples=2, max_new_tokens=64, seed=1, hidden_size=32, layers=1,
+                    opportunistic=True, out=printed)
+    assert rows and all(r["valid"] and r["finished"] for r in rows), rows
+    for r in rows:
+        assert 0 < r["resampled"] <= r["tokens_checked"]
+        assert r["tokens_checked"] >= r["tokens"]        # every token of the output was checked
+    assert "of steps needed a row" in printed.getvalue()
+    args = cli.build_parser().parse_args(["demo", "--opportunistic", "--model", "some/dir"])
+    assert args.opportunistic and args.model == "some/dir"
+
+
+def test_a_model_directory_that_is_not_one_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="not a transformers model directory"):
+        run_demo(["enums"], model_dir=tmp_path, out=None)
