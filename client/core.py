@@ -269,9 +269,11 @@ class ClientCore(Recovery):
                 part = parts.get(owner[a.seq_id])
                 if part is None:
                     part = parts[owner[a.seq_id]] = _Part()
-                if not a.drafts and not a.rollback and not a.propose and not a.unmasked and ledger.plain(a.seq_id):
+                if (not a.drafts and not a.rollback and not a.propose and ledger.plain(a.seq_id)
+                        and (not part.plain_ids or a.unmasked == part.plain_unmasked)):
                     part.plain_ids.append(a.seq_id)     # a columnar entry: a handle, a step, tokens
                     part.plain_tokens.append(a.tokens)
+                    part.plain_unmasked = a.unmasked    # one form per request: sampled unmasked or not
                 else:
                     entry, undo = ledger.advance(a)
                     part.entries.append(entry)
@@ -298,6 +300,7 @@ class ClientCore(Recovery):
             flat = part.plain_tokens[0] if len(part.plain_tokens) == 1 else \
                 [t for toks in part.plain_tokens for t in toks]
             request.tokens = np.array(flat, dtype="<i4").tobytes()
+            request.columnar_sampled_unmasked = part.plain_unmasked
         return InFlight(request, concurrent.futures.Future(), part.undo, closes=[(c.seq_id, f) for c, f in closes],
                         plain_ids=part.plain_ids)
 
@@ -361,13 +364,14 @@ class ClientCore(Recovery):
 # -- helpers ---------------------------------------------------------------------------------------
 class _Part:
     """One server's share of a step while it is built."""
-    __slots__ = ("entries", "plain_ids", "plain_tokens", "undo")
+    __slots__ = ("entries", "plain_ids", "plain_tokens", "plain_unmasked", "undo")
 
     def __init__(self) -> None:
         self.entries: list[pb.SeqStep] = []
         self.undo: list[Undo] = []
         self.plain_ids: list[str] = []
         self.plain_tokens: list[list[int]] = []
+        self.plain_unmasked = False
 
 
 _NO_DRAFTS: tuple[int, ...] = ()

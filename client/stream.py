@@ -186,9 +186,8 @@ def result_of(reply: pb.StepResponse, item: InFlight, bitmask: np.ndarray) -> St
     rich_ids = []
     for r in reply.results:
         status = SeqStatus(r.status)
-        has_rows = status is SeqStatus.READY or status is SeqStatus.FINISHED
-        details[r.seq_id] = SeqResult(r.seq_id, r.step, status, r.first_row if has_rows and r.num_rows else -1,
-                                      r.num_rows,
+        rows_follow = (status is SeqStatus.READY or status is SeqStatus.FINISHED) and r.num_rows > 0
+        details[r.seq_id] = SeqResult(r.seq_id, r.step, status, r.first_row if rows_follow else -1, r.num_rows,
                                       list(r.forced_tokens), r.reason, grpc_code(r.code), r.accepting, r.drafts_valid,
                                       list(r.proposed_drafts), r.resample)
         rich_ids.append(r.seq_id)
@@ -200,7 +199,10 @@ def result_of(reply: pb.StepResponse, item: InFlight, bitmask: np.ndarray) -> St
     if len(packed) != n_plain:
         raise ValueError(f"{len(packed)} columnar answers for {n_plain} columnar entries")
     plain_status = packed & 0x0F
-    has_rows = (plain_status == SeqStatus.READY) | (plain_status == SeqStatus.FINISHED)
+    if item.request.columnar_sampled_unmasked:   # rows only where a token was refused
+        has_rows = (packed & 0x20) > 0
+    else:
+        has_rows = (plain_status == SeqStatus.READY) | (plain_status == SeqStatus.FINISHED)
     first_plain_row = sum(details[sid].num_rows for sid in rich_ids if details[sid].row >= 0)
     plain_row = np.where(has_rows, first_plain_row + np.cumsum(has_rows) - 1, -1).astype(np.int32)
     if first_plain_row + int(has_rows.sum()) > len(bitmask):
@@ -210,6 +212,11 @@ def result_of(reply: pb.StepResponse, item: InFlight, bitmask: np.ndarray) -> St
         sid = plain_ids[p.index]
         details[sid] = SeqResult(sid, int(steps[p.index]), SeqStatus(int(plain_status[p.index])), -1, 0, [],
                                  p.reason, grpc_code(p.code))
+    if item.request.columnar_sampled_unmasked:   # the few refused tokens get a detailed answer
+        for i in np.flatnonzero(has_rows).tolist():
+            sid = plain_ids[i]
+            details[sid] = SeqResult(sid, int(steps[i]), SeqStatus(int(plain_status[i])), int(plain_row[i]), 1, [],
+                                     accepting=bool(packed[i] & 0x10), resample=True)
     forced: dict[str, list[int]] = {}
     if reply.forced_counts:
         counts = np.frombuffer(reply.forced_counts, dtype="<u4")

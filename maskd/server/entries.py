@@ -19,6 +19,7 @@ from maskd.v1 import maskd_pb2 as pb
 from maskd.v1.contract import Code, SeqStatus
 
 ACCEPTING_BIT = 0x10
+RESAMPLE_BIT = 0x20
 _NO_DRAFTS: tuple[int, ...] = ()
 
 
@@ -119,6 +120,7 @@ def parse(request: pb.StepRequest, by_handle: dict[int, Any]) -> tuple[list[tupl
         flat = tokens.tolist()
         token_lists = [flat[a:b] for a, b in zip([0, *ends[:-1]], ends)]
     unknown = 0
+    unmasked = request.columnar_sampled_unmasked
     for i, (h, step, toks) in enumerate(zip(handles.tolist(), steps.tolist(), token_lists)):
         seq = by_handle.get(h)
         sid = seq.seq_id if seq is not None else ""
@@ -128,7 +130,9 @@ def parse(request: pb.StepRequest, by_handle: dict[int, Any]) -> tuple[list[tupl
             res.status, res.code = SeqStatus.ERROR, Code.NOT_FOUND
             res.reason = (f"unknown sequence handle {h}: never given on this session, or its sequence was "
                           "closed or dropped with its stream; open it with a SeqStep")
-        pairs.append((Entry(sid, step, toks, seq), res))
+        entry = Entry(sid, step, toks, seq)
+        entry.unmasked = unmasked
+        pairs.append((entry, res))
     return pairs, unknown, ""
 
 
@@ -149,7 +153,8 @@ def answer(results: list[Result], reply: pb.StepResponse, want_forced: bool) -> 
             out.proposed_drafts.extend(r.proposed)
     if not columnar:
         return
-    reply.statuses = bytes([int(r.status) | (ACCEPTING_BIT if r.accepting else 0) for r in columnar])
+    reply.statuses = bytes([int(r.status) | (ACCEPTING_BIT if r.accepting else 0) | (RESAMPLE_BIT if r.resample else 0)
+                            for r in columnar])
     for r in columnar:
         if r.status == SeqStatus.ERROR or r.status == SeqStatus.FAILED:
             reply.problems.add(index=r.index, code=int(r.code), reason=r.reason)

@@ -203,20 +203,22 @@ class SeqStep(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., step: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., grammar_id: _Optional[str] = ..., spec: _Optional[_Union[GrammarSpec, _Mapping]] = ..., close: _Optional[bool] = ..., rollback: _Optional[int] = ..., history_offset: _Optional[int] = ..., propose_drafts: _Optional[int] = ..., sampled_unmasked: _Optional[bool] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("seqs", "want_forced_tokens", "handles", "steps", "token_counts", "tokens")
+    __slots__ = ("seqs", "want_forced_tokens", "handles", "steps", "token_counts", "tokens", "columnar_sampled_unmasked")
     SEQS_FIELD_NUMBER: _ClassVar[int]
     WANT_FORCED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HANDLES_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_COUNTS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COLUMNAR_SAMPLED_UNMASKED_FIELD_NUMBER: _ClassVar[int]
     seqs: _containers.RepeatedCompositeFieldContainer[SeqStep]
     want_forced_tokens: bool
     handles: bytes
     steps: bytes
     token_counts: bytes
     tokens: bytes
-    def __init__(self, seqs: _Optional[_Iterable[_Union[SeqStep, _Mapping]]] = ..., want_forced_tokens: _Optional[bool] = ..., handles: _Optional[bytes] = ..., steps: _Optional[bytes] = ..., token_counts: _Optional[bytes] = ..., tokens: _Optional[bytes] = ...) -> None: ...
+    columnar_sampled_unmasked: bool
+    def __init__(self, seqs: _Optional[_Iterable[_Union[SeqStep, _Mapping]]] = ..., want_forced_tokens: _Optional[bool] = ..., handles: _Optional[bytes] = ..., steps: _Optional[bytes] = ..., token_counts: _Optional[bytes] = ..., tokens: _Optional[bytes] = ..., columnar_sampled_unmasked: _Optional[bool] = ...) -> None: ...
 
 class SeqResult(_message.Message):
     __slots__ = ("seq_id", "step", "status", "code", "reason", "forced_tokens", "first_row", "num_rows", "drafts_valid", "accepting", "handle", "proposed_drafts", "resample")

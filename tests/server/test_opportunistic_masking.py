@@ -172,3 +172,43 @@ def test_repeats_divergence_and_bad_requests(stub, cl100k, server):
     registry = server.metrics.registry
     assert registry.get_sample_value("maskd_opportunistic_steps_total", {"outcome": "resample"}) >= 1
     assert registry.get_sample_value("maskd_opportunistic_steps_total", {"outcome": "allowed"}) >= 2
+
+
+def test_columnar_steps_sampled_unmasked_and_mixed_with_plain_ones(mc, cl100k, monkeypatch):
+    """Sequences whose handles are known step in the columnar form (StepRequest
+    .columnar_sampled_unmasked); rows come back only for the refused tokens, at the right place
+    among the rows of sequences stepped the usual way in the same step."""
+    from maskd.server import entries
+
+    seen = []
+    parse = entries.parse
+
+    def watched(request, by_handle):     # the server's own parse, watched: which form came in
+        seen.append((len(request.handles) // 4, request.columnar_sampled_unmasked, len(request.seqs)))
+        return parse(request, by_handle)
+
+    monkeypatch.setattr(entries, "parse", watched)
+    tokens = cl100k.encode("hello world5")
+    ref = reference_rows(mc, "col-ref", REGEX, tokens)
+    ids = [f"col-{i}" for i in range(4)]
+    for sid in ids:
+        opened(mc, sid, REGEX, unmasked())
+    r = mc.step({sid: unmasked(tokens[0]) for sid in ids})           # all columnar now (handles known)
+    assert seen[-1] == (4, True, 0)
+    assert all(r.seqs[sid].num_rows == 0 and r.seqs[sid].row == -1 for sid in ids) and len(r.bitmask) == 0
+    wrong = cl100k.encode(" planet")[0]
+    plain = "col-plain"
+    opened(mc, plain, REGEX)
+    mc.step({plain: [tokens[0]]})
+    r = mc.step({"col-0": unmasked(tokens[1]), "col-1": unmasked(wrong), "col-2": unmasked(tokens[1]),
+                 "col-3": unmasked(wrong), plain: [tokens[1]]})
+    assert seen[-1] == (4, True, 1)     # the plain step went as a SeqStep entry beside them
+    assert [r.seqs[s].resample for s in ids] == [False, True, False, True]
+    assert r.seqs["col-0"].num_rows == 0 and r.seqs["col-2"].num_rows == 0
+    for sid in ("col-1", "col-3"):
+        assert np.array_equal(r.bitmask[r.seqs[sid].row], ref[1])
+    assert np.array_equal(r.bitmask[r.seqs[plain].row], ref[2])
+    assert len(r.bitmask) == 3
+    assert mc.history("col-1") == tokens[:1] and mc.history("col-0") == tokens[:2]
+    r = mc.step({"col-1": unmasked(tokens[1]), "col-3": [tokens[1]]})  # sampled again with the row
+    assert r.seqs["col-1"].num_rows == 0 and np.array_equal(r.bitmask[r.seqs["col-3"].row], ref[2])

@@ -594,6 +594,8 @@ def run(args, log=print) -> dict:
                     for mode in modes:
                         gc.collect()
                         fs = fwd / 1e3
+                        own = drafts_srv if mode == "maskd-drafts" else srv
+                        cpu_before = _cpu_seconds(own) if mode.startswith("maskd") else None
                         if mode == "unstructured":
                             tally = _loop_unstructured(ctx, batch, fs, steps, warmup)
                         elif mode == "maskd":
@@ -606,6 +608,9 @@ def run(args, log=print) -> dict:
                             tally = _loop_inprocess(ctx, batch, fs, steps, warmup,
                                                     overlapped=mode == "inprocess-overlapped")
                         runs[mode] = _summary(mode, tally)
+                        if cpu_before is not None:     # the server's own process: its CPU per step
+                            cpu = _cpu_seconds(own) - cpu_before
+                            runs[mode]["server_cpu_ms_per_step"] = round(cpu * 1e3 / (steps + warmup), 3)
                     base = runs.get("unstructured", {}).get("tokens_per_s")
                     for r in runs.values():
                         r["ratio_to_unstructured"] = round(r["tokens_per_s"] / base, 4) if base else None
@@ -644,6 +649,18 @@ def run(args, log=print) -> dict:
     _plot(out, report)
     out.write(report, _markdown(report))
     return report
+
+
+def _cpu_seconds(server) -> float | None:
+    """CPU seconds (user + system) of a server in a process of its own, its threads and children
+    (compile workers) included; None for a server in this process or elsewhere."""
+    import psutil
+
+    if server is None or server.kind != "subprocess" or server.pid is None:
+        return None
+    proc = psutil.Process(server.pid)
+    total = proc.cpu_times()
+    return total.user + total.system + total.children_user + total.children_system
 
 
 def _off_grammar_token(tok) -> int:
@@ -745,12 +762,15 @@ def _markdown(r: dict) -> str:
         rows = []
         for x in sampled_first:
             v = x["runs"]["maskd-opportunistic"]
+            plain = x["runs"].get("maskd", {})
             rows.append([x["batch"], x["forward_ms"], v["tokens_checked"], v["resampled"], v["share_needing_a_row"],
                          v["off_grammar_allowed"], v["mask_wait_ms"].get("p50", "-"),
-                         f"{v['waited_steps']}/{v['steps']}", v["ratio_to_unstructured"]])
+                         f"{v['waited_steps']}/{v['steps']}", v["ratio_to_unstructured"],
+                         v.get("server_cpu_ms_per_step", "-"), plain.get("server_cpu_ms_per_step", "-")])
         lines.append(common.md_table(["batch", "forward ms", "tokens checked", "refused: a row sent",
                                       "share of steps needing a row", "off-grammar tokens let through",
-                                      "wait p50 ms", "steps that waited", "tokens/s vs unstructured"], rows))
+                                      "wait p50 ms", "steps that waited", "tokens/s vs unstructured",
+                                      "server CPU ms per step", "maskd's (rows every step)"], rows))
     checked = sum(v.get("masks_checked", 0) for x in r["results"] for v in x["runs"].values())
     lines.append(f"\nMasks checked: {checked:,}; violations: {r['violations']}.\n")
     lines += common.targets_markdown(r.get("targets"))
