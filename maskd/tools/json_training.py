@@ -37,6 +37,18 @@ def held_out_files(data_dir: str | pathlib.Path) -> list[pathlib.Path]:
     return sorted(pathlib.Path(data_dir).glob("*.json"))[1::2]
 
 
+def held_out_schemas(data_dir: str | pathlib.Path, n: int, max_chars: int = 4000) -> list[dict]:
+    """``n`` schemas of the held-out half spread over it (object schemas of at most ``max_chars``
+    characters of JSON): what measurements with the trained model write for."""
+    out = []
+    for path in held_out_files(data_dir):
+        schema = json.loads(path.read_text(encoding="utf-8"))["schema"]
+        if isinstance(schema, dict) and len(json.dumps(schema)) < max_chars:
+            out.append(schema)
+    step = max(1, len(out) // max(1, n))
+    return out[::step][:n]
+
+
 def corpus(files: list[pathlib.Path]) -> list[str]:
     """Compact JSON text of every valid instance in ``files``."""
     docs = []

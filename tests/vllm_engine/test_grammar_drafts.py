@@ -21,6 +21,7 @@ import pytest
 from harness import ENGINE_OPTIONS, server_metric, vllm_engine
 from workloads import check, parity_requests
 
+from maskd.tools.bench.vllm_workloads import ACCOUNT
 from maskd.tools.vllm_serve import REPO, json_model_dir
 
 MASKBENCH = (REPO / ".." / "shared" / "maskbench-dev").resolve()
@@ -28,14 +29,6 @@ MASKBENCH = (REPO / ".." / "shared" / "maskbench-dev").resolve()
 GRAMMAR_DRAFTS = json.dumps({"method": "custom_class", "model": "maskd_client.vllm.GrammarDrafts",
                              "num_speculative_tokens": 4})
 # Schema-driven JSON (DOMINO's case): the keys and most of the punctuation are the schema's.
-ACCOUNT = {"type": "object", "properties": {
-    "id": {"type": "integer", "minimum": 0, "maximum": 999},
-    "status": {"enum": ["active", "inactive", "pending"]},
-    "verified": {"type": "boolean"},
-    "role": {"enum": ["administrator", "user", "guest"]},
-    "country": {"enum": ["France", "Germany", "Japan"]},
-    "plan": {"enum": ["free", "professional", "enterprise"]}},
-    "required": ["id", "status", "verified", "role", "country", "plan"], "additionalProperties": False}
 
 
 @pytest.fixture(scope="module")

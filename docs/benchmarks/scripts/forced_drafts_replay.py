@@ -9,17 +9,13 @@ agree with it plus one token. No engine, no model: an upper bound for a model th
 way the tokenizer does, and a lower bound for drafts once counts are learned.
 """
 import json
-import pathlib
 import random
-import sys
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3] / "tests" / "vllm_engine"))
-from test_grammar_drafts import ACCOUNT
 
 from maskd.server.drafts import DraftModel
 from maskd.server.engines import create_engine
 from maskd.server.tokenizers import load_tokenizer
 from maskd.specs import GrammarSpec
+from maskd.tools.bench.vllm_workloads import ACCOUNT
 
 tok = load_tokenizer("deepseek-v4")
 engine = create_engine("llguidance", tok, threads=1)

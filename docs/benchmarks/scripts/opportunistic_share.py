@@ -14,38 +14,19 @@ checked by the server's complete mode and again here with jsonschema).
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import sys
 import time
 
 from maskd.server import MaskServer, ServerConfig
+from maskd.tools.bench.vllm_workloads import ACCOUNT
 from maskd.tools.demo import sample_first, validate
-from maskd.tools.json_training import held_out_files
+from maskd.tools.json_training import held_out_schemas
 from maskd.tools.vllm_serve import json_model_dir
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
-# The schema-driven schema of tests/vllm_engine/test_grammar_drafts.py (six required keys).
-ACCOUNT = {"type": "object", "properties": {
-    "id": {"type": "integer", "minimum": 0, "maximum": 999},
-    "status": {"enum": ["active", "inactive", "pending"]},
-    "verified": {"type": "boolean"},
-    "role": {"enum": ["administrator", "user", "guest"]},
-    "country": {"enum": ["France", "Germany", "Japan"]},
-    "plan": {"enum": ["free", "professional", "enterprise"]}},
-    "required": ["id", "status", "verified", "role", "country", "plan"], "additionalProperties": False}
 
 MASKBENCH = (REPO / ".." / "shared" / "maskbench-dev").resolve()
-
-
-def held_out_schemas(n: int) -> list[dict]:
-    out = []
-    for path in held_out_files(MASKBENCH):
-        schema = json.loads(path.read_text())["schema"]
-        if isinstance(schema, dict) and len(json.dumps(schema)) < 4000:
-            out.append(schema)
-    step = max(1, len(out) // n)
-    return out[::step][:n]
 
 
 def main() -> None:
@@ -63,7 +44,7 @@ def main() -> None:
     start = torch.full((args.batch, 1), min(eos_ids), dtype=torch.long)   # a document starts after EOS
     enc = {"input_ids": start, "attention_mask": torch.ones_like(start)}
     workloads = {"account (schema-driven)": [ACCOUNT] * max(1, args.schemas // 4),
-                 "MaskBench-dev held out": held_out_schemas(args.schemas)}
+                 "MaskBench-dev held out": held_out_schemas(MASKBENCH, args.schemas)}
     rows = []
     try:
         for greedy in (True, False):

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import json
 import pathlib
 import sys
 import tempfile
@@ -34,7 +33,7 @@ from harness import ENGINE_OPTIONS, vllm_engine  # noqa: E402
 from test_grammar_drafts import ACCOUNT, GRAMMAR_DRAFTS  # noqa: E402
 
 from maskd.server import MaskServer, ServerConfig  # noqa: E402
-from maskd.tools.json_training import held_out_files  # noqa: E402
+from maskd.tools.json_training import held_out_schemas  # noqa: E402
 from maskd.tools.vllm_serve import json_model_dir  # noqa: E402
 
 MASKBENCH = (REPO / ".." / "shared" / "maskbench-dev").resolve()
@@ -44,13 +43,7 @@ COUNTERS = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tok
 
 
 def maskbench_schemas(n: int) -> list[dict]:
-    out = []
-    for path in held_out_files(MASKBENCH):
-        schema = json.loads(path.read_text())["schema"]
-        if isinstance(schema, dict) and len(json.dumps(schema)) < 4000:
-            out.append(schema)
-    step = max(1, len(out) // n)
-    return out[::step][:n]
+    return held_out_schemas(MASKBENCH, n)
 
 
 def requests(workload: str, n: int, offset: int, constrained: bool) -> list[dict]:

@@ -146,6 +146,16 @@ class _Tally:
     off_grammar_allowed: int = 0   # maskd-opportunistic: off-grammar tokens the server let through (must be 0)
     host: list = dataclasses.field(default_factory=list)
 
+    def pipelined_step(self, done: bool, t0: float, t1: float, t2: float, t3: float, t: float,
+                       t_prev: float) -> None:
+        """A step whose reply was taken after the forward pass (t0 -> t1; ``done``: it was there
+        already) and whose next step went out at t2 -> t3, then host work to t."""
+        self.mask_wait.append(0.0 if done else t1 - t0)
+        self.waited_steps += 0 if done else 1
+        self.critical.append((t1 - t0) + (t3 - t2))
+        self.host.append(t - t3)
+        self.periods.append(t - t_prev)
+
 
 def _sample(replay: _Replay, rows: np.ndarray | None, row_of: list[int] | None, tally: _Tally,
             measured: bool) -> tuple[list[int | None], list[tuple[int, int]], list[int]]:
@@ -288,11 +298,7 @@ def _loop_maskd(ctx, batch: int, forward_s: float, steps: int, warmup: int) -> _
             ctx.host(replay.slots, sampled)
             t = time.perf_counter()
             if measured:
-                tally.mask_wait.append(0.0 if done else t1 - t0)
-                tally.waited_steps += 0 if done else 1
-                tally.critical.append((t1 - t0) + (t3 - t2))
-                tally.host.append(t - t3)
-                tally.periods.append(t - t_prev)
+                tally.pipelined_step(done, t0, t1, t2, t3, t, t_prev)
             t_prev = t
         fut.result()
     return tally
@@ -478,11 +484,7 @@ def _loop_maskd_opportunistic(ctx, batch: int, forward_s: float, steps: int, war
             ctx.host(replay.slots, sampled)
             t = time.perf_counter()
             if measured:
-                tally.mask_wait.append(0.0 if done else t1 - t0)
-                tally.waited_steps += 0 if done else 1
-                tally.critical.append((t1 - t0) + (t3 - t2))
-                tally.host.append(t - t3)
-                tally.periods.append(t - t_prev)
+                tally.pipelined_step(done, t0, t1, t2, t3, t, t_prev)
             t_prev = t
         fut.result()
     return tally

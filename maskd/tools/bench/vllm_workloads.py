@@ -31,6 +31,16 @@ RECORD = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 
 RECORDS = {"type": "object", "properties": {"records": {"type": "array", "items": RECORD, "minItems": 4,
                                                         "maxItems": 4}},
            "required": ["records"], "additionalProperties": False}
+# Schema-driven JSON of one account (six required keys: enums, a boolean, an integer): grammar drafts'
+# workload (tests/vllm_engine/test_grammar_drafts.py, docs/benchmarks/scripts).
+ACCOUNT = {"type": "object", "properties": {
+    "id": {"type": "integer", "minimum": 0, "maximum": 999},
+    "status": {"enum": ["active", "inactive", "pending"]},
+    "verified": {"type": "boolean"},
+    "role": {"enum": ["administrator", "user", "guest"]},
+    "country": {"enum": ["France", "Germany", "Japan"]},
+    "plan": {"enum": ["free", "professional", "enterprise"]}},
+    "required": ["id", "status", "verified", "role", "country", "plan"], "additionalProperties": False}
 BUILT_IN = {"free-text": FREE_TEXT, "records": RECORDS}
 WORKLOADS = (*BUILT_IN, "maskbench")
 
