@@ -258,6 +258,20 @@ def _loop_inprocess(ctx, batch: int, forward_s: float, steps: int, warmup: int, 
     return tally
 
 
+def _send_then_host(ctx, mc, request, replay: _Replay, sampled: list, tally: _Tally | None, done: bool,
+                    t0: float, t1: float, t_prev: float):
+    """The next step goes out (before the host work, as a worker sends it right after sampling);
+    the step's times are tallied when ``tally`` is given. Returns (its future, the step's end)."""
+    t2 = time.perf_counter()
+    fut = mc.step_async(request)
+    t3 = time.perf_counter()
+    ctx.host(replay.slots, sampled)
+    t = time.perf_counter()
+    if tally is not None:
+        tally.pipelined_step(done, t0, t1, t2, t3, t, t_prev)
+    return fut, t
+
+
 def _loop_maskd(ctx, batch: int, forward_s: float, steps: int, warmup: int) -> _Tally:
     from maskd_client import MaskClient, SeqStatus
 
@@ -292,14 +306,8 @@ def _loop_maskd(ctx, batch: int, forward_s: float, steps: int, warmup: int) -> _
             send = dict(consumed)
             # in slot order: the reply's arrays follow the request's order
             request = {s.sid: ([send[i]] if i in send else []) for i, s in enumerate(replay.slots)}
-            t2 = time.perf_counter()
-            fut = mc.step_async(request)
-            t3 = time.perf_counter()
-            ctx.host(replay.slots, sampled)
-            t = time.perf_counter()
-            if measured:
-                tally.pipelined_step(done, t0, t1, t2, t3, t, t_prev)
-            t_prev = t
+            fut, t_prev = _send_then_host(ctx, mc, request, replay, sampled, tally if measured else None,
+                                          done, t0, t1, t_prev)
         fut.result()
     return tally
 
@@ -478,14 +486,8 @@ def _loop_maskd_opportunistic(ctx, batch: int, forward_s: float, steps: int, war
                 sampled.append(new)
                 sent[i] = sample_unmasked(s)
                 request[s.sid] = StepInput([sent[i][0]], sampled_unmasked=True)
-            t2 = time.perf_counter()
-            fut = mc.step_async(request)
-            t3 = time.perf_counter()
-            ctx.host(replay.slots, sampled)
-            t = time.perf_counter()
-            if measured:
-                tally.pipelined_step(done, t0, t1, t2, t3, t, t_prev)
-            t_prev = t
+            fut, t_prev = _send_then_host(ctx, mc, request, replay, sampled, tally if measured else None,
+                                          done, t0, t1, t_prev)
         fut.result()
     return tally
 
