@@ -212,3 +212,32 @@ def test_columnar_steps_sampled_unmasked_and_mixed_with_plain_ones(mc, cl100k, m
     assert mc.history("col-1") == tokens[:1] and mc.history("col-0") == tokens[:2]
     r = mc.step({"col-1": unmasked(tokens[1]), "col-3": [tokens[1]]})  # sampled again with the row
     assert r.seqs["col-1"].num_rows == 0 and np.array_equal(r.bitmask[r.seqs["col-3"].row], ref[2])
+
+
+def test_columnar_entries_sampled_unmasked_with_more_than_one_token_are_refused_alone(stub, cl100k):
+    """Garbage in the columnar form: an entry with two tokens under columnar_sampled_unmasked is
+    refused (INVALID_ARGUMENT, in `problems`) and its sequence is unchanged; its neighbour's single
+    token is checked as usual."""
+    s = Stream(stub)
+    handles = []
+    for sid in ("g0", "g1"):
+        r = s.send(step(sid, 0, spec=REGEX, sampled_unmasked=True))
+        n = 0
+        while r.results[0].status == pb.SEQ_STATUS_WAITING:
+            n += 1
+            r = s.send(step(sid, n, sampled_unmasked=True))
+        handles.append((r.results[0].handle, n))
+    hello, world = cl100k.encode("hello")[0], cl100k.encode(" world")[0]
+    req = pb.StepRequest(columnar_sampled_unmasked=True)
+    req.handles = np.array([h for h, _ in handles], "<u4").tobytes()
+    req.steps = np.array([n + 1 for _, n in handles], "<u4").tobytes()
+    req.token_counts = np.array([2, 1], "<u4").tobytes()
+    req.tokens = np.array([hello, world, hello], "<i4").tobytes()
+    reply = s.send_request(req)
+    packed = np.frombuffer(reply.statuses, np.uint8)
+    assert (packed & 0x0F).tolist() == [pb.SEQ_STATUS_ERROR, pb.SEQ_STATUS_READY]
+    assert [(p.index, p.code) for p in reply.problems] == [(0, 3)] and "sampled_unmasked" in reply.problems[0].reason
+    assert reply.num_rows == 0                        # the good token was allowed: no row for anyone
+    retry = s.send(step("g0", handles[0][1] + 1, [hello], sampled_unmasked=True))   # g0 was unchanged
+    assert retry.results[0].status == pb.SEQ_STATUS_READY and retry.results[0].num_rows == 0
+    s.close()
