@@ -752,6 +752,8 @@ CHART_OWNED_FLAGS = {
     "--host": "the pod binds 0.0.0.0",
     "--metrics-host": "follows --host",
     "--auth-token-env": "auth.secretName puts the token into MASKD_AUTH_TOKEN, the flag's default variable",
+    "--drafts-sync": "only a Ray cluster's workers exchange grammar drafts' counts (with its store actor); "
+                     "the chart runs plain servers",
 }
 # Values outside `server` that render server flags (auth and TLS secrets are mounted).
 AUTH_TLS_VALUES = {"auth": {"enabled": True, "tokensSecretName": "maskd-tokens", "allowPlaintext": True},
