@@ -163,6 +163,11 @@ class Session(StepRouting):
                             f"cannot roll back {msg.rollback} tokens: sequence {seq.seq_id!r} has "
                             f"accepted {len(seq.pending)}")
                     continue
+                if msg.unmasked and tokens:   # nothing to check them against yet: never queued unchecked
+                    refuse(res, refusals, Code.FAILED_PRECONDITION,
+                           f"sequence {seq.seq_id!r}: its grammar is still compiling, so a token sampled without "
+                           "its row cannot be checked; step without tokens until the sequence is READY")
+                    continue
                 if msg.rollback:
                     del seq.pending[-msg.rollback:]
                 seq.pending.extend(tokens)
