@@ -326,8 +326,10 @@ class StepRouting:
             fail(res, seq, seq.dead_reason, seq.dead_code)
         elif status == WAITING or seq.matcher is None:
             res.status = WAITING
-        else:
-            repeats.append(Fill(res, seq, seq.matcher, (), seq.last_drafts, seq.last_propose))
+        else:   # filled again from the unchanged state (a refused sampled_unmasked token keeps its flag)
+            res.resample = answer is not None and answer.result.resample
+            repeats.append(Fill(res, seq, seq.matcher, (), seq.last_drafts, seq.last_propose,
+                                seq.last_unmasked and not res.resample))
 
     @staticmethod
     def _divergence(res: Result, seq: SequenceState, refusals) -> None:
