@@ -74,8 +74,8 @@ def main() -> None:
                                              "parameters": {"type": "object"}},
             "required": ["name", "parameters"]}}
         router_schema.pop("$defs", None)
-        whole, s1 = compiled(tok, whole_schema)
-        router, s2 = compiled(tok, router_schema)
+        _, s1 = compiled(tok, whole_schema)
+        _, s2 = compiled(tok, router_schema)
         whole_s.append(s1)
         router_s.append(s2)
         for _ in range(args.calls // args.rounds):
