@@ -81,6 +81,15 @@ class GrammarStore:
         self._claims[grammar_id] = _Claim(requester, time.monotonic() + self.claim_s, asyncio.Event())
         return None
 
+    async def get_many(self, grammar_ids: list[str], requester: str, wait_s: float = 30.0) -> list:
+        """``get`` of each (the tool pieces of an array), in one call."""
+        give_up = time.monotonic() + max(0.0, wait_s)
+        return [await self.get(g, requester, max(0.0, give_up - time.monotonic())) for g in grammar_ids]
+
+    async def put_many(self, items: list, requester: str = "") -> None:
+        for grammar_id, data, error in items:
+            await self.put(grammar_id, data, error, requester)
+
     async def put(self, grammar_id: str, data: bytes | None, error: str | None, requester: str = "") -> None:
         if data is None and not error:  # nothing to share; let a waiter compile
             claim = self._claims.pop(grammar_id, None)
@@ -170,6 +179,14 @@ class RayGrammarStore:
     def put(self, grammar_id: str, serialized: bytes | None, error: str | None) -> None:
         # Fire and forget: the compiled grammar is already in use here; publishing helps the others.
         self.handle.put.remote(grammar_id, serialized, error, self.requester)
+
+    def get_many(self, grammar_ids: list[str]) -> list:
+        import ray
+        return ray.get(self.handle.get_many.remote(grammar_ids, self.requester, self.wait_s),
+                       timeout=self.wait_s + self.call_timeout_s)
+
+    def put_many(self, items: list) -> None:
+        self.handle.put_many.remote(items, self.requester)
 
     def exchange_draft_counts(self, learned: dict, wanted: list) -> dict:
         import ray

@@ -44,6 +44,9 @@ class GrammarSpec:
     reasoning_start: str = ""     # optional: the prompt may already have opened the reasoning
     reasoning_end: str = ""       # free text up to this marker comes before the grammar
     max_whitespace: int = DEFAULT_MAX_WHITESPACE  # flexible JSON: longest whitespace run (0: no bound)
+    # A tool_choice "required" call array's parts (maskd.tool_specs.ToolCallParts), when the spec was
+    # built from them: ``text`` is then their array, and the wire carries the parts, not the text.
+    parts: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -64,9 +67,13 @@ class GrammarSpec:
     def create(cls, kind: str, source: Any, *, whitespace: str = "flexible",
                reasoning: tuple[str, str] | str | None = None,
                max_whitespace: int = DEFAULT_MAX_WHITESPACE) -> GrammarSpec:
-        """``reasoning``: a ``(start, end)`` pair, or the end marker alone."""
+        """``reasoning``: a ``(start, end)`` pair, or the end marker alone. A JSON schema that is a
+        ``tool_choice: "required"`` call array (as vLLM or ``maskd.tool_specs`` builds it) keeps its
+        parts: the server composes its grammar from them, and the wire carries them."""
         start, end = ("", reasoning) if isinstance(reasoning, str) else (reasoning or ("", ""))
-        return cls(kind, canonical_text(kind, source), whitespace, start, end, max_whitespace)
+        parts = _call_parts(source) if kind == "json_schema" else None
+        text = parts.schema_text() if parts is not None else canonical_text(kind, source)
+        return cls(kind, text, whitespace, start, end, max_whitespace, parts)
 
     @classmethod
     def from_dict(cls, spec: Mapping[str, Any]) -> GrammarSpec:
@@ -97,19 +104,30 @@ class GrammarSpec:
     def from_proto(cls, msg: pb.GrammarSpec) -> GrammarSpec:
         kind = msg.WhichOneof("kind")
         if kind is None:
-            raise SpecError("grammar spec names no kind; set one of " + ", ".join(KINDS))
-        source: Any = list(msg.choice.items) if kind == "choice" else getattr(msg, kind)
+            raise SpecError("grammar spec names no kind; set one of " + ", ".join(KINDS) + " or tool_calls")
         opts = msg.options
         ws = _WHITESPACE_NAMES.get(opts.whitespace)
         if ws is None:
             raise SpecError(f"unknown whitespace option {opts.whitespace}")
         reasoning = (opts.reasoning_start, opts.reasoning_end) if (opts.reasoning_start or opts.reasoning_end) else None
         max_ws = opts.max_whitespace if opts.HasField("max_whitespace") else DEFAULT_MAX_WHITESPACE
+        if kind == "tool_calls":
+            from maskd.tool_specs import parts_from_wire  # here: maskd.tool_specs imports this module
+            parts = parts_from_wire(msg.tool_calls)
+            spec = cls.create("json_schema", True, whitespace=ws, reasoning=reasoning, max_whitespace=max_ws)
+            return dataclasses.replace(spec, text=parts.schema_text(), parts=parts)
+        source: Any = list(msg.choice.items) if kind == "choice" else getattr(msg, kind)
         return cls.create(kind, source, whitespace=ws, reasoning=reasoning, max_whitespace=max_ws)
 
     def to_proto(self) -> pb.GrammarSpec:
         msg = pb.GrammarSpec()
-        if self.kind == "choice":
+        if self.parts is not None:
+            calls = msg.tool_calls
+            for name, params in zip(self.parts.names, self.parts.params):
+                calls.tools.add(name=name, parameters=params)
+            calls.defs = self.parts.defs
+            calls.single = self.parts.single
+        elif self.kind == "choice":
             msg.choice.items.extend(json.loads(self.text))
         else:
             setattr(msg, self.kind, self.text)
@@ -124,8 +142,10 @@ class GrammarSpec:
                    json_schema_mode: str = "complete") -> str:
         """Content hash: the same grammar has the same id on every replica. The server's JSON
         schema mode is part of it for the kinds it changes (json_schema, structural_tag)."""
+        # The text goes in as its hash: json.dumps of a 134 KB tool set's text cost more than its sha256.
         payload = {
-            "kind": self.kind, "text": self.text, "whitespace": self.whitespace,
+            "kind": self.kind, "text_sha256": hashlib.sha256(self.text.encode()).hexdigest(),
+            "whitespace": self.whitespace,
             "reasoning": [self.reasoning_start, self.reasoning_end], "max_whitespace": self.max_whitespace,
             "tokenizer": tokenizer_fingerprint, "backend": backend, "backend_version": backend_version,
         }
@@ -148,6 +168,9 @@ class GrammarSpec:
         """Nesting depth of a JSON source (objects and arrays); 0 for other kinds."""
         if self.kind not in ("json_schema", "structural_tag"):
             return 0
+        if self.parts is not None:
+            from maskd.tool_specs import calls_depth  # here: maskd.tool_specs imports this module
+            return calls_depth(self.parts)
         return _MEMO.get(("depth", self.text), lambda: json_depth(json.loads(self.text)))
 
 
@@ -201,6 +224,23 @@ def json_depth(value: Any) -> int:
             deepest = max(deepest, d)
             stack.extend((v, d + 1) for v in node)
     return deepest
+
+
+def _call_parts(source: Any) -> Any:
+    """The parts of a call array given as a dict, or as its compact JSON text; None for any other schema."""
+    from maskd.tool_specs import ARRAY_HEAD, calls_schema_parts  # here: maskd.tool_specs imports this module
+
+    if isinstance(source, str):
+        if not source.startswith(ARRAY_HEAD):
+            return None
+        try:
+            return _MEMO.get(("parts", source), lambda: calls_schema_parts(json.loads(source)))
+        except (ValueError, RecursionError):
+            return None      # canonical_text names the problem
+    try:
+        return calls_schema_parts(source) if isinstance(source, dict) else None
+    except (TypeError, ValueError, RecursionError):
+        return None          # not JSON: canonical_text names the problem
 
 
 def canonical_text(kind: str, source: Any) -> str:
@@ -349,9 +389,9 @@ def _fields_of(obj: Any) -> Mapping[str, Any]:
 
 
 def _from_tool_request(request: Mapping[str, Any]) -> GrammarSpec | None:
-    from maskd.tool_specs import tool_call_schema  # here: maskd.tool_specs imports this module
+    from maskd.tool_specs import ToolCallParts, tool_call_output  # here: maskd.tool_specs imports this module
 
-    schema = tool_call_schema(request.get("tools"), request.get("tool_choice"), request.get("parallel_tool_calls"))
+    schema = tool_call_output(request.get("tools"), request.get("tool_choice"), request.get("parallel_tool_calls"))
     rest = {k: v for k, v in request.items() if k not in _TOOL_KEYS and v is not None}
     others = sorted(k for k in rest if k in _CONSTRAINTS or k in _WRAPPERS)
     if schema is None:    # tool_choice "auto"/"none", or no tools: the body's other constraint, if any
@@ -363,7 +403,11 @@ def _from_tool_request(request: Mapping[str, Any]) -> GrammarSpec | None:
         raise SpecError("disable_additional_properties does not apply to tool calls (vLLM drops it for them "
                         "too); close the parameters schemas themselves with additionalProperties false")
     options = {k: rest[k] for k in _OPTIONS if k in rest}
-    return _from_keys({"json_schema": schema, **options})
+    if not isinstance(schema, ToolCallParts):      # a named function: its parameters schema
+        return _from_keys({"json_schema": schema, **options})
+    # The call array as its parts: its text is assembled from them, and it travels as them.
+    spec = _from_keys({"json_schema": True, **options})
+    return dataclasses.replace(spec, text=schema.schema_text(), parts=schema)
 
 
 def _from_response_format(fmt: Mapping[str, Any]) -> GrammarSpec | None:

@@ -18,13 +18,17 @@ schema. Import-light like ``maskd.specs``: the client builds the same specs.
 """
 from __future__ import annotations
 
+import collections
 import json
+import threading
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from maskd.specs import SpecError
+from maskd.specs import SpecError, json_depth
 
-__all__ = ["EMPTY_PARAMETERS", "TOOL_CHOICES", "tool_call_schema"]
+__all__ = ["ARRAY_HEAD", "EMPTY_PARAMETERS", "TOOL_CHOICES", "ToolCallParts", "calls_depth", "calls_schema_parts",
+           "parts_from_wire", "tool_call_output", "tool_call_schema"]
 
 #: The parameters of a function that declares none (vLLM's default): an object, any members.
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
@@ -41,7 +45,15 @@ def tool_call_schema(tools: Any, tool_choice: Any = None, parallel_tool_calls: A
     """The JSON schema of the output a request's tool keys ask for, or None where they ask for
     no constraint. Pydantic objects (vLLM's ``ChatCompletionToolsParam``, a named tool choice)
     are read through ``model_dump``. Malformed keys raise SpecError naming the key."""
-    functions, with_refs = (None, set()) if tools is None else _functions(tools)
+    found = tool_call_output(tools, tool_choice, parallel_tool_calls)
+    return json.loads(found.schema_text()) if isinstance(found, ToolCallParts) else found
+
+
+def tool_call_output(tools: Any, tool_choice: Any = None,
+                     parallel_tool_calls: Any = None) -> ToolCallParts | dict[str, Any] | None:
+    """What ``tool_call_schema`` gives, with the call array of ``"required"`` as its parts (not
+    built as one dict: a server composes it from the parts, and its text is their concatenation)."""
+    functions = None if tools is None else _functions(tools)
     if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
         raise SpecError(f"parallel_tool_calls is true or false, not {parallel_tool_calls!r}")
     choice = _plain(tool_choice)
@@ -59,10 +71,10 @@ def tool_call_schema(tools: Any, tool_choice: Any = None, parallel_tool_calls: A
         if name not in functions:
             raise SpecError(f"tool_choice names the function {name!r}, which is not one of the tools "
                             f"({_some(functions)})")
-        return functions[name]
+        return functions[name].schema()
     if not functions:
         return None          # vLLM and OpenAI: "required" with an empty tools list means "none"
-    return _calls_schema(functions, with_refs, single=parallel_tool_calls is False)
+    return _calls_parts(functions, single=parallel_tool_calls is False)
 
 
 def _some(names: Mapping[str, Any], shown: int = 8) -> str:
@@ -78,13 +90,28 @@ def _plain(value: Any) -> Any:
     return dump() if callable(dump) else value
 
 
-def _functions(tools: Any) -> tuple[dict[str, dict[str, Any]], set[str]]:
-    """Each tool's name and its parameters schema (a fresh copy), in the tools' order; and the
-    names of the tools whose parameters hold a "$ref" anywhere (the others need no ref check)."""
+@dataclass(frozen=True)
+class _Function:
+    """One tool's parameters: their compact JSON text without ``$defs``, its own ``$defs`` (or
+    None), and the body as a dict (read, never changed)."""
+    text: str
+    body: Mapping[str, Any]
+    defs: Mapping[str, Any] | None
+    has_ref: bool
+
+    def schema(self) -> dict[str, Any]:
+        """The parameters schema as a fresh dict, its own ``$defs`` included."""
+        schema = json.loads(self.text)
+        if self.defs is not None:
+            schema["$defs"] = json.loads(_compact(self.defs))
+        return schema
+
+
+def _functions(tools: Any) -> dict[str, _Function]:
+    """Each tool's name and parameters, in the tools' order."""
     if isinstance(tools, (str, bytes)) or not isinstance(tools, Sequence):
         raise SpecError(f"tools is a list of {_TOOL}, not {type(tools).__name__}")
-    functions: dict[str, dict[str, Any]] = {}
-    with_refs: set[str] = set()
+    functions: dict[str, _Function] = {}
     where_named: dict[str, int] = {}
     for i, raw in enumerate(tools):
         tool = _plain(raw)
@@ -103,33 +130,34 @@ def _functions(tools: Any) -> tuple[dict[str, dict[str, Any]], set[str]]:
         if name in functions:
             raise SpecError(f"tools[{where_named[name]}] and tools[{i}] both name the function {name!r}: "
                             "a call could not say which one it means")
-        functions[name], has_ref = _parameters(function.get("parameters"),
-                                               f"tools[{i}].function.parameters ({name!r})")
-        if has_ref:
-            with_refs.add(name)
+        functions[name] = _parameters(function.get("parameters"), f"tools[{i}].function.parameters ({name!r})")
         where_named[name] = i
-    return functions, with_refs
+    return functions
 
 
-def _parameters(params: Any, where: str) -> tuple[dict[str, Any], bool]:
-    """A copy of the parameters schema, and whether its JSON text holds a "$ref" key anywhere."""
+def _parameters(params: Any, where: str) -> _Function:
+    """The parameters schema as JSON text (checked to be JSON, of an object), its ``$defs`` apart."""
     params = _plain(params)
     if params is None or (isinstance(params, Mapping) and not params):
-        return dict(EMPTY_PARAMETERS), False    # vLLM: none declared, an object with any members
+        params = EMPTY_PARAMETERS    # vLLM: none declared, an object with any members
     if not isinstance(params, Mapping):
         raise SpecError(f"{where} is a JSON schema object describing the arguments, not {type(params).__name__}")
     declared = params.get("type")
     if declared is not None and declared != "object" and not (isinstance(declared, list) and "object" in declared):
         raise SpecError(f"{where} has type {declared!r}: a call's arguments are a JSON object, so the "
                         "parameters schema describes an object (type 'object')")
-    try:    # a copy of our own (the $defs are moved out of it), and JSON through and through
-        text = json.dumps(params, ensure_ascii=False)
-        copy = json.loads(text)
+    defs = params.get("$defs")
+    body = {k: v for k, v in params.items() if k != "$defs"} if "$defs" in params else params
+    if defs is not None and not isinstance(defs, Mapping):
+        raise SpecError(f"{where}: $defs is an object of named schemas, not {type(defs).__name__}")
+    try:
+        text = _compact(body)
+        defs_text = _compact(defs) if defs is not None else ""
     except (TypeError, ValueError) as exc:
         raise SpecError(f"{where} is not JSON: {exc}") from None
     except RecursionError:
         raise SpecError(f"{where} is nested too deeply to parse") from None
-    return copy, '"$ref"' in text
+    return _Function(text, body, defs, '"$ref"' in text or '"$ref"' in defs_text)
 
 
 def _named(choice: Any) -> str:
@@ -145,34 +173,24 @@ def _named(choice: Any) -> str:
     return name
 
 
-def _calls_schema(functions: dict[str, dict[str, Any]], with_refs: set[str], *, single: bool) -> dict[str, Any]:
-    """vLLM's array for "required", key order included (the same text, so the same grammar id as
-    the schema vLLM hands its backend): items any of ``{"name": enum [one name], "parameters":
-    ...}``, both required; each tool's ``$defs`` moved to the root, where its ``#/$defs/...``
-    refs land."""
+def _calls_parts(functions: dict[str, _Function], *, single: bool) -> ToolCallParts:
+    """vLLM's array for "required" as its parts (its text, key order included, is the schema vLLM
+    hands its backend, so the same grammar id): items any of ``{"name": enum [one name],
+    "parameters": ...}``, both required; each tool's ``$defs`` moved to the root, where its
+    ``#/$defs/...`` refs land."""
     defs: dict[str, Any] = {}
     defined_by: dict[str, str] = {}
-    calls = []
-    for name, params in functions.items():
-        own = params.pop("$defs", None)
-        if own is not None and not isinstance(own, Mapping):
-            raise SpecError(f"tool {name!r}: parameters.$defs is an object of named schemas, not {type(own).__name__}")
-        for key, sub in (own or {}).items():
+    for name, f in functions.items():
+        for key, sub in (f.defs or {}).items():
             if key in defs and defs[key] != sub:
                 raise SpecError(f"tools {defined_by[key]!r} and {name!r} both define $defs/{key}, differently: the "
                                 "call array has one $defs for all tools (as vLLM's), so a name means one schema")
             defs.setdefault(key, sub)
             defined_by.setdefault(key, name)
-        if name in with_refs:
-            _check_refs(params, name)
-        calls.append({"properties": {"name": {"type": "string", "enum": [name]}, "parameters": params},
-                      "required": ["name", "parameters"]})
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": calls}}
-    if single:
-        schema["maxItems"] = 1
-    if defs:
-        schema["$defs"] = defs
-    return schema
+        if f.has_ref:
+            _check_refs(f.body, name)
+    return ToolCallParts(tuple(functions), tuple(f.text for f in functions.values()),
+                         _compact(defs) if defs else "", single)
 
 
 def _check_refs(params: Any, name: str) -> None:
@@ -192,3 +210,196 @@ def _check_refs(params: Any, name: str) -> None:
                                 "call array of tool_choice 'required' that pointer would land elsewhere. Put shared "
                                 "schemas under the parameters' $defs and refer to '#/$defs/NAME'")
             stack.extend((v, k in _SCHEMA_MAPS) for k, v in node.items() if k not in _INSTANCE_KEYWORDS)
+
+
+# -- the call array taken apart (per-tool pieces, issue 19) -------------------------------------
+ARRAY_HEAD = '{"type":"array","minItems":1,"items":{"type":"object","anyOf":['
+_CALL_HEAD = '{"properties":{"name":{"type":"string","enum":['
+_CALL_MID = ']},"parameters":'
+_CALL_TAIL = '},"required":["name","parameters"]}'
+_json_string = json.encoder.encode_basestring   # json.dumps of a str, ensure_ascii=False
+
+
+@dataclass(frozen=True)
+class ToolCallParts:
+    """A ``tool_choice: "required"`` call array as its parts: the tools' names and each one's
+    parameters schema (compact JSON text, without ``$defs``), the array's ``$defs`` (compact JSON,
+    "" for none), and whether it holds one call at most. ``schema_text`` is the array's JSON text
+    (the text ``tool_call_schema`` gives, so the same grammar id); ``pieces`` each tool's parameters
+    as a JSON schema of its own, the grammar a server compiles once per tool."""
+    names: tuple[str, ...]
+    params: tuple[str, ...]
+    defs: str = ""
+    single: bool = False
+
+    @property
+    def pieces(self) -> tuple[str, ...]:
+        """Each tool's parameters with the array's ``$defs`` where they refer to them."""
+        if not self.defs:
+            return self.params
+        return tuple(p[:-1] + ("," if p != "{}" else "") + '"$defs":' + self.defs + "}" if '"$ref"' in p else p
+                     for p in self.params)
+
+    def schema_text(self) -> str:
+        text = self.__dict__.get("_text")
+        if text is None:
+            text = self.__dict__["_text"] = self._assemble()
+        return text
+
+    def _assemble(self) -> str:
+        calls = ",".join(_CALL_HEAD + _json_string(n) + _CALL_MID + p + _CALL_TAIL
+                         for n, p in zip(self.names, self.params))
+        return (ARRAY_HEAD + calls + "]}" + (',"maxItems":1' if self.single else "")
+                + (',"$defs":' + self.defs if self.defs else "") + "}")
+
+    def router_schema(self) -> dict[str, Any]:
+        """The same array with one item schema: a name of the set, parameters any object. Its rows
+        equal the whole grammar's outside the parameters; a piece gives them inside."""
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {
+            "type": "object",
+            "properties": {"name": {"type": "string", "enum": list(self.names)}, "parameters": {"type": "object"}},
+            "required": ["name", "parameters"]}}
+        if self.single:
+            schema["maxItems"] = 1
+        return schema
+
+
+def _compact(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def calls_schema_parts(schema: Any) -> ToolCallParts | None:
+    """The parts of a JSON schema that is exactly the call array ``tool_call_schema`` builds for
+    ``"required"``, or None for any other schema."""
+    if not isinstance(schema, dict) or list(schema)[:3] != ["type", "minItems", "items"] \
+            or set(schema) - {"type", "minItems", "items", "maxItems", "$defs"} \
+            or schema["type"] != "array" or schema["minItems"] != 1 or schema.get("maxItems", 1) != 1:
+        return None
+    items, defs = schema["items"], schema.get("$defs")
+    if not isinstance(items, dict) or list(items) != ["type", "anyOf"] or items["type"] != "object" \
+            or not isinstance(items["anyOf"], list) or not items["anyOf"] \
+            or (defs is not None and (not isinstance(defs, dict) or not defs)):
+        return None
+    names: list[str] = []
+    params: list[str] = []
+    for call in items["anyOf"]:
+        if not isinstance(call, dict) or list(call) != ["properties", "required"] \
+                or call["required"] != ["name", "parameters"]:
+            return None
+        props = call["properties"]
+        if not isinstance(props, dict) or list(props) != ["name", "parameters"]:
+            return None
+        name, p = props["name"], props["parameters"]
+        if not isinstance(name, dict) or list(name) != ["type", "enum"] or name["type"] != "string" \
+                or not isinstance(name["enum"], list) or len(name["enum"]) != 1 \
+                or not isinstance(name["enum"][0], str) or not isinstance(p, dict) or "$defs" in p:
+            return None
+        names.append(name["enum"][0])
+        params.append(_compact(p))
+    if len(set(names)) != len(names):
+        return None
+    return ToolCallParts(tuple(names), tuple(params), _compact(defs) if defs else "", "maxItems" in schema)
+
+
+class _PieceTexts:
+    """Parameters texts that came over the wire, checked once: their canonical form and depth
+    (a bounded memo: a server sees the same tools again and again)."""
+
+    MAX_CHARS = 64 << 20
+
+    def __init__(self) -> None:
+        self._items: collections.OrderedDict[str, tuple[str, int]] = collections.OrderedDict()
+        self._chars = 0
+        self._lock = threading.Lock()
+
+    def canonical(self, texts: list[str], where) -> list[str]:
+        """The canonical form of each text (``where(i)`` names the i-th in an error)."""
+        with self._lock:
+            found = [self._items.get(t) for t in texts]
+        return [f[0] if f is not None else self.get(t, where(i))[0] for i, (t, f) in enumerate(zip(texts, found))]
+
+    def get(self, text: str, where: str) -> tuple[str, int]:
+        with self._lock:
+            found = self._items.get(text)
+            if found is not None:
+                self._items.move_to_end(text)
+                return found
+        try:
+            value = json.loads(text)
+        except ValueError as exc:
+            raise SpecError(f"{where} is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise SpecError(f"{where} is nested too deeply to parse") from None
+        if not isinstance(value, dict):
+            raise SpecError(f"{where} is a JSON object, not {type(value).__name__}")
+        found = (_compact(value), json_depth(value))
+        with self._lock:
+            if text not in self._items:
+                self._items[text] = found
+                self._chars += len(text) + len(found[0])
+                while self._chars > self.MAX_CHARS:
+                    old, (canon, _) = self._items.popitem(last=False)
+                    self._chars -= len(old) + len(canon)
+        return found
+
+
+_PIECE_TEXTS = _PieceTexts()
+
+
+_WIRE_PARTS_KEPT = 256    # the last tool sets that came over the wire (an open sends its set again)
+_WIRE_PARTS: collections.OrderedDict[tuple, ToolCallParts] = collections.OrderedDict()
+_WIRE_PARTS_LOCK = threading.Lock()
+
+
+def parts_from_wire(msg: Any) -> ToolCallParts:
+    """The parts a ``ToolCalls`` message carries, checked (SpecError naming what is wrong): at
+    least one tool, names non-empty and unique, each parameters text a JSON object schema without
+    ``$defs`` (they go in ``defs``), ``defs`` empty or a JSON object. Texts are made canonical.
+    The same set again (the open after its register, every request of an agent) is looked up."""
+    tools = msg.tools
+    key = (tuple(t.name for t in tools), tuple(t.parameters for t in tools), msg.defs, bool(msg.single))
+    with _WIRE_PARTS_LOCK:
+        found = _WIRE_PARTS.get(key)
+        if found is not None:
+            _WIRE_PARTS.move_to_end(key)
+            return found
+    found = _parts_from_wire(msg)
+    with _WIRE_PARTS_LOCK:
+        _WIRE_PARTS[key] = found
+        while len(_WIRE_PARTS) > _WIRE_PARTS_KEPT:
+            _WIRE_PARTS.popitem(last=False)
+    return found
+
+
+def _parts_from_wire(msg: Any) -> ToolCallParts:
+    tools = msg.tools
+    if not tools:
+        raise SpecError("tool_calls names no tools: a call array needs at least one")
+    names = [t.name for t in tools]
+    if not all(names) or len(set(names)) != len(names):
+        seen: dict[str, int] = {}
+        for i, name in enumerate(names):
+            if not name:
+                raise SpecError(f"tool_calls.tools[{i}].name is empty")
+            if name in seen:
+                raise SpecError(f"tool_calls.tools[{seen[name]}] and [{i}] both name the function {name!r}")
+            seen[name] = i
+    params = _PIECE_TEXTS.canonical([t.parameters or "{}" for t in tools],
+                                    lambda i: f"tool_calls.tools[{i}].parameters ({names[i]!r})")
+    for i, text in enumerate(params):
+        if '"$defs"' in text and "$defs" in json.loads(text):
+            raise SpecError(f"tool_calls.tools[{i}].parameters ({names[i]!r}) has $defs: they go in "
+                            "tool_calls.defs, shared by every tool of the array")
+    defs = _PIECE_TEXTS.get(msg.defs, "tool_calls.defs")[0] if msg.defs else ""
+    return ToolCallParts(tuple(names), tuple(params), "" if defs == "{}" else defs, bool(msg.single))
+
+
+def calls_depth(parts: ToolCallParts) -> int:
+    """The nesting depth of the array's schema (as ``maskd.specs.json_depth`` of its JSON): the
+    name's enum list is at 7, a tool's parameters at 6, the $defs at 2."""
+    deepest = 7
+    for p in parts.params:
+        deepest = max(deepest, 5 + _PIECE_TEXTS.get(p, "parameters")[1])
+    if parts.defs:
+        deepest = max(deepest, 1 + _PIECE_TEXTS.get(parts.defs, "defs")[1])
+    return deepest

@@ -113,6 +113,7 @@ class MaskServer:
                 raise OSError(f"cannot bind the metrics port {self.config.metrics_bind_host}:"
                               f"{self.config.metrics_port}: {exc.strerror or exc}") from exc
             self.metrics_port = self._metrics_http.server_port
+        self.engine.prepare()      # while the compile workers load their engines
         if self._pool is not None and not self._pool.wait_warm(120.0):
             log.warning("maskd: compile workers still loading the engine after 120 s; serving anyway")
         self._grpc.start()

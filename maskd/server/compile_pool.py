@@ -178,6 +178,59 @@ class CompilePool:
             raise GrammarCompileError(value)
         return value
 
+    def compile_many(self, specs: list[GrammarSpec], timeout_s: float) -> list[bytes | GrammarCompileError]:
+        """Each spec's serialized grammar or its error, the specs split over the workers (one
+        batch each, at once). A batch its worker does not survive (CompileCrashed) or finish in
+        ``timeout_s`` per spec (CompileTimeout) gives that error for each of its specs: compile
+        them one at a time to find the one at fault. A batch has one compile's time limit: pieces
+        compile in milliseconds, a limit is for the one that does not."""
+        if not specs:
+            return []
+        n = max(1, min(self.workers, len(specs)))
+        chunks = [specs[i::n] for i in range(n)]
+        answers: list[Any] = [None] * n
+
+        def run(i: int) -> None:
+            try:
+                answers[i] = self._batch(chunks[i], timeout_s)
+            except GrammarCompileError as exc:
+                answers[i] = exc
+
+        threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(1, n)]
+        for t in threads:
+            t.start()
+        run(0)
+        for t in threads:
+            t.join()
+        out: list[Any] = [None] * len(specs)
+        for i, answer in enumerate(answers):
+            for k, result in enumerate(answer if isinstance(answer, list) else [answer] * len(chunks[i])):
+                if isinstance(result, tuple):
+                    kind, value = result
+                    result = value if kind == "ok" else GrammarCompileError(value)
+                out[i + k * n] = result
+        return out
+
+    def _batch(self, specs: list[GrammarSpec], timeout_s: float) -> list[tuple[str, Any]]:
+        worker = self._take()
+        try:
+            kind, value = worker.call(("compile_many", specs), timeout_s)
+        except TimeoutError:
+            self.timeouts += 1
+            worker.kill()
+            self._replace(worker)
+            raise CompileTimeout(f"a batch of {len(specs)} grammars exceeded {timeout_s:g} s (stopped)") from None
+        except (EOFError, OSError, pickle.UnpicklingError):
+            how = worker.exit_status()
+            self.crashes += 1
+            log.warning("a compile worker died (%s) on a batch of %d grammars", how, len(specs))
+            self._replace(worker)
+            raise CompileCrashed(f"a batch of grammars crashed its compile worker ({how})") from None
+        self._give_back(worker)
+        if kind == "error":
+            raise GrammarCompileError(value)
+        return value
+
     def _take(self) -> _Worker:
         with self._cond:
             while not self._idle:

@@ -62,11 +62,24 @@ def _serve(load, kind: str, payload: Any, answer: list) -> None:
     from maskd.server.engines import GrammarCompileError
     try:
         engine = load()
+        if kind == "compile_many":      # one answer per spec, in order
+            answer.append(("ok", [_compile_one(engine, spec) for spec in payload]))
+            return
         answer.append(("ok", None) if kind == "warm" else ("ok", engine.serialize(engine.compile(payload))))
     except GrammarCompileError as exc:
         answer.append(("error", str(exc)))
     except Exception as exc:   # an engine bug: this grammar's compile error, the worker lives on
         answer.append(("error", f"internal compile error: {type(exc).__name__}: {exc}"))
+
+
+def _compile_one(engine, spec) -> tuple[str, Any]:
+    from maskd.server.engines import GrammarCompileError
+    try:
+        return "ok", engine.serialize(engine.compile(spec))
+    except GrammarCompileError as exc:
+        return "error", str(exc)
+    except Exception as exc:   # an engine bug: this grammar's compile error
+        return "error", f"internal compile error: {type(exc).__name__}: {exc}"
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ from maskd.v1.contract import Code, GrammarState
 
 log = logging.getLogger("maskd.server.grammar_cache")
 _ENTRY_OVERHEAD = 1024   # bytes counted per entry beyond its serialized grammar
+_PIECE_IDS_KEPT = 1 << 16   # tool pieces' grammar ids kept by text (a hash of each every request is ms)
+_IDS_KEPT_FROM, _IDS_KEPT_CHARS = 4096, 32 << 20   # ids of specs this large kept, up to this much text
 
 
 class QueueFull(RuntimeError):
@@ -56,6 +58,12 @@ class SharedGrammarStore(Protocol):
 
     def put(self, grammar_id: str, serialized: bytes | None, error: str | None) -> None: ...
 
+    def get_many(self, grammar_ids: list[str]) -> list[tuple[bytes | None, str | None] | None]:
+        """``get`` of each, in one call (the tool pieces of an array)."""
+
+    def put_many(self, items: list[tuple[str, bytes | None, str | None]]) -> None:
+        """``put`` of each (grammar id, serialized, error), in one call."""
+
 
 class GrammarCache:
     def __init__(self, engine: Engine, *, max_entries: int = 1024, max_bytes: int = 1 << 30,
@@ -80,6 +88,10 @@ class GrammarCache:
         self._queues: dict[str, collections.deque[CacheEntry]] = {}
         self._running: collections.Counter[str] = collections.Counter()
         self._served: dict[str, int] = {}     # tenant -> when it was last served (a counter)
+        self._piece_ids: dict[tuple, str] = {}
+        self._big_ids: collections.OrderedDict[GrammarSpec, str] = collections.OrderedDict()
+        self._big_chars = 0
+        self._ids_lock = threading.Lock()
         self._serves = 0
         self._closed = False
         self.compiles = 0  # compiles this cache ran itself
@@ -94,6 +106,25 @@ class GrammarCache:
             threading.stack_size(old)
 
     def grammar_id(self, spec: GrammarSpec) -> str:
+        """The spec's content id; those of large specs (a tool set's text) are kept, as a register and
+        the opens after it send the same spec again and again."""
+        if len(spec.text) < _IDS_KEPT_FROM:
+            return self._grammar_id(spec)
+        with self._ids_lock:
+            gid = self._big_ids.get(spec)
+            if gid is not None:
+                self._big_ids.move_to_end(spec)
+                return gid
+        gid = self._grammar_id(spec)
+        with self._ids_lock:
+            self._big_ids[spec] = gid
+            self._big_chars += len(spec.text)
+            while self._big_chars > _IDS_KEPT_CHARS:
+                old, _ = self._big_ids.popitem(last=False)
+                self._big_chars -= len(old.text)
+        return gid
+
+    def _grammar_id(self, spec: GrammarSpec) -> str:
         return spec.grammar_id(self.engine.tokenizer.fingerprint, self.engine.name, self.engine.version,
                                json_schema_mode=self.engine.json_schema_mode)
 
@@ -205,6 +236,8 @@ class GrammarCache:
     # -- compiling (on a compile thread) ----------------------------------------------------------
     def _compile(self, entry: CacheEntry) -> None:
         t0 = time.perf_counter()
+        if self._composed(entry, t0):
+            return
         if self.shared is not None and self._from_shared(entry):
             return
         data: bytes | None = None
@@ -252,6 +285,156 @@ class GrammarCache:
             except Exception:  # the shared store is an optimization; compiling locally still works
                 log.warning("cannot publish grammar %s to the shared cache", entry.grammar_id, exc_info=True)
                 self._count_error("shared_cache_put")
+
+    # -- tool-call arrays composed from per-tool pieces (engines/tool_calls.py) ---------------------
+    def _composed(self, entry: CacheEntry, t0: float) -> bool:
+        """A ``tool_choice: "required"`` array made of its tools' pieces, each a grammar of this cache
+        (compiled once, here or by another replica through the shared store), and a router compiled
+        here meanwhile. False where the engine does not compose, or a piece does not compile alone
+        or only as a relaxation: the array is then compiled whole (which names the error, if any)."""
+        parts = self.engine.tool_call_parts(entry.spec)
+        if parts is None:
+            return False
+        routed: list = []
+        router = threading.Thread(target=self._route, args=(entry.spec, parts, routed), daemon=True,
+                                  name="maskd-compile-router")
+        router.start()
+        pieces = self._pieces(entry.spec, parts.pieces, entry.tenant)
+        router.join()
+        compiled = None
+        grammars = [p.compiled for p in pieces if p.compiled is not None]
+        if routed and not isinstance(routed[0], Exception) and len(grammars) == len(pieces):
+            compiled = self.engine.compose(entry.spec, parts, grammars, routed[0])
+        if compiled is None:
+            if routed and isinstance(routed[0], Exception):
+                log.warning("grammar %s: the tool-call router does not compile (%s); compiling the array whole",
+                            entry.grammar_id, routed[0])
+            return False
+        seconds = time.perf_counter() - t0
+        self.compiles += 1
+        if self.metrics is not None:
+            self.metrics.compile_seconds.labels(self.engine.name).observe(seconds)
+            self.metrics.tool_pieces.labels("composed").inc()
+        with self._lock:
+            self._finish(entry, compiled, "", seconds)
+        return True
+
+    def _route(self, spec: GrammarSpec, parts, out: list) -> None:
+        try:
+            out.append(self.engine.router(spec, parts))
+        except Exception as exc:
+            out.append(exc)
+
+    def _piece_id(self, spec: GrammarSpec, text: str) -> str:
+        """The id of the piece of ``text`` in ``spec``'s array (kept: the same tools come again)."""
+        key = (text, spec.whitespace, spec.max_whitespace, spec.reasoning_end)
+        gid = self._piece_ids.get(key)
+        if gid is None:
+            gid = self._grammar_id(self.engine.piece_spec(spec, text))
+            with self._ids_lock:
+                self._piece_ids[key] = gid
+                if len(self._piece_ids) > _PIECE_IDS_KEPT:
+                    del self._piece_ids[next(iter(self._piece_ids))]
+        return gid
+
+    def _pieces(self, spec: GrammarSpec, texts: tuple[str, ...], tenant: str) -> list[CacheEntry]:
+        """The pieces of ``spec``'s tools (their parameters ``texts``), in order: found in this
+        cache, else compiled on this thread now, together (not queued behind the array that needs
+        them), or waited for where another thread compiles them."""
+        ids = [self._piece_id(spec, t) for t in texts]
+        entries: list[CacheEntry] = []
+        mine: list[CacheEntry] = []
+        with self._lock:
+            for gid, text in zip(ids, texts):
+                entry = self._entries.get(gid)
+                if entry is None:
+                    entry = CacheEntry(gid, self.engine.piece_spec(spec, text), tenant, started=time.monotonic())
+                    self._entries[gid] = entry
+                    mine.append(entry)
+                else:
+                    self._entries.move_to_end(gid)
+                    if entry.state is GrammarState.COMPILING and not entry.started:   # queued: taken from the queue
+                        queue = self._queues.get(entry.tenant)
+                        if queue is not None and entry in queue:
+                            queue.remove(entry)
+                            if not queue:
+                                del self._queues[entry.tenant]
+                            entry.started = time.monotonic()
+                            mine.append(entry)
+                entries.append(entry)
+            self._evict()
+        if self.metrics is not None:
+            self.metrics.tool_pieces.labels("compiled").inc(len(mine))
+            self.metrics.tool_pieces.labels("cached").inc(len(entries) - len(mine))
+        if mine:
+            self._compile_pieces(mine)
+        return [self.wait(e) if e.state is GrammarState.COMPILING else e for e in entries]
+
+    def _compile_pieces(self, entries: list[CacheEntry]) -> None:
+        """Pieces from the shared store in one call, the rest compiled in one batch per compile
+        worker (a batch a worker does not survive is compiled again one piece at a time, so that
+        only the piece at fault fails). A piece's matcher is built when a call first needs it: a
+        request names 200 tools and calls one or two of them."""
+        if self.shared is not None:
+            entries = self._pieces_from_shared(entries)
+        if not entries:
+            return
+        if self.pool is None:
+            for entry in entries:
+                self._compile(entry)
+            return
+        t0 = time.perf_counter()
+        results = self.pool.compile_many([e.spec for e in entries], self.compile_timeout_s)
+        seconds = (time.perf_counter() - t0) / len(entries)
+        published = []
+        for entry, result in zip(entries, results):
+            if isinstance(result, (CompileCrashed, CompileTimeout)):
+                self._compile(entry)
+                continue
+            if isinstance(result, GrammarCompileError):
+                compiled, error, data = None, str(result), None
+                self._count_error("compile_error")
+            else:
+                data = result
+                try:
+                    compiled, error = self.engine.deserialize(entry.spec, data, lazy=True), ""
+                except GrammarCompileError as exc:
+                    compiled, error, data = None, str(exc), None
+            self.compiles += 1
+            with self._lock:
+                self._finish(entry, compiled, error, seconds, size=len(data or b""))
+            published.append((entry.grammar_id, data, error or None))
+        if self.shared is not None and published:
+            try:
+                self.shared.put_many(published)
+            except Exception:  # the shared store is an optimization
+                log.warning("cannot publish %d tool pieces to the shared cache", len(published), exc_info=True)
+                self._count_error("shared_cache_put")
+
+    def _pieces_from_shared(self, entries: list[CacheEntry]) -> list[CacheEntry]:
+        """Loads the pieces the shared store has (one call); returns those it has not."""
+        assert self.shared is not None
+        try:
+            found = self.shared.get_many([e.grammar_id for e in entries])
+        except Exception:
+            log.warning("shared grammar cache lookup of %d pieces failed; compiling here", len(entries), exc_info=True)
+            self._count_error("shared_cache_get")
+            return entries
+        missing = []
+        for entry, hit in zip(entries, found):
+            if self.metrics is not None:
+                (self.metrics.cache_hits if hit else self.metrics.cache_misses).labels("shared").inc()
+            if not hit:
+                missing.append(entry)
+                continue
+            data, error = hit
+            try:
+                compiled = self.engine.deserialize(entry.spec, data, lazy=True) if data is not None else None
+            except GrammarCompileError as exc:
+                compiled, error = None, f"cannot load the shared cache's grammar: {exc}"
+            with self._lock:
+                self._finish(entry, compiled, error or "", 0.0, size=len(data or b""))
+        return missing
 
     def _from_shared(self, entry: CacheEntry) -> bool:
         assert self.shared is not None

@@ -60,6 +60,10 @@ class Metrics:
             "maskd_opportunistic_steps", "Steps whose token was sampled without a row (sampled_unmasked), by "
             "outcome: allowed (consumed, no row sent) or resample (refused: a row sent to sample again with)",
             ["outcome"], registry=r)
+        self.tool_pieces = Counter(
+            "maskd_tool_call_pieces", "tool_choice 'required' call arrays composed from per-tool pieces: pieces "
+            "compiled for one (compiled), pieces found compiled (cached), arrays composed (composed)", ["outcome"],
+            registry=r)
         self.errors = Counter("maskd_errors", "Errors by kind (refused entries, failed sequences, "
                                               "compile failures, aborted calls)", ["kind"], registry=r)
 

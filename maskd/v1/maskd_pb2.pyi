@@ -134,14 +134,33 @@ class ChoiceList(_message.Message):
     items: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, items: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class ToolFunction(_message.Message):
+    __slots__ = ("name", "parameters")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    parameters: str
+    def __init__(self, name: _Optional[str] = ..., parameters: _Optional[str] = ...) -> None: ...
+
+class ToolCalls(_message.Message):
+    __slots__ = ("tools", "defs", "single")
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    DEFS_FIELD_NUMBER: _ClassVar[int]
+    SINGLE_FIELD_NUMBER: _ClassVar[int]
+    tools: _containers.RepeatedCompositeFieldContainer[ToolFunction]
+    defs: str
+    single: bool
+    def __init__(self, tools: _Optional[_Iterable[_Union[ToolFunction, _Mapping]]] = ..., defs: _Optional[str] = ..., single: _Optional[bool] = ...) -> None: ...
+
 class GrammarSpec(_message.Message):
-    __slots__ = ("json_schema", "regex", "lark", "ebnf", "choice", "structural_tag", "options")
+    __slots__ = ("json_schema", "regex", "lark", "ebnf", "choice", "structural_tag", "tool_calls", "options")
     JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
     REGEX_FIELD_NUMBER: _ClassVar[int]
     LARK_FIELD_NUMBER: _ClassVar[int]
     EBNF_FIELD_NUMBER: _ClassVar[int]
     CHOICE_FIELD_NUMBER: _ClassVar[int]
     STRUCTURAL_TAG_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
     json_schema: str
     regex: str
@@ -149,8 +168,9 @@ class GrammarSpec(_message.Message):
     ebnf: str
     choice: ChoiceList
     structural_tag: str
+    tool_calls: ToolCalls
     options: GrammarOptions
-    def __init__(self, json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., lark: _Optional[str] = ..., ebnf: _Optional[str] = ..., choice: _Optional[_Union[ChoiceList, _Mapping]] = ..., structural_tag: _Optional[str] = ..., options: _Optional[_Union[GrammarOptions, _Mapping]] = ...) -> None: ...
+    def __init__(self, json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., lark: _Optional[str] = ..., ebnf: _Optional[str] = ..., choice: _Optional[_Union[ChoiceList, _Mapping]] = ..., structural_tag: _Optional[str] = ..., tool_calls: _Optional[_Union[ToolCalls, _Mapping]] = ..., options: _Optional[_Union[GrammarOptions, _Mapping]] = ...) -> None: ...
 
 class RegisterGrammarRequest(_message.Message):
     __slots__ = ("spec", "wait", "backend", "tokenizer_fingerprint")

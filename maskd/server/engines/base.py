@@ -85,6 +85,25 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def new_matcher(self, grammar: CompiledGrammar) -> Matcher: ...
 
+    # Tool-call arrays composed from per-tool pieces (llguidance_engine, tool_calls.py); an engine
+    # that does not compose them compiles each array whole.
+    def tool_call_parts(self, spec: GrammarSpec) -> Any:
+        """The spec's parts where this engine composes its grammar from them, else None."""
+        return None
+
+    def piece_spec(self, spec: GrammarSpec, text: str) -> GrammarSpec:
+        raise NotImplementedError
+
+    def router(self, spec: GrammarSpec, parts: Any) -> Any:
+        raise NotImplementedError
+
+    def compose(self, spec: GrammarSpec, parts: Any, pieces: Sequence[CompiledGrammar],
+                router: Any = None) -> CompiledGrammar | None:
+        raise NotImplementedError
+
+    def prepare(self) -> None:  # noqa: B027 -- most engines have nothing to build
+        """What the engine builds once per process before serving (the server calls it at start)."""
+
     def consume_batch(self, matchers: Sequence[Matcher], tokens: Sequence[Sequence[int]]) -> list[str | None]:
         """Advances every matcher over its tokens; a reason per rejected matcher."""
         return [m.consume(t) for m, t in zip(matchers, tokens)]
@@ -99,7 +118,9 @@ class Engine(abc.ABC):
     def serialize(self, grammar: CompiledGrammar) -> bytes:
         raise NotImplementedError
 
-    def deserialize(self, spec: GrammarSpec, data: bytes) -> CompiledGrammar:
+    def deserialize(self, spec: GrammarSpec, data: bytes, *, lazy: bool = False) -> CompiledGrammar:
+        """``lazy``: the grammar was compiled by a worker that checked it; what only a matcher needs
+        may wait for the first matcher."""
         raise NotImplementedError
 
     def allocate(self, rows: int) -> np.ndarray:

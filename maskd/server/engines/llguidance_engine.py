@@ -5,6 +5,7 @@ batched consume and fill run on llguidance's parallel executor with the GIL rele
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import logging
@@ -19,6 +20,15 @@ from llguidance.gbnf_to_lark import any_to_lark
 
 from maskd.server.engines.base import CompiledGrammar, Engine, GrammarCompileError, Matcher, UnsupportedSpec
 from maskd.server.engines.llguidance_lark import Specials, StructuralTagLark, TagInfo, reasoning_lark
+from maskd.server.engines.tool_calls import (
+    CallArrayChecker,
+    Piece,
+    ToolCallGrammar,
+    ToolCallMatcher,
+    boundary_tables,
+    fill_rows,
+    fill_with_drafts,
+)
 from maskd.server.json_schema import (
     Relaxation,
     RelaxError,
@@ -33,6 +43,7 @@ from maskd.server.json_schema import (
     tool_call_checker,
 )
 from maskd.specs import GrammarSpec
+from maskd.tool_specs import ToolCallParts
 
 log = logging.getLogger("maskd.server.engines.llguidance")
 
@@ -43,6 +54,8 @@ _CHECKED_MAGIC = b"maskd-checked-grammar-v2\n"
 # x-guidance options that loosen the schema: only complete mode relaxes (and then validates).
 _LOOSENING = ("lenient", "coerce_one_of")
 _WHITESPACE_KEYS = {"whitespace_flexible", "whitespace_pattern"}
+# Routers of composed tool-call arrays kept by (names, options): a request that only reorders its tools.
+_ROUTERS_KEPT = 64
 
 
 def _first_line(message: str) -> str:
@@ -91,16 +104,29 @@ class LLGuidanceMatcher(Matcher):
 
 class _Prototype:
     """A matcher in its initial state that new sequences copy; copies are serialized by a lock
-    because sessions on other threads may copy the same grammar's prototype at once."""
-    __slots__ = ("lock", "matcher")
+    because sessions on other threads may copy the same grammar's prototype at once. A lazy one
+    (a grammar a compile worker checked) builds its matcher at the first copy or ``build``."""
+    __slots__ = ("grammar", "ll", "lock", "matcher")
 
-    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher | None, ll: llguidance.LLTokenizer | None = None,
+                 grammar: str = "") -> None:
         self.matcher = matcher
+        self.ll, self.grammar = ll, grammar
         self.lock = threading.Lock()
+
+    def build(self) -> llguidance.LLMatcher:
+        """The prototype's matcher (under the lock)."""
+        if self.matcher is None:
+            assert self.ll is not None
+            matcher = llguidance.LLMatcher(self.ll, self.grammar, log_level=0)
+            if matcher.is_error():
+                raise GrammarCompileError(_first_line(matcher.get_error()))
+            self.matcher = matcher
+        return self.matcher
 
     def copy(self) -> llguidance.LLMatcher:
         with self.lock:
-            return self.matcher.deep_copy()
+            return self.build().deep_copy()
 
 
 def whitespace_pattern(max_whitespace: int) -> str:
@@ -118,6 +144,8 @@ class LLGuidanceEngine(Engine):
         self.executor = llguidance.LLExecutor(num_threads=max(1, threads))
         self._specials: Specials | None = None
         self._specials_lock = threading.Lock()
+        self._routers: collections.OrderedDict[tuple, tuple[str, _Prototype]] = collections.OrderedDict()
+        self._routers_lock = threading.Lock()
 
     @property
     def specials(self) -> Specials:
@@ -330,7 +358,61 @@ class LLGuidanceEngine(Engine):
         except ValidatorError as exc:
             raise GrammarCompileError(f"a tool's JSON schema does not compile (complete mode: {exc})") from exc
 
-    def new_matcher(self, grammar: CompiledGrammar) -> LLGuidanceMatcher:
+    def prepare(self) -> None:
+        boundary_tables(self.tokenizer, self.words_per_row)   # tool-call arrays' boundaries (~0.25 s)
+
+    # -- tool-call arrays composed from per-tool pieces (tool_calls.py) ---------------------------
+    def tool_call_parts(self, spec: GrammarSpec) -> ToolCallParts | None:
+        """The parts of a spec that is a ``tool_choice: "required"`` call array, or None."""
+        if spec.kind != "json_schema" or spec.reasoning_end:
+            return None
+        return spec.parts
+
+    def piece_spec(self, spec: GrammarSpec, text: str) -> GrammarSpec:
+        """A tool's parameters as a grammar of their own, with the array's options."""
+        return dataclasses.replace(spec, text=text, parts=None)
+
+    def compose(self, spec: GrammarSpec, parts: ToolCallParts, pieces: Sequence[CompiledGrammar],
+                router: tuple[str, _Prototype] | None = None) -> CompiledGrammar | None:
+        """The call array of ``spec`` from its router (compiled here: its shape is maskd's, only the
+        names are the request's) and its tools' compiled pieces; None where a piece is only a
+        relaxation (complete mode's early checks work on whole documents: the array compiles whole)."""
+        t0 = time.perf_counter()
+        validators = {}
+        for name, piece in zip(parts.names, pieces):
+            checker = piece.checker
+            if checker is not None and checker.scans:
+                return None
+            if checker is not None:
+                validators[name] = checker.validator
+        text, prototype = router or self.router(spec, parts)
+        handle = ToolCallGrammar(prototype, text, {n: Piece(p) for n, p in zip(parts.names, pieces)},
+                                 boundary_tables(self.tokenizer, self.words_per_row))
+        checker = CallArrayChecker(validators, self.tokenizer) if validators else None
+        return CompiledGrammar(spec, handle, time.perf_counter() - t0, checker=checker)
+
+    def router(self, spec: GrammarSpec, parts: ToolCallParts) -> tuple[str, _Prototype]:
+        """The array's router: its grammar and prototype (kept for the last arrays' name sets)."""
+        key = (parts.names, parts.single, spec.whitespace, spec.max_whitespace)
+        with self._routers_lock:
+            found = self._routers.get(key)
+            if found is not None:
+                self._routers.move_to_end(key)
+                return found
+        schema = parts.router_schema()
+        router_spec = dataclasses.replace(spec, text=json.dumps(schema, ensure_ascii=False, separators=(",", ":")),
+                                          parts=None)
+        grammar, probe = self._json_grammar(router_spec, schema, lenient=False)
+        found = (grammar, _Prototype(probe))
+        with self._routers_lock:
+            self._routers[key] = found
+            while len(self._routers) > _ROUTERS_KEPT:
+                self._routers.popitem(last=False)
+        return found
+
+    def new_matcher(self, grammar: CompiledGrammar) -> LLGuidanceMatcher | ToolCallMatcher:
+        if isinstance(grammar.handle, ToolCallGrammar):
+            return ToolCallMatcher(grammar.handle)
         # A fresh matcher is a copy of the grammar's untouched prototype (microseconds), not a
         # new parse of the grammar (milliseconds).
         proto = grammar.prototype
@@ -340,7 +422,8 @@ class LLGuidanceEngine(Engine):
 
     def consume_batch(self, matchers, tokens):
         reasons: list[str | None] = [None] * len(matchers)
-        singles = [(i, m.m, t[0]) for i, (m, t) in enumerate(zip(matchers, tokens)) if len(t) == 1]
+        singles = [(i, m.m, t[0]) for i, (m, t) in enumerate(zip(matchers, tokens))
+                   if len(t) == 1 and type(m) is LLGuidanceMatcher]
         if len(singles) > 1:
             ok = self.executor.consume_token_par([(m, t) for _, m, t in singles])
             for (i, m, _), good in zip(singles, ok):
@@ -356,6 +439,9 @@ class LLGuidanceEngine(Engine):
 
     def fill_batch(self, matchers, rows, drafts, out: np.ndarray) -> None:
         assert out.dtype == np.int32 and out.flags["C_CONTIGUOUS"] and out.shape[1] == self.words_per_row
+        if any(type(m) is ToolCallMatcher for m in matchers):
+            self._fill_composed(matchers, rows, drafts, out)
+            return
         batch = out.shape[0]
         if drafts is None or not any(drafts):
             self.executor.unsafe_compute_mask_ptr(
@@ -374,13 +460,29 @@ class LLGuidanceEngine(Engine):
             self.executor.unsafe_compute_mask_ptr(plain, out.ctypes.data, out.shape[1] * 4, batch)
         self.executor.unsafe_compute_mask_ptr_with_draft_token(jobs, out.ctypes.data, out.shape[1] * 4, batch)
 
+    def _fill_composed(self, matchers, rows, drafts, out: np.ndarray) -> None:
+        """A batch with composed sequences: theirs filled apart (with drafts one by one), the rest as usual."""
+        drafts = drafts or [()] * len(matchers)
+        composed = [(m, r) for m, r, d in zip(matchers, rows, drafts) if type(m) is ToolCallMatcher and not d]
+        if composed:
+            fill_rows(self.executor, [m for m, _ in composed], [r for _, r in composed], out)
+        for m, r, d in zip(matchers, rows, drafts):
+            if type(m) is ToolCallMatcher and d:
+                fill_with_drafts(self.executor, m, r, d, out)
+        rest = [(m, r, d) for m, r, d in zip(matchers, rows, drafts) if type(m) is not ToolCallMatcher]
+        if rest:
+            self.fill_batch([m for m, _, _ in rest], [r for _, r, _ in rest],
+                            [d for _, _, d in rest] if any(d for _, _, d in rest) else None, out)
+
     def serialize(self, grammar: CompiledGrammar) -> bytes:
+        if isinstance(grammar.handle, ToolCallGrammar):
+            raise NotImplementedError("a composed tool-call grammar is composed again from its pieces")
         if grammar.checker is None:
             return grammar.handle.encode()
         head = json.dumps(describe_checker(grammar.checker), ensure_ascii=False).encode()
         return _CHECKED_MAGIC + len(head).to_bytes(8, "little") + head + grammar.handle.encode()
 
-    def deserialize(self, spec: GrammarSpec, data: bytes) -> CompiledGrammar:
+    def deserialize(self, spec: GrammarSpec, data: bytes, *, lazy: bool = False) -> CompiledGrammar:
         """A grammar compiled elsewhere (a compile worker, another replica): its prototype matcher is
         built here, off the step path, and its document checker (validators do not serialize) is
         built again from the description that came with it."""
@@ -395,6 +497,9 @@ class LLGuidanceEngine(Engine):
             data = data[at + 8 + size:]
         t0 = time.perf_counter()
         grammar = data.decode()
+        if lazy:
+            return CompiledGrammar(spec, grammar, time.perf_counter() - t0, _Prototype(None, self.ll, grammar),
+                                   checker=checker)
         probe = llguidance.LLMatcher(self.ll, grammar, log_level=0)
         if probe.is_error():
             raise GrammarCompileError(_first_line(probe.get_error()))

@@ -67,6 +67,8 @@ class Specials:
 
     def marked(self, text: str) -> bytes:
         """``text`` as the document checkers see the output (special tokens as 0xFF + name)."""
+        if not text:
+            return b""
         names = {v: k for k, v in self.ids.items()}
         return b"".join(SPECIAL_MARK + names[p].encode() if isinstance(p, int) else p.encode()
                         for p in self.split(text))

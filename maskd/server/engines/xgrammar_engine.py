@@ -484,7 +484,7 @@ class XGrammarEngine(Engine):
         # level 1 shrinks it about 5x in a few ms.
         return _ZMAGIC + zlib.compress(grammar.handle.serialize_json().encode(), 1)
 
-    def deserialize(self, spec: GrammarSpec, data: bytes) -> CompiledGrammar:
+    def deserialize(self, spec: GrammarSpec, data: bytes, *, lazy: bool = False) -> CompiledGrammar:
         t0 = time.perf_counter()
         try:
             text = zlib.decompress(data[len(_ZMAGIC):]) if data.startswith(_ZMAGIC) else data

@@ -1,0 +1,534 @@
+"""Tool-call arrays composed from per-tool pieces (issue 19; WGrammar's templates and arguments).
+
+A ``tool_choice: "required"`` request asks for a JSON array of ``{"name": ..., "parameters":
+{...}}`` calls whose parameters match the named tool's schema. Compiled whole, one new tool among
+200 known costs a compile of all 200 schemas. Composed, the grammar is two kinds of parts:
+
+* the **router** (per request, compiled in process in a few ms): the same array with one item
+  schema, the set's names as an enum and the parameters any object. Its rows are the whole
+  grammar's everywhere outside the parameters, and it follows every token, so it is where the
+  array, the names and the end of the output are decided;
+* a **piece** per tool (its parameters schema alone, compiled once and cached by content like any
+  grammar, across requests and, through the cluster's store, across replicas). Inside a call's
+  parameters the named tool's piece gives the row.
+
+The bytes at a boundary decide the rest. A token that reaches into the parameters (`` {"`` after
+``"parameters":``) is allowed where the router takes it and the piece takes its bytes from the
+``{``; a token that reaches out of them (``}},``, ``"}]``) where the piece takes its bytes up to
+the closing ``}`` and is then complete, and the router takes the whole token. llguidance's state
+is a function of the bytes written, not of how they were tokenized, so a piece that starts inside
+a token is positioned by tokenizing the bytes it got (``LLTokenizer.tokenize_bytes``). Most such
+decisions are a lookup: the token of the piece's own bytes in the piece's row. The composed rows
+equal the whole grammar's (tests/server/test_tool_call_pieces.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import llguidance
+import numpy as np
+
+from maskd.server.engines.base import CompiledGrammar, Matcher
+from maskd.server.json_schema.documents import DocumentChecker
+
+_QUOTE, _BACKSLASH, _COLON, _COMMA = 0x22, 0x5C, 0x3A, 0x2C
+_OPENS, _CLOSES = frozenset(b"{["), frozenset(b"}]")
+_WS = frozenset(b" \t\r\n")
+# Where a call's item object stands (depth 2): what comes next.
+_KEY, _COLON_NEXT, _VALUE, _AFTER = 1, 2, 3, 4
+
+
+class CallScanner:
+    """Where the output stands in the call array, byte by byte: depth, strings, the current item's
+    keys and name, and whether (and where) a call's parameters are open."""
+    __slots__ = ("buf", "depth", "esc", "expect", "in_str", "key", "name", "params", "role")
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.in_str = False
+        self.esc = False
+        self.role = 0            # the open string: 0 not read, 1 a key of the item, 2 the item's name
+        self.buf: Any = None     # the open string's bytes, where it is read
+        self.expect = 0          # at depth 2, outside the parameters: _KEY, _COLON_NEXT, _VALUE, _AFTER
+        self.key: str | None = None
+        self.name: str | None = None
+        self.params = 0          # depth just inside the open parameters object; 0 outside them
+
+    def copy(self) -> CallScanner:
+        c = CallScanner.__new__(CallScanner)
+        c.depth, c.in_str, c.esc, c.role, c.expect = self.depth, self.in_str, self.esc, self.role, self.expect
+        c.buf = None if self.buf is None else bytearray(self.buf)
+        c.key, c.name, c.params = self.key, self.name, self.params
+        return c
+
+    @property
+    def mode(self) -> int:
+        """0 outside a string, 1 inside one, 2 right after a backslash in one."""
+        return 0 if not self.in_str else (2 if self.esc else 1)
+
+    def feed(self, data: bytes, events: list | None = None) -> None:
+        """Reads ``data``; appends ``("in", offset of the "{", name)`` where parameters open and
+        ``("out", offset after the "}")`` where they close."""
+        for i, c in enumerate(data):
+            if self.in_str:
+                if self.esc:
+                    self.esc = False
+                elif c == _BACKSLASH:
+                    self.esc = True
+                elif c == _QUOTE:
+                    self.in_str = False
+                    if self.role:
+                        self._string_done()
+                    continue
+                if self.role:
+                    self.buf.append(c)
+                continue
+            item = self.depth == 2 and not self.params
+            if c == _QUOTE:
+                self.in_str = True
+                self.role = 0
+                if item:
+                    if self.expect == _KEY:
+                        self.role = 1
+                    elif self.expect == _VALUE:
+                        self.role = 2 if self.key == "name" else 0
+                        self.expect = _AFTER
+                    self.buf = bytearray() if self.role else None
+            elif c in _OPENS:
+                if item and self.expect == _VALUE:
+                    self.expect = _AFTER
+                    if c == 0x7B and self.key == "parameters":
+                        self.params = self.depth + 1
+                        if events is not None:
+                            events.append(("in", i, self.name))
+                self.depth += 1
+                if self.depth == 2 and c == 0x7B:     # a call's object opens
+                    self.expect, self.key, self.name = _KEY, None, None
+            elif c in _CLOSES:
+                self.depth -= 1
+                if self.params and self.depth < self.params:
+                    self.params = 0
+                    if events is not None:
+                        events.append(("out", i + 1, None))
+            elif item:
+                if c == _COLON:
+                    self.expect = _VALUE
+                elif c == _COMMA:
+                    self.expect = _KEY
+                elif c not in _WS and self.expect == _VALUE:
+                    self.expect = _AFTER          # a number or a literal
+
+    def _string_done(self) -> None:
+        try:
+            text = json.loads(b'"' + bytes(self.buf) + b'"')
+        except ValueError:
+            text = None
+        if self.role == 1:
+            self.key, self.expect = text, _COLON_NEXT
+        else:
+            self.name = text
+        self.role, self.buf = 0, None
+
+
+def _bit(row: np.ndarray, token: int) -> bool:
+    return bool((int(row[token >> 5]) >> (token & 31)) & 1)
+
+
+def _set(row: np.ndarray, token: int) -> None:
+    row[token >> 5] |= np.int32(np.uint32(1 << (token & 31)).view(np.int32))
+
+
+def _tokens_in(words: np.ndarray) -> list[int]:
+    out = []
+    for w in np.flatnonzero(words).tolist():
+        v = int(words[w]) & 0xFFFFFFFF
+        while v:
+            low = v & -v
+            out.append((w << 5) + low.bit_length() - 1)
+            v ^= low
+    return out
+
+
+class BoundaryTables:
+    """Per tokenizer: each token's bytes and the token of any byte string that is one; the tokens
+    that can reach into parameters (they hold a "{"); and, by where a token starts (outside a
+    string, in one, after a backslash) and how many containers it must close to leave the
+    parameters, those that leave them with bytes to spare: each with the token of its bytes up to
+    the close (-1: none is one token) and of the bytes after it (-1: none, or they hold a "{")."""
+
+    def __init__(self, tokenizer, words_per_row: int) -> None:
+        ll = tokenizer.ll
+        self.ll = ll
+        self.words = words_per_row
+        self.data: list[bytes | None] = [None if ll.is_special_token(t) else ll.decode_bytes([t])
+                                         for t in range(ll.vocab_size)]
+        self.ids: dict[bytes, int] = {}
+        for t, b in enumerate(self.data):
+            if b and b not in self.ids:
+                self.ids[b] = t
+        braces = [t for t, b in enumerate(self.data) if b and 0x7B in b]
+        self.braces = self._mask(braces)
+        # (mode, closes needed) -> (mask, tokens, ids up to the close, ids after it, first token up to the close)
+        self.leaving: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
+        found: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
+        for t, b in enumerate(self.data):
+            if not b or not any(c in _CLOSES for c in b[:-1]):
+                continue
+            for mode in (0, 1, 2):
+                for need, at in self._closes(b, mode):
+                    if at < len(b) - 1:
+                        head, tail = b[:at + 1], b[at + 1:]
+                        first = ll.tokenize_bytes(head)[0]
+                        found.setdefault((mode, need), []).append(
+                            (t, self.ids.get(head, -1), -1 if 0x7B in tail else self.ids.get(tail, -1), first))
+        for key, rows in found.items():
+            cols = np.array(rows, dtype=np.int64).T
+            self.leaving[key] = (self._mask(cols[0].tolist()), cols[0], cols[1], cols[2], cols[3])
+
+    @staticmethod
+    def _closes(b: bytes, mode: int) -> list[tuple[int, int]]:
+        """(k, offset) where the token, started in ``mode``, first closes k more containers than it opened."""
+        in_str, esc = mode > 0, mode == 2
+        depth, low, out = 0, 0, []
+        for i, c in enumerate(b):
+            if in_str:
+                if esc:
+                    esc = False
+                elif c == _BACKSLASH:
+                    esc = True
+                elif c == _QUOTE:
+                    in_str = False
+            elif c == _QUOTE:
+                in_str = True
+            elif c in _OPENS:
+                depth += 1
+            elif c in _CLOSES:
+                depth -= 1
+                if depth < low:
+                    low = depth
+                    out.append((-depth, i))
+        return out
+
+    def _mask(self, tokens) -> np.ndarray:
+        row = np.zeros(self.words, dtype=np.int32)
+        for t in tokens:
+            _set(row, t)
+        return row
+
+
+_TABLES: dict[tuple[str, int], BoundaryTables] = {}
+_TABLES_LOCK = threading.Lock()
+
+
+def boundary_tables(tokenizer, words_per_row: int) -> BoundaryTables:
+    key = (tokenizer.fingerprint, words_per_row)
+    with _TABLES_LOCK:
+        tables = _TABLES.get(key)
+        if tables is None:
+            tables = _TABLES[key] = BoundaryTables(tokenizer, words_per_row)
+        return tables
+
+
+def _bits(row: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """Whether ``row`` allows each of ``tokens`` (-1: no)."""
+    safe = np.maximum(tokens, 0)
+    return (tokens >= 0) & (((row[safe >> 5].astype(np.int64) & 0xFFFFFFFF) >> (safe & 31)) & 1).astype(bool)
+
+
+@dataclasses.dataclass
+class Piece:
+    """One tool's parameters, compiled alone (a grammar of the cache), and its row at the start."""
+    compiled: CompiledGrammar
+    first_row: np.ndarray | None = None
+
+    def matcher(self) -> llguidance.LLMatcher:
+        return self.compiled.prototype.copy()
+
+    def start_row(self, words: int) -> np.ndarray:
+        if self.first_row is None:
+            row = np.frombuffer(self.matcher().compute_bitmask(), dtype=np.int32)
+            self.first_row = np.ascontiguousarray(row[:words])
+        return self.first_row
+
+
+@dataclasses.dataclass
+class ToolCallGrammar:
+    """A composed grammar's handle: the router's prototype, the pieces by tool name, the tables."""
+    router: Any                      # the router's _Prototype (llguidance_engine)
+    router_text: str
+    pieces: dict[str, Piece]
+    tables: BoundaryTables
+
+
+class ToolCallMatcher(Matcher):
+    """A sequence of a composed grammar. The router reads everything outside the parameters and
+    stands in ``{`` ... ``}`` for each call's parameters (its own any-object is not the pieces':
+    llguidance's generic strings refuse some escapes that a schema's keys take); the open call's
+    piece reads what is inside them. Rollback keeps, per token, the scanner and the piece before
+    it, and how many tokens it gave the piece and the router."""
+    __slots__ = ("g", "history", "piece", "router", "scan")
+
+    def __init__(self, grammar: ToolCallGrammar) -> None:
+        self.g = grammar
+        self.router: llguidance.LLMatcher = grammar.router.copy()
+        self.scan = CallScanner()
+        self.piece: Any = None       # the open call's piece (an LLMatcher) inside its parameters
+        self.history: list[tuple[CallScanner, Any, int, int]] = []
+
+    # -- one token --------------------------------------------------------------------------------
+    def _plan(self, token: int):
+        """What taking ``token`` does, checked without changing this matcher: (scanner after, the
+        open piece after, tokens for the current piece, tokens for the router), or why it is refused."""
+        data = self.g.tables.data[token]
+        scan0 = self.scan
+        if data is None:     # a special token: the router's (EOS once the array closed)
+            if scan0.params:
+                return "a special token inside a tool call's parameters"
+            if self.router.validate_tokens([token]) != 1:
+                return f"token {token} does not continue the tool-call array here"
+            return scan0, self.piece, None, [token]
+        scan = scan0.copy()
+        events: list = []
+        scan.feed(data, events)
+        if not events:
+            if scan0.params:
+                if self.piece.validate_tokens([token]) != 1:
+                    return f"token {token} does not continue the parameters of {scan0.name!r}"
+                return scan, self.piece, [token], None
+            if self.router.validate_tokens([token]) != 1:
+                return f"token {token} does not continue the tool-call array here"
+            return scan, self.piece, None, [token]
+        tokenize = self.g.tables.ll.tokenize_bytes
+        piece, pos, fed = self.piece, 0, None
+        routed = bytearray()
+        for kind, at, name in events:
+            if kind == "in":
+                routed += data[pos:at + 1]             # the router reads up to the parameters' "{"
+                part = self.g.pieces.get(name)
+                if part is None:
+                    return f"a call names {name!r}, which is not one of the tools"
+                piece, pos = part.matcher(), at
+                continue
+            toks = tokenize(data[pos:at])
+            if piece.validate_tokens(toks) != len(toks):
+                return f"the parameters of {scan0.name!r} cannot close here"
+            piece.consume_tokens(toks)
+            done = piece.is_accepting()
+            if piece is self.piece:
+                piece.rollback(len(toks))
+                fed = toks
+            if not done:
+                return f"the parameters of {scan0.name!r} are not complete where they close"
+            routed += b"}"                             # ... and stands in "}" for them
+            piece, pos = None, at
+        if piece is not None:
+            toks = tokenize(data[pos:])
+            if piece.validate_tokens(toks) != len(toks):
+                return f"token {token} does not begin the parameters of {scan.name!r}"
+            piece.consume_tokens(toks)                 # a piece opened by this token: its own copy
+        else:
+            routed += data[pos:]
+        routing = tokenize(bytes(routed)) if routed else []
+        if self.router.validate_tokens(routing) != len(routing):
+            return f"token {token} does not continue the tool-call array here"
+        return scan, piece, fed, routing
+
+    def _take(self, plan) -> None:
+        scan, piece, fed, routing = plan
+        if routing:
+            if len(routing) == 1:
+                self.router.consume_token(routing[0])
+            else:
+                self.router.consume_tokens(routing)
+        if fed:
+            self.piece.consume_tokens(fed)
+        self.history.append((self.scan, self.piece, len(fed) if fed else 0, len(routing) if routing else 0))
+        self.scan, self.piece = scan, piece
+
+    def allows(self, token: int) -> bool:
+        return not isinstance(self._plan(token), str)
+
+    # -- Matcher ----------------------------------------------------------------------------------
+    def consume(self, tokens: Sequence[int]) -> str | None:
+        for t in tokens:
+            plan = self._plan(int(t))
+            if isinstance(plan, str):
+                return plan
+            self._take(plan)
+        return None
+
+    def validate(self, tokens: Sequence[int]) -> int:
+        n = 0
+        for t in tokens:
+            plan = self._plan(int(t))
+            if isinstance(plan, str):
+                break
+            self._take(plan)
+            n += 1
+        self.rollback(n)
+        return n
+
+    def rollback(self, num_tokens: int) -> None:
+        if not num_tokens:
+            return
+        if num_tokens > len(self.history):
+            raise ValueError(f"cannot roll back {num_tokens} tokens: {len(self.history)} were consumed")
+        routed = 0
+        for _ in range(num_tokens):
+            scan, piece, fed, routing = self.history.pop()
+            if fed:
+                piece.rollback(fed)
+            routed += routing
+            self.scan, self.piece = scan, piece
+        if routed and not self.router.rollback(routed):
+            raise ValueError(f"cannot roll back {num_tokens} tokens")
+
+    def forced_tokens(self) -> list[int]:
+        forced = self.piece.compute_ff_tokens() if self.scan.params else self.router.compute_ff_tokens()
+        return forced[:self.validate(forced)] if forced else []
+
+    def is_accepting(self) -> bool:
+        return not self.scan.params and self.router.is_accepting()
+
+    def is_stopped(self) -> bool:
+        return not self.scan.params and self.router.is_stopped()
+
+    def reset(self) -> None:
+        self.router.reset()
+        self.scan, self.piece, self.history = CallScanner(), None, []
+
+    # -- rows ---------------------------------------------------------------------------------------
+    def finish_row(self, row: np.ndarray, piece_row: np.ndarray | None) -> None:
+        """``row`` holds the router's row; makes it the whole grammar's (``piece_row``: the open
+        piece's row, inside the parameters)."""
+        if self.scan.params:
+            assert piece_row is not None
+            self._inside(row, piece_row)
+        elif self.scan.depth == 2:
+            self._entering(row)
+
+    def _inside(self, row: np.ndarray, piece_row: np.ndarray) -> None:
+        """The piece's row, but for tokens that leave the parameters with bytes to spare: those
+        are allowed where the piece takes the bytes up to the close (it is then complete) and the
+        router takes "}" and the rest."""
+        scan, tables = self.scan, self.g.tables
+        row[:] = piece_row
+        leaving = tables.leaving.get((scan.mode, scan.depth - scan.params + 1))
+        if leaving is None:
+            return
+        mask, tokens, heads, tails, firsts = leaving
+        np.bitwise_and(row, ~mask, out=row)
+        closes = _bits(piece_row, heads)
+        unsure = (heads < 0) & _bits(piece_row, firsts)       # bytes to the close are no one token
+        if closes.any():
+            self.router.consume_token(tables.ids[b"}"])
+            after = np.frombuffer(self.router.compute_bitmask(), dtype=np.int32)
+            self.router.rollback(1)
+            unsure |= closes & (tails < 0)
+            for t in tokens[closes & _bits(after, tails)].tolist():
+                _set(row, t)
+        for t in tokens[unsure].tolist():
+            if self.allows(t):
+                _set(row, t)
+
+    def _entering(self, row: np.ndarray) -> None:
+        """Inside a call's object: tokens that reach into the parameters are allowed where the
+        router takes their bytes up to the "{" and the named tool's piece the bytes from it."""
+        tables = self.g.tables
+        maybe = row & tables.braces
+        if not maybe.any():
+            return
+        router_row = row.copy()
+        for t in _tokens_in(maybe):
+            scan = self.scan.copy()
+            events: list = []
+            data = tables.data[t]
+            assert data is not None      # a token with a "{" is no special token
+            scan.feed(data, events)
+            if not events:
+                continue
+            _, at, name = events[0]
+            head, rest = tables.ids.get(data[:at + 1], -1), tables.ids.get(data[at:], -1)
+            if len(events) == 1 and name in self.g.pieces and head >= 0 and rest >= 0:
+                ok = _bit(router_row, head) and _bit(self.g.pieces[name].start_row(tables.words), rest)
+            else:
+                ok = self.allows(t)
+            if not ok:
+                row[t >> 5] &= np.int32(np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF).view(np.int32))
+
+
+def fill_rows(executor, matchers: Sequence[ToolCallMatcher], rows: Sequence[int], out: np.ndarray) -> None:
+    """The rows of composed sequences: the routers' (outside the parameters) and the open pieces'
+    (inside them) in one parallel fill, then each row made the whole grammar's."""
+    stride = out.shape[1] * 4
+    outside = [(m.router, r) for m, r in zip(matchers, rows) if not m.scan.params]
+    if outside:
+        executor.unsafe_compute_mask_ptr(outside, out.ctypes.data, stride, out.shape[0])
+    inside = [i for i, m in enumerate(matchers) if m.scan.params]
+    pieces = None
+    if inside:
+        pieces = np.zeros((len(inside), out.shape[1]), dtype=np.int32)
+        executor.unsafe_compute_mask_ptr([(matchers[i].piece, k) for k, i in enumerate(inside)],
+                                         pieces.ctypes.data, stride, len(inside))
+    at = {i: k for k, i in enumerate(inside)}
+    for i, (m, r) in enumerate(zip(matchers, rows)):
+        m.finish_row(out[r], pieces[at[i]] if pieces is not None and i in at else None)
+
+
+def fill_with_drafts(executor, m: ToolCallMatcher, row: int, draft: Sequence[int], out: np.ndarray) -> None:
+    """A composed sequence's row and the rows after each draft token it allows (zero past the first
+    it refuses); the matcher ends where it began."""
+    out[row: row + 1 + len(draft)] = 0
+    taken = 0
+    for j in range(len(draft) + 1):
+        fill_rows(executor, [m], [row + j], out)
+        if j == len(draft) or not _bit(out[row + j], int(draft[j])):
+            break
+        plan = m._plan(int(draft[j]))
+        if isinstance(plan, str):
+            break
+        m._take(plan)
+        taken += 1
+    m.rollback(taken)
+
+
+class CallArrayChecker(DocumentChecker):
+    """The final check of a composed call array: each call's parameters against its tool's schema
+    (the validator each piece was compiled with), as the whole grammar's final check does."""
+
+    def __init__(self, validators: dict[Any, Any], tokenizer) -> None:
+        super().__init__(tokenizer)
+        self.validators = validators
+
+    def new_state(self) -> None:
+        return None
+
+    @property
+    def scans(self) -> bool:
+        return False
+
+    def scan(self, state, data: bytearray) -> str | None:
+        return None
+
+    def final(self, state, data: bytearray) -> str | None:
+        try:
+            calls = json.loads(bytes(data))
+        except ValueError as exc:
+            return f"the output is not a finished JSON array of tool calls: {exc}"
+        if not isinstance(calls, list):
+            return "the output is not a JSON array of tool calls"
+        for i, call in enumerate(calls):
+            validator = self.validators.get(call.get("name")) if isinstance(call, dict) else None
+            if validator is None:
+                continue
+            problem = validator.check(call.get("parameters"))
+            if problem is not None:
+                return f"the parameters of tool call {i + 1} ({call['name']}) do not match their JSON schema: {problem}"
+        return None
+
+    def describe(self) -> dict:
+        raise NotImplementedError("a composed grammar is composed again from its pieces, not serialized")
