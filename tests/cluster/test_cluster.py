@@ -2,6 +2,7 @@
 cache, recovery from a killed worker, and the cluster CLI. One Ray cluster for the module."""
 import json
 import os
+import random
 import signal
 import time
 import uuid
@@ -233,6 +234,39 @@ def test_grammar_drafts_learned_on_one_worker_are_proposed_on_the_other(cluster,
     assert proposed == text[2:7]
     stats = ray.get(launcher.get_store(NS).stats.remote())
     assert stats["draft_grammars"] >= 1 and stats["draft_exchanges"] >= 2
+
+
+def test_tool_pieces_compiled_on_one_worker_serve_the_other(cluster):
+    """A tool set opened on worker-0 compiles one piece per tool and publishes them; the same tools
+    but one, shuffled, plus a new one, opened on worker-1: its pieces come from the cluster's store,
+    and only the new tool's is compiled there (issue 19)."""
+    nonce = uuid.uuid4().hex[:8]
+
+    def tool(i):
+        return {"type": "function", "function": {"name": f"t{nonce}_{i}", "parameters": {
+            "type": "object", "properties": {f"arg_{nonce}_{i}": {"type": "string"}, "n": {"type": "integer"}},
+            "required": [f"arg_{nonce}_{i}"]}}}
+
+    first = [tool(i) for i in range(20)]
+    later = first[1:] + [tool(20)]
+    random.Random(0).shuffle(later)
+    sid0, sid1 = balanced_ids(cluster, 2, f"tools-{nonce}")
+    before = status_by_worker()
+    with MaskClient(cluster.target) as mc:
+        for sid, tools in ((sid0, first), (sid1, later)):
+            mc.open(sid, {"tools": tools, "tool_choice": "required"})
+            res = mc.step({sid: []})
+            for _ in range(400):
+                if res.seqs[sid].status is not SeqStatus.WAITING:
+                    break
+                res = mc.step({sid: []})
+            assert res.seqs[sid].status is SeqStatus.READY, res.seqs[sid]
+            mc.close(sid)
+    after = status_by_worker()
+    delta = {w: {k: after[w][k] - before[w][k] for k in ("compiles", "shared_hits")} for w in after}
+    print(f"\ntool pieces across the cluster: {delta}")
+    assert delta["worker-0"] == {"compiles": 21, "shared_hits": 0}     # 20 pieces and the composed array
+    assert delta["worker-1"] == {"compiles": 2, "shared_hits": 19}     # the new tool's piece and the array
 
 
 def live_vnodes(cluster):

@@ -306,3 +306,77 @@ def test_no_second_call_when_parallel_tool_calls_is_false(mc, cl100k):
         assert n == len(prefix)
         assert bit(r, sid, close) and bit(r, sid, comma) == second_allowed
         mc.close(sid)
+
+
+# -- the call array as its parts (contract revision 6) ---------------------------------------------
+DEFS_TOOLS = [{"type": "function", "function": {"name": "move", "parameters": {
+    "type": "object", "properties": {"to": {"$ref": "#/$defs/P"}}, "$defs": {"P": {"type": "integer"}}}}},
+    *TOOLS]
+
+
+@pytest.mark.parametrize("tools", [TOOLS, DEFS_TOOLS])
+@pytest.mark.parametrize("parallel", [None, False])
+def test_a_call_array_keeps_its_parts_and_their_text_is_the_arrays(tools, parallel):
+    from maskd.specs import json_depth
+
+    request = {"tools": tools, "tool_choice": "required", "parallel_tool_calls": parallel}
+    spec = GrammarSpec.from_request(request)
+    schema = tool_call_schema(tools, "required", parallel)
+    assert spec.parts is not None and spec.parts.names == tuple(t["function"]["name"] for t in tools)
+    assert spec.text == json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
+    assert spec.depth == json_depth(schema)
+    # vLLM hands its backend the dict (or its text): the same parts, the same grammar.
+    for source in (schema, spec.text):
+        same = GrammarSpec.create("json_schema", source)
+        assert same.parts == spec.parts and same == spec
+    # A piece is a tool's parameters alone, with the array's $defs where it refers to them.
+    for name, piece in zip(spec.parts.names, spec.parts.pieces):
+        params = json.loads(piece)
+        assert ("$defs" in params) == (name == "move")
+
+
+def test_parts_travel_as_themselves_and_come_back_checked():
+    from maskd.v1 import maskd_pb2 as pb
+
+    spec = GrammarSpec.from_request({"tools": DEFS_TOOLS, "tool_choice": "required", "max_whitespace": 3})
+    msg = spec.to_proto()
+    assert msg.WhichOneof("kind") == "tool_calls" and len(msg.tool_calls.tools) == 3
+    back = GrammarSpec.from_proto(msg)
+    assert back == spec and back.parts == spec.parts and back.max_whitespace == 3
+    assert back.grammar_id("fp", "llguidance", "1") == spec_of(json.loads(spec.text), max_whitespace=3) \
+        .grammar_id("fp", "llguidance", "1")
+    # Texts that are JSON but not compact are made canonical: the same grammar.
+    loose = pb.GrammarSpec()
+    loose.CopyFrom(msg)
+    loose.tool_calls.tools[1].parameters = json.dumps(WEATHER, indent=2)
+    assert GrammarSpec.from_proto(loose) == spec
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda m: m.tool_calls.ClearField("tools"), "names no tools"),
+    (lambda m: setattr(m.tool_calls.tools[0], "name", ""), "tools[0].name is empty"),
+    (lambda m: setattr(m.tool_calls.tools[1], "name", "move"), "both name the function 'move'"),
+    (lambda m: setattr(m.tool_calls.tools[1], "parameters", "[1]"), "is a JSON object, not list"),
+    (lambda m: setattr(m.tool_calls.tools[1], "parameters", '{"a": '), "is not valid JSON"),
+    (lambda m: setattr(m.tool_calls.tools[1], "parameters", '{"$defs": {}}'), "they go in tool_calls.defs"),
+    (lambda m: setattr(m.tool_calls.tools[1], "parameters", '{}]}],"x":{'), "is not valid JSON"),
+    (lambda m: setattr(m.tool_calls, "defs", '"P"'), "tool_calls.defs is a JSON object"),
+])
+def test_garbage_parts_are_refused_naming_the_part(change, message):
+    msg = GrammarSpec.from_request({"tools": DEFS_TOOLS, "tool_choice": "required"}).to_proto()
+    change(msg)
+    with pytest.raises(SpecError) as err:
+        GrammarSpec.from_proto(msg)
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize("schema", [
+    {**REQUIRED, "description": "calls"},                                    # a key vLLM's array has not
+    {**REQUIRED, "minItems": 2},
+    {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": [
+        {**call_item("a", WEATHER), "additionalProperties": False}]}},
+    {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": [
+        call_item("a", WEATHER), call_item("a", EMPTY_PARAMETERS)]}},        # a name twice
+])
+def test_other_schemas_are_no_call_arrays(schema):
+    assert spec_of(schema).parts is None

@@ -21,7 +21,6 @@ from llguidance.gbnf_to_lark import any_to_lark
 from maskd.server.engines.base import CompiledGrammar, Engine, GrammarCompileError, Matcher, UnsupportedSpec
 from maskd.server.engines.llguidance_lark import Specials, StructuralTagLark, TagInfo, reasoning_lark
 from maskd.server.engines.tool_calls import (
-    CallArrayChecker,
     Piece,
     ToolCallGrammar,
     ToolCallMatcher,
@@ -30,6 +29,7 @@ from maskd.server.engines.tool_calls import (
     fill_with_drafts,
 )
 from maskd.server.json_schema import (
+    CallArrayChecker,
     Relaxation,
     RelaxError,
     TagSpan,

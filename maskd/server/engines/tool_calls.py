@@ -33,7 +33,6 @@ import llguidance
 import numpy as np
 
 from maskd.server.engines.base import CompiledGrammar, Matcher
-from maskd.server.json_schema.documents import DocumentChecker
 
 _QUOTE, _BACKSLASH, _COLON, _COMMA = 0x22, 0x5C, 0x3A, 0x2C
 _OPENS, _CLOSES = frozenset(b"{["), frozenset(b"}]")
@@ -164,6 +163,7 @@ class BoundaryTables:
         ll = tokenizer.ll
         self.ll = ll
         self.words = words_per_row
+        self.eos = frozenset(int(t) for t in tokenizer.eos_token_ids)
         self.data: list[bytes | None] = [None if ll.is_special_token(t) else ll.decode_bytes([t])
                                          for t in range(ll.vocab_size)]
         self.ids: dict[bytes, int] = {}
@@ -288,6 +288,8 @@ class ToolCallMatcher(Matcher):
         if data is None:     # a special token: the router's (EOS once the array closed)
             if scan0.params:
                 return "a special token inside a tool call's parameters"
+            if token in self.g.tables.eos and self.router.is_accepting():
+                return scan0, self.piece, None, [token]     # (llguidance validates no EOS once stopped)
             if self.router.validate_tokens([token]) != 1:
                 return f"token {token} does not continue the tool-call array here"
             return scan0, self.piece, None, [token]
@@ -362,14 +364,17 @@ class ToolCallMatcher(Matcher):
         return None
 
     def validate(self, tokens: Sequence[int]) -> int:
-        n = 0
+        n = taken = 0
         for t in tokens:
             plan = self._plan(int(t))
             if isinstance(plan, str):
                 break
-            self._take(plan)
             n += 1
-        self.rollback(n)
+            if int(t) in self.g.tables.eos:   # the end: nothing follows (and llguidance keeps no EOS to roll back)
+                break
+            self._take(plan)
+            taken += 1
+        self.rollback(taken)
         return n
 
     def rollback(self, num_tokens: int) -> None:
@@ -486,7 +491,7 @@ def fill_with_drafts(executor, m: ToolCallMatcher, row: int, draft: Sequence[int
     taken = 0
     for j in range(len(draft) + 1):
         fill_rows(executor, [m], [row + j], out)
-        if j == len(draft) or not _bit(out[row + j], int(draft[j])):
+        if j == len(draft) or not _bit(out[row + j], int(draft[j])) or int(draft[j]) in m.g.tables.eos:
             break
         plan = m._plan(int(draft[j]))
         if isinstance(plan, str):
@@ -494,41 +499,3 @@ def fill_with_drafts(executor, m: ToolCallMatcher, row: int, draft: Sequence[int
         m._take(plan)
         taken += 1
     m.rollback(taken)
-
-
-class CallArrayChecker(DocumentChecker):
-    """The final check of a composed call array: each call's parameters against its tool's schema
-    (the validator each piece was compiled with), as the whole grammar's final check does."""
-
-    def __init__(self, validators: dict[Any, Any], tokenizer) -> None:
-        super().__init__(tokenizer)
-        self.validators = validators
-
-    def new_state(self) -> None:
-        return None
-
-    @property
-    def scans(self) -> bool:
-        return False
-
-    def scan(self, state, data: bytearray) -> str | None:
-        return None
-
-    def final(self, state, data: bytearray) -> str | None:
-        try:
-            calls = json.loads(bytes(data))
-        except ValueError as exc:
-            return f"the output is not a finished JSON array of tool calls: {exc}"
-        if not isinstance(calls, list):
-            return "the output is not a JSON array of tool calls"
-        for i, call in enumerate(calls):
-            validator = self.validators.get(call.get("name")) if isinstance(call, dict) else None
-            if validator is None:
-                continue
-            problem = validator.check(call.get("parameters"))
-            if problem is not None:
-                return f"the parameters of tool call {i + 1} ({call['name']}) do not match their JSON schema: {problem}"
-        return None
-
-    def describe(self) -> dict:
-        raise NotImplementedError("a composed grammar is composed again from its pieces, not serialized")

@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from maskd.server.json_schema.documents import (
+    CallArrayChecker,
     DocumentChecker,
     JsonDocumentChecker,
     TagSpan,
@@ -34,6 +35,7 @@ from maskd.server.json_schema.validation import SchemaValidator, ValidatorError
 
 __all__ = [
     "LENIENT_KEYWORDS",
+    "CallArrayChecker",
     "DocumentChecks",
     "RelaxError",
     "Relaxation",

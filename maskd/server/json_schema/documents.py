@@ -664,6 +664,44 @@ class ToolCallChecker(DocumentChecker):
         return None
 
 
+class CallArrayChecker(DocumentChecker):
+    """The final check of a composed call array: each call's parameters against its tool's schema
+    (the validator each piece was compiled with), as the whole grammar's final check does."""
+
+    def __init__(self, validators: dict[Any, Any], tokenizer) -> None:
+        super().__init__(tokenizer)
+        self.validators = validators
+
+    def new_state(self) -> None:
+        return None
+
+    @property
+    def scans(self) -> bool:
+        return False
+
+    def scan(self, state, data: bytearray) -> str | None:
+        return None
+
+    def final(self, state, data: bytearray) -> str | None:
+        try:
+            calls = json.loads(bytes(data))
+        except ValueError as exc:
+            return f"the output is not a finished JSON array of tool calls: {exc}"
+        if not isinstance(calls, list):
+            return "the output is not a JSON array of tool calls"
+        for i, call in enumerate(calls):
+            validator = self.validators.get(call.get("name")) if isinstance(call, dict) else None
+            if validator is None:
+                continue
+            problem = validator.check(call.get("parameters"))
+            if problem is not None:
+                return f"the parameters of tool call {i + 1} ({call['name']}) do not match their JSON schema: {problem}"
+        return None
+
+    def describe(self) -> dict:
+        raise NotImplementedError("a composed grammar is composed again from its pieces, not serialized")
+
+
 def checker_from_description(desc: dict, tokenizer) -> DocumentChecker:
     """The checker ``describe`` described (its validators built again: they do not serialize)."""
     markers = (bytes.fromhex(desc["markers"][0]), bytes.fromhex(desc["markers"][1]))

@@ -1,0 +1,333 @@
+"""Tool-call arrays composed from per-tool pieces (issue 19).
+
+A ``tool_choice: "required"`` array is served as a router (the array, the names, the end) and one
+piece per tool (its parameters, compiled once). The composed rows must be the rows of the same
+array compiled whole, at every position: checked on deepseek-v4 (129,280 tokens) over valid calls
+written in three layouts and three tokenizations, and over random walks that favour the tokens at
+the boundaries (``{"``, ``"}},``, ...), in both JSON-schema modes; rollback, validate, forced tokens
+and draft rows too. Through a real server: 200 tools registered, then a request with all of them
+but one and one new tool, in another order, ready from 199 cached pieces; a valid call of the new
+tool accepted token by token; a call naming a tool outside the set refused.
+"""
+import json
+import random
+import time
+
+import numpy as np
+import pytest
+
+from maskd.server import MaskServer, ServerConfig
+from maskd.server.engines.llguidance_engine import LLGuidanceEngine
+from maskd.server.json_schema import CallArrayChecker, document_checker
+from maskd.specs import GrammarSpec
+from maskd_client import MaskClient, MaskClientError, SeqStatus
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"location": {"type": "string"}, "unit": {"type": "string", "enum": ["c", "f"]}},
+        "required": ["location"]}}},
+    {"type": "function", "function": {"name": "search", "parameters": {
+        "type": "object", "properties": {
+            "query": {"type": "string", "minLength": 2},
+            "limit": {"type": "integer", "minimum": 1, "maximum": 50},
+            "filters": {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"}},
+                                                         "after": {"type": "string", "format": "date"}}}},
+        "required": ["query"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "ping"}},
+    {"type": "function", "function": {"name": "move", "parameters": {
+        "type": "object", "properties": {"to": {"$ref": "#/$defs/Point"},
+                                         "path": {"type": "array", "items": {"$ref": "#/$defs/Point"}}},
+        "required": ["to"],
+        "$defs": {"Point": {"type": "object", "properties": {"x": {"type": "number"}, "y": {"type": "number"}},
+                            "required": ["x", "y"]}}}}},
+    {"type": "function", "function": {"name": "set_flags", "parameters": {
+        "type": "object", "properties": {"on": {"type": "boolean"}, "note": {"type": ["string", "null"]},
+                                         "code": {"type": "string", "pattern": "^[A-Z]{3}$"}},
+        "required": ["on", "code"]}}},
+]
+# Valid outputs, with "}" and "{" inside strings, empty parameters, nested objects and arrays.
+CALLS = [
+    [{"name": "get_weather", "parameters": {"location": "Paris, \"FR\" {x}", "unit": "c"}}],
+    [{"name": "search", "parameters": {"query": "maskd}}", "limit": 5,
+                                       "filters": {"tags": ["a", "b}"], "after": "2024-01-02"}}},
+     {"name": "ping", "parameters": {}}],
+    [{"name": "move", "parameters": {"to": {"x": 1.5, "y": -2}, "path": [{"x": 0, "y": 0}, {"x": 1, "y": 1}]}}],
+    [{"name": "set_flags", "parameters": {"on": True, "note": None, "code": "ABC"}},
+     {"name": "get_weather", "parameters": {"location": "x"}}],
+]
+
+
+@pytest.fixture(scope="module", params=["strict", "complete"])
+def grammars(request, deepseek):
+    """(engine, the array compiled whole, the same array composed from its pieces)."""
+    engine = LLGuidanceEngine(deepseek, threads=1, json_schema_mode=request.param)
+    spec = GrammarSpec.from_request({"tools": TOOLS, "tool_choice": "required"})
+    parts = engine.tool_call_parts(spec)
+    assert parts is not None and parts.names == tuple(t["function"]["name"] for t in TOOLS)
+    pieces = [engine.compile(engine.piece_spec(spec, text)) for text in parts.pieces]
+    composed = engine.compose(spec, parts, pieces)
+    assert composed is not None
+    return engine, engine.compile(GrammarSpec(spec.kind, spec.text)), composed   # whole: no parts, no composing
+
+
+def rows(engine, matchers, drafts=None):
+    out = engine.allocate(len(matchers) * (1 + max((len(d) for d in drafts or [()]), default=0)))
+    at = list(range(0, out.shape[0], out.shape[0] // len(matchers)))
+    engine.fill_batch(matchers, at, drafts, out)
+    return out, at
+
+
+class Pair:
+    """A sequence of the whole grammar and one of the composed grammar, stepped together."""
+
+    def __init__(self, grammars):
+        self.engine, whole, composed = grammars
+        self.whole, self.composed = self.engine.new_matcher(whole), self.engine.new_matcher(composed)
+
+    def check(self, where) -> np.ndarray:
+        out, at = rows(self.engine, [self.whole, self.composed])
+        assert np.array_equal(out[at[0]], out[at[1]]), f"rows differ at {where}"
+        assert self.whole.is_accepting() == self.composed.is_accepting(), where
+        assert self.whole.is_stopped() == self.composed.is_stopped(), where
+        return out[at[0]]
+
+    def take(self, token: int, where) -> bool:
+        a, b = self.whole.consume([token]), self.composed.consume([token])
+        assert (a is None) == (b is None), (where, a, b)
+        return a is None
+
+
+def tokenizations(tok, text: str, rng: random.Random):
+    data = text.encode()
+    yield tok.ll.tokenize_bytes(data)                                                 # canonical
+    yield [t for ch in text for t in tok.ll.tokenize_bytes(ch.encode())]              # a character a token
+    cuts = sorted(rng.sample(range(1, len(data)), len(data) // 3))
+    yield [t for a, b in zip([0, *cuts], [*cuts, len(data)]) for t in tok.ll.tokenize_bytes(data[a:b])]
+
+
+def test_composed_rows_equal_the_whole_grammars_on_valid_calls(grammars, deepseek):
+    rng = random.Random(0)
+    positions = 0
+    for calls in CALLS:
+        for text in (json.dumps(calls), json.dumps(calls, separators=(",", ":")), json.dumps(calls, indent=1)):
+            for tokens in tokenizations(deepseek, text, rng):
+                pair = Pair(grammars)
+                for i, t in enumerate(tokens):
+                    pair.check((text, i))
+                    assert pair.take(t, (text, i)), f"a valid call was refused: {text!r} at token {i}"
+                    positions += 1
+                pair.check((text, "end"))
+                assert pair.composed.is_accepting()
+    assert positions > 2000
+
+
+def test_composed_rows_equal_the_whole_grammars_on_random_walks(grammars, deepseek):
+    """Walks that take a structural token (one with {}[]",:) two times in three: they reach the
+    boundaries of the parameters with every token the row allows there."""
+    rng = random.Random(1)
+    ll = deepseek.ll
+    structural = np.array([any(c in (ll.decode_bytes([t]) if not ll.is_special_token(t) else b"") for c in b'{}[]",:')
+                           for t in range(ll.vocab_size)])
+    for walk in range(12):
+        pair = Pair(grammars)
+        for step in range(70):
+            row = pair.check(("walk", walk, step))
+            allowed = np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")[:ll.vocab_size])
+            if not len(allowed):
+                break
+            pick = allowed[structural[allowed]]
+            token = int(rng.choice(pick if len(pick) and rng.random() < 0.67 else allowed))
+            assert pair.take(token, ("walk", walk, step))
+            if pair.whole.is_stopped():
+                break
+
+
+def test_rollback_validate_forced_tokens_and_drafts_match_the_whole_grammar(grammars, deepseek):
+    engine = grammars[0]
+    text = json.dumps(CALLS[1])
+    tokens = deepseek.ll.tokenize_bytes(text.encode())
+    pair = Pair(grammars)
+    for i, t in enumerate(tokens):
+        ahead = tokens[i:i + 6] + [deepseek.eos_token_ids[0]]
+        assert pair.composed.validate(ahead) == pair.whole.validate(ahead), i
+        forced = pair.composed.forced_tokens()
+        assert pair.whole.validate(forced) == len(forced), (i, forced)
+        draft = ahead[:4]
+        out, at = rows(engine, [pair.whole, pair.composed], [draft, draft])
+        n = 1 + len(draft)
+        assert np.array_equal(out[at[0]:at[0] + n], out[at[1]:at[1] + n]), f"draft rows differ at {i}"
+        pair.check(("after drafts", i))
+        pair.take(t, i)
+        if i % 7 == 6:      # back over the last tokens (across a boundary, at times) and forward again
+            pair.whole.rollback(5)
+            pair.composed.rollback(5)
+            pair.check(("rolled back", i))
+            for u in tokens[i - 4:i + 1]:
+                pair.take(u, ("again", i))
+    pair.check("end")
+    assert pair.composed.is_accepting()
+
+
+def test_a_call_naming_a_tool_outside_the_set_is_refused(grammars, deepseek):
+    engine, _, composed = grammars
+    m = engine.new_matcher(composed)
+    tokens = deepseek.ll.tokenize_bytes(b'[{"name": "delete_everything"')
+    assert m.validate(tokens) < len(tokens)
+    assert m.consume(tokens) is not None
+
+
+def test_the_final_check_validates_each_calls_parameters(deepseek):
+    schema = {"type": "object", "properties": {"q": {"type": "string", "minLength": 3}}, "required": ["q"]}
+    checker = CallArrayChecker({"f": document_checker(schema, deepseek).validator}, deepseek)
+    assert checker.final(None, bytearray(b'[{"name": "f", "parameters": {"q": "abc"}}, {"name": "g", '
+                                          b'"parameters": {}}]')) is None
+    problem = checker.final(None, bytearray(b'[{"name": "f", "parameters": {"q": "ab"}}]'))
+    assert problem is not None and "tool call 1 (f)" in problem
+    assert "not a finished JSON array" in checker.final(None, bytearray(b'[{"name": "f"'))
+
+
+# -- through a real server ------------------------------------------------------------------------
+SHAPES = [
+    lambda i: {"type": "object", "properties": {f"city_{i}": {"type": "string"}, "days": {"type": "integer"}},
+               "required": [f"city_{i}"]},
+    lambda i: {"type": "object", "properties": {f"query_{i}": {"type": "string", "maxLength": 40},
+                                                "exact": {"type": "boolean"}},
+               "required": [f"query_{i}", "exact"], "additionalProperties": False},
+    lambda i: {"type": "object", "properties": {"ids": {"type": "array", "items": {"type": "integer"}},
+                                                f"mode_{i}": {"enum": ["fast", "slow"]}}},
+    lambda i: {"type": "object", "properties": {"point": {"type": "object", "properties": {
+        "x": {"type": "number"}, "y": {"type": "number"}}, "required": ["x", "y"]}, f"label_{i}": {"type": "string"}},
+               "required": ["point"]},
+]
+INSTANCES = [
+    lambda i: {f"city_{i}": "Lyon {centre}", "days": 3},
+    lambda i: {f"query_{i}": "the \"best\" tools}", "exact": True},
+    lambda i: {"ids": [1, 2, 3], f"mode_{i}": "slow"},
+    lambda i: {"point": {"x": 0.5, "y": -1}, f"label_{i}": "home"},
+]
+
+
+def tool(i: int, tag: str) -> dict:
+    return {"type": "function", "function": {"name": f"tool_{tag}_{i}", "description": f"tool {i} of set {tag}",
+                                             "parameters": SHAPES[i % len(SHAPES)](i)}}
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = MaskServer(ServerConfig(host="127.0.0.1", port=0, tokenizer="deepseek-v4", threads=2, compile_threads=2,
+                                  metrics_port=0)).start()
+    yield srv
+    srv.stop(grace=1.0)
+
+
+def pieces(server, outcome: str) -> float:
+    return server.metrics.tool_pieces.labels(outcome)._value.get()
+
+
+def first_row(mc, sid: str, spec) -> tuple[object, np.ndarray]:
+    mc.open(sid, spec)
+    r = mc.step({sid: []})
+    deadline = time.monotonic() + 120     # generous: CI runs on a loaded 2-core machine
+    while r.seqs[sid].status is SeqStatus.WAITING:
+        assert time.monotonic() < deadline, "the tool set never compiled"
+        r = mc.step({sid: []})
+    return r, r.bitmask[r.seqs[sid].row].copy()
+
+
+def allowed(row: np.ndarray, token: int) -> bool:
+    return bool((int(row[token >> 5]) >> (token & 31)) & 1)
+
+
+def test_a_request_with_one_new_tool_among_200_known_is_composed_from_cached_pieces(server, deepseek):
+    known = [tool(i, "a") for i in range(200)]
+    with MaskClient(server.address) as mc:
+        first = mc.register({"tools": known, "tool_choice": "required"})
+        assert pieces(server, "compiled") >= 200
+        compiled, cached, composed = (pieces(server, k) for k in ("compiled", "cached", "composed"))
+        new = tool(1000, "b")          # parameters never seen
+        later = known[1:] + [new]
+        random.Random(3).shuffle(later)
+        request = {"tools": later, "tool_choice": "required"}
+        gid = mc.register(request)
+        assert gid != first
+        assert pieces(server, "compiled") - compiled == 1       # only the new tool's parameters
+        assert pieces(server, "cached") - cached == 199
+        assert pieces(server, "composed") - composed == 1
+        # The same array sent as its json_schema text (as vLLM builds it) is the same grammar.
+        text = GrammarSpec.from_request(request).text
+        assert mc.register({"json_schema": json.loads(text)}) == gid
+        # Pieces are the parameters' content: a renamed tool with known parameters compiles nothing.
+        compiled = pieces(server, "compiled")
+        mc.register({"tools": [tool(i, "renamed") for i in range(10)], "tool_choice": "required"})
+        assert pieces(server, "compiled") == compiled
+
+        # A valid call of the new tool, token by token: every token in its row, then EOS.
+        call = json.dumps([{"name": new["function"]["name"], "parameters": INSTANCES[1000 % 4](1000)}])
+        r, row = first_row(mc, "good", request)
+        tokens = deepseek.ll.tokenize_bytes(call.encode())
+        for i, t in enumerate(tokens):
+            assert allowed(row, t), f"token {deepseek.ll.decode_bytes([t])!r} of a valid call refused"
+            r = mc.step({"good": [t]})
+            expected = SeqStatus.FINISHED if i == len(tokens) - 1 else SeqStatus.READY   # "]": only EOS may follow
+            assert r.seqs["good"].status is expected, r.seqs["good"]
+            row = r.bitmask[r.seqs["good"].row].copy()
+        assert allowed(row, deepseek.eos_token_ids[0]) and r.seqs["good"].accepting
+        mc.close("good")
+
+        # A call of the tool that left the set: refused where its name stops being a name of the set.
+        gone = known[0]["function"]["name"]
+        r, row = first_row(mc, "bad", request)
+        status = SeqStatus.READY
+        for t in deepseek.ll.tokenize_bytes(json.dumps([{"name": gone}]).encode()):
+            if not allowed(row, t):
+                break
+            r = mc.step({"bad": [t]})
+            row = r.bitmask[r.seqs["bad"].row].copy()
+        else:
+            pytest.fail(f"a call of {gone!r}, not in the set, was allowed whole")
+        r = mc.step({"bad": [t]})
+        status = r.seqs["bad"].status
+        assert status is SeqStatus.FAILED and "tool-call array" in r.seqs["bad"].reason, r.seqs["bad"]
+        mc.close("bad")
+
+
+BAD_PATTERN = {"type": "function", "function": {"name": "broken", "parameters": {
+    "type": "object", "properties": {"x": {"type": "string", "pattern": "(("}}}}}
+
+
+UNIQUE_TAGS = {"type": "function", "function": {"name": "tag", "parameters": {
+    "type": "object", "properties": {"tags": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}}}}}
+
+
+def test_a_tool_whose_parameters_compile_only_relaxed_makes_the_array_compile_whole(server, deepseek):
+    """Complete mode relaxes a schema the grammar engine refuses and checks its documents; those
+    checks work on whole documents, so such an array is compiled whole (and still served whole:
+    a call with duplicate tags is refused where it would close)."""
+    composed = pieces(server, "composed")
+    request = {"tools": [tool(1, "c"), UNIQUE_TAGS], "tool_choice": "required"}
+    with MaskClient(server.address) as mc:
+        mc.register(request)
+        assert pieces(server, "composed") == composed
+        r, row = first_row(mc, "dup", request)
+        for t in deepseek.ll.tokenize_bytes(b'[{"name": "tag", "parameters": {"tags": [1, 1'):
+            assert allowed(row, t)
+            r = mc.step({"dup": [t]})
+            row = r.bitmask[r.seqs["dup"].row].copy()
+        assert not allowed(row, deepseek.ll.tokenize_bytes(b"]")[0])
+        mc.close("dup")
+
+
+def test_a_tool_whose_parameters_do_not_compile_fails_the_request_as_compiled_whole(deepseek):
+    from maskd.server.grammar_cache import GrammarCache
+
+    engine = LLGuidanceEngine(deepseek, threads=1, json_schema_mode="strict")
+    cache = GrammarCache(engine, compile_threads=1)
+    try:
+        spec = GrammarSpec.from_request({"tools": [tool(1, "c"), BAD_PATTERN], "tool_choice": "required"})
+        entry = cache.wait(cache.lookup(spec))
+        assert entry.compiled is None
+        with pytest.raises(Exception) as whole:
+            engine.compile(GrammarSpec(spec.kind, spec.text))
+        assert entry.error == str(whole.value)
+    finally:
+        cache.close()
