@@ -216,6 +216,13 @@ class DictStore:
             self.data[gid] = (data, error)
             self.puts += 1
 
+    def get_many(self, gids):
+        return [self.get(g) for g in gids]
+
+    def put_many(self, items):
+        for gid, data, error in items:
+            self.put(gid, data, error)
+
 
 @pytest.fixture
 def mini_cluster():

@@ -68,6 +68,28 @@ def test_a_grammar_that_crashes_the_compiler_costs_only_that_grammar(server, stu
     assert register(stub, {"json_schema": ref_chain(1500)}).state == pb.GRAMMAR_STATE_READY
 
 
+def test_a_tool_whose_parameters_crash_the_compiler_costs_only_its_request(server, stub):
+    """Tool pieces compile in batches in the workers: a batch that crashes its worker is compiled
+    again one piece at a time, so only the piece at fault fails; its array then compiles whole
+    (and fails the same way); the other tools' pieces stay cached for the next request."""
+    def tool(name, params):
+        return {"type": "function", "function": {"name": name, "parameters": params}}
+
+    fine = [tool("fine_a", {"type": "object", "properties": {"a": {"type": "integer"}}}),
+            tool("fine_b", {"type": "object", "properties": {"b": {"type": "string"}}})]
+    crashes = server._pool.crashes
+    request = GrammarSpec.from_request({"tools": [*fine, tool("deep", ref_chain(12_000))], "tool_choice": "required"})
+    with pytest.raises(grpc.RpcError) as err:
+        stub.RegisterGrammar(pb.RegisterGrammarRequest(spec=request.to_proto(), wait=True))
+    assert err.value.code() == C.INVALID_ARGUMENT and "crashed its compile worker" in err.value.details()
+    assert server._pool.crashes >= crashes + 3     # the batch, the piece alone, the array whole
+    compiled = server.metrics.tool_pieces.labels("compiled")._value.get()
+    ok = GrammarSpec.from_request({"tools": fine, "tool_choice": "required"})
+    assert stub.RegisterGrammar(pb.RegisterGrammarRequest(spec=ok.to_proto(), wait=True)).state \
+        == pb.GRAMMAR_STATE_READY
+    assert server.metrics.tool_pieces.labels("compiled")._value.get() == compiled   # both were cached
+
+
 def test_a_schema_nested_past_the_limit_is_refused_before_any_engine_sees_it(stub):
     deep = {"type": "array", "items": {}}
     node = deep["items"]
