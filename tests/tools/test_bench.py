@@ -160,6 +160,8 @@ def test_garbage_bench_flags_are_clear_errors(tmp_path, mode, flags, message):
     (["--burst", "-1"], "--burst"),
     (["--profile", "-5"], "--profile"),
     (["--workloads", "maskbench", "--data", "/nonexistent/maskbench"], "no MaskBench folder"),
+    (["--workloads", "tools", "--tool-set", "0"], "--tool-set"),
+    (["--workloads", "tools", "--data", "/nonexistent/maskbench"], "no MaskBench-dev folder"),
 ])
 def test_garbage_bench_vllm_flags_are_clear_errors(tmp_path, flags, message):
     # refused before any engine or server starts
@@ -333,3 +335,19 @@ def test_garbage_bench_tools_flags_are_clear_errors(tmp_path, flags, message):
     with pytest.raises(SystemExit) as exc:
         main(["bench", "tools", "--data", SAMPLE, "--out", str(tmp_path), *flags])
     assert message in str(exc.value.code)
+
+
+def test_bench_vllm_tool_sets_replace_one_tool_each_in_an_order_of_their_own():
+    from maskd.specs import GrammarSpec
+    from maskd.tools.bench import vllm_workloads
+
+    pool = [(f"t{i}", {"type": "object", "properties": {f"p{i}": {"type": "integer"}}}) for i in range(8)]
+    base = vllm_workloads.base_tool_set(pool, 5)
+    sets = vllm_workloads.tool_sets(pool, 5, 6, "r0")
+    base_names = set(GrammarSpec.create("json_schema", base).parts.names)
+    assert len(base_names) == 5
+    for i, schema in enumerate(sets):
+        names = GrammarSpec.create("json_schema", schema).parts.names    # vLLM's call array: composed by maskd
+        assert len(names) == 5 and len(base_names - set(names)) == 1 and len(set(names) - base_names) == 1
+    assert len({json.dumps(s) for s in sets}) == 6
+    assert vllm_workloads.tool_sets(pool, 5, 6, "r1") != sets           # another tag: other new tools

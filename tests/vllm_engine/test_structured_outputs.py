@@ -12,7 +12,7 @@ import threading
 import jsonschema
 import pytest
 from harness import ENGINE_OPTIONS, server_metric, vllm_engine
-from workloads import CHOICES, PERSON, RECORDS, check, parity_requests
+from workloads import CHOICES, PERSON, RECORDS, check, check_tool_calls, parity_requests, tools
 
 from holds import hold_compiles
 
@@ -177,3 +177,39 @@ def test_preemption_and_a_full_batch_keep_outputs_exact(engine, reference, maskd
         if not name.startswith("plain"):
             check(name, choice)
         assert choice["text"] == theirs[name][1]["choices"][0]["text"], name
+
+
+def tool_pieces(server, outcome: str) -> float:
+    return server_metric(server, f'maskd_tool_call_pieces_total{{outcome="{outcome}"}}')
+
+
+def test_tool_calls_are_composed_from_pieces_and_equal_vllms_own_backend(engine, reference, maskd_server):
+    """tool_choice "required" (vLLM builds the call array and hands it to the backend): maskd composes
+    it from per-tool pieces, and greedy outputs equal vLLM's guidance backend, which compiles it
+    whole, byte for byte; a second request with one tool new and the others shuffled compiles
+    only that tool's piece."""
+    first = tools(40)
+    later = first[1:] + tools(41)[40:]
+    later = later[::2] + later[1::2]
+    before = {k: tool_pieces(maskd_server, k) for k in ("composed", "compiled", "cached")}
+    outputs = {}
+    for name, sent in (("first", first), ("later", later)):
+        body = {"messages": [{"role": "user", "content": "Call a tool."}], "tools": sent,
+                "tool_choice": "required", "max_tokens": 160, "temperature": 0}
+        (s1, ours), (s2, theirs) = engine.post(body, "/v1/chat/completions"), \
+            reference.post(body, "/v1/chat/completions")
+        assert s1 == 200 and s2 == 200, (ours, theirs)
+        mine, ref = ours["choices"][0], theirs["choices"][0]
+        calls = [(c["function"]["name"], c["function"]["arguments"]) for c in mine["message"].get("tool_calls") or []]
+        assert calls == [(c["function"]["name"], c["function"]["arguments"])
+                         for c in ref["message"].get("tool_calls") or []], name
+        assert (mine["message"].get("content"), mine["finish_reason"]) == \
+            (ref["message"].get("content"), ref["finish_reason"]), name
+        if mine["finish_reason"] == "tool_calls":
+            check_tool_calls(sent, mine["message"])
+        outputs[name] = (calls, mine["finish_reason"])
+    after = {k: tool_pieces(maskd_server, k) for k in before}
+    assert after["composed"] - before["composed"] == 2
+    assert after["compiled"] - before["compiled"] == 40 + 1    # the first set's pieces, then the new tool's
+    assert after["cached"] - before["cached"] == 39
+    print(f"\ntool calls, greedy: {outputs}")

@@ -51,3 +51,33 @@ def check(name: str, choice: dict[str, Any]) -> None:
         assert re.fullmatch(r"\[[0-9](,[0-9])*\]" if finished else r"\[[0-9](,[0-9])*,?", text), (name, text)
     else:
         raise AssertionError(f"unknown workload {name}")
+
+
+# Function tools as agents send them (OpenAI chat completions): a few of every shape and 40 more.
+_SHAPES = [
+    lambda i: {"type": "object", "properties": {f"city_{i}": {"type": "string"}, "days": {"type": "integer"}},
+               "required": [f"city_{i}"]},
+    lambda i: {"type": "object", "properties": {f"query_{i}": {"type": "string", "maxLength": 12},
+                                                "exact": {"type": "boolean"}},
+               "required": [f"query_{i}", "exact"], "additionalProperties": False},
+    lambda i: {"type": "object", "properties": {"ids": {"type": "array", "items": {"type": "integer"}, "maxItems": 3},
+                                                f"mode_{i}": {"enum": ["fast", "slow"]}}, "required": [f"mode_{i}"]},
+    lambda i: {"type": "object", "properties": {f"to_{i}": {"$ref": "#/$defs/Point"}}, "required": [f"to_{i}"],
+               "$defs": {"Point": {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+                                   "required": ["x", "y"], "additionalProperties": False}}},
+]
+
+
+def tools(n: int, tag: str = "t") -> list[dict[str, Any]]:
+    return [{"type": "function", "function": {"name": f"{tag}_{i}", "description": f"tool {i}",
+                                              "parameters": _SHAPES[i % len(_SHAPES)](i)}} for i in range(n)]
+
+
+def check_tool_calls(tools_sent: list[dict[str, Any]], message: dict[str, Any]) -> None:
+    """The calls of a tool_choice "required" answer name tools of the request, with arguments their schema takes."""
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools_sent}
+    assert message.get("tool_calls"), message
+    for call in message["tool_calls"]:
+        name = call["function"]["name"]
+        assert name in schemas, (name, message)
+        jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[name])

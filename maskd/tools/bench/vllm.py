@@ -9,7 +9,8 @@ kinds of request at once, so every ratio compares requests of one engine in one 
   backend (``structured_outputs``) and maskd (``vllm_xargs``);
 * engine ``xgrammar``: the same with backend xgrammar.
 
-Workloads (vllm_workloads.py): ``free-text``, ``records``, ``maskbench``. After a warm-up of every
+Workloads (vllm_workloads.py): ``free-text``, ``records``, ``maskbench``, ``tools`` (tool calls over
+``--tool-set`` tools, every measured request a set with one tool new: its TTFT is the compile). After a warm-up of every
 mode at every concurrency (not measured), per round, workload and concurrency, the modes run in a
 rotated order (interleaved repeats); each mode sends ``--requests`` streaming completions
 ``--concurrency`` at a time and records tokens/s (completion tokens over wall time), time to first
@@ -55,6 +56,8 @@ def add_arguments(p) -> None:
     p.add_argument("--vllm-venv", default=None, help="the venv with vLLM's CPU build (default .venv-vllm)")
     p.add_argument("--json-schema-mode", default="complete", choices=("complete", "strict"),
                    help="the maskd server's JSON-schema mode (default complete, the server's own default)")
+    p.add_argument("--tool-set", type=int, default=200, metavar="N",
+                   help="the tools workload: tools per request (default 200)")
     p.add_argument("--burst", type=int, default=0, metavar="N",
                    help="a compile-burst phase per round: N new grammars at once while the free-text workload "
                         "decodes (default 0: none)")
@@ -95,6 +98,15 @@ def run(args, log: Callable[[str], None] = print) -> dict:
             chosen = []
         if "maskbench" in workloads:
             schemas["maskbench"] = [s for _, s in chosen]
+    tools_pool: list = []
+    if "tools" in workloads:
+        if args.tool_set < 1:
+            raise SystemExit(f"{prog}: --tool-set {args.tool_set}: must be at least 1")
+        try:
+            tools_pool = vllm_workloads.tool_pool(args.data, args.tokenizer)
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"{prog}: --workloads tools: {exc}") from None
+        schemas["tools"] = [vllm_workloads.base_tool_set(tools_pool, args.tool_set)]   # the warm-up's
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     server = common.subprocess_server(args.tokenizer, args.threads, log_path=out / "maskd-serve.log",
@@ -135,7 +147,9 @@ def run(args, log: Callable[[str], None] = print) -> dict:
                             order = modes[r % len(modes):] + modes[:r % len(modes)]
                             for mode in order:
                                 n = args.requests or 2 * c
-                                res = _drive(engine.url, mode, mine[workload], c, n, args.max_tokens)
+                                asked = mine[workload] if workload != "tools" else vllm_workloads.tool_sets(
+                                    tools_pool, args.tool_set, n, f"{engine_name}-{r}-{c}-{mode}")
+                                res = _drive(engine.url, mode, asked, c, n, args.max_tokens)
                                 res.update(engine=engine_name, workload=workload, concurrency=c, round=r, mode=mode)
                                 report["runs"].append(res)
                                 log(f"{prog}: {engine_name} {workload} c={c} round {r} {mode}: "

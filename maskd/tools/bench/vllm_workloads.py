@@ -7,6 +7,12 @@
   in process are taken, so every backend of the comparison serves the same requests; schemas an
   engine's own backend still refuses (HTTP 400 in the warm-up) leave that engine's workload, and
   the report says how many.
+* ``tools``: an agent's tool calls: the call array vLLM builds for ``tool_choice: "required"``
+  over ``--tool-set`` tools of MaskBench-dev's BFCL / Glaive parameter schemas. The warm-up sends
+  the base set; every measured request sends the base set with one tool replaced by a tool never
+  seen (its name and description carry the request's tag), in another order: the case issue 19's
+  per-tool pieces are for. Each such request is a new grammar to every backend: vLLM's compiles
+  the array whole, maskd composes it from the pieces it has and the new tool's.
 
 A compile burst sends grammars no backend has seen: MaskBench schemas outside the workload's
 sample (or variants of ``records`` without a MaskBench folder), each with a ``title`` unique to
@@ -42,7 +48,7 @@ ACCOUNT = {"type": "object", "properties": {
     "plan": {"enum": ["free", "professional", "enterprise"]}},
     "required": ["id", "status", "verified", "role", "country", "plan"], "additionalProperties": False}
 BUILT_IN = {"free-text": FREE_TEXT, "records": RECORDS}
-WORKLOADS = (*BUILT_IN, "maskbench")
+WORKLOADS = (*BUILT_IN, "maskbench", "tools")
 
 
 def compiles_in_process(schema: dict) -> bool:
@@ -88,6 +94,50 @@ def _quiet_stderr() -> Iterator[None]:
     finally:
         os.dup2(saved, 2)
         os.close(saved)
+
+
+def tool_pool(data_dir: str | os.PathLike, tokenizer: str = "deepseek-v4") -> list[tuple[str, dict]]:
+    """(file stem, parameters schema) of the MaskBench-dev tools ``maskd bench tools`` draws from."""
+    import pathlib
+
+    from maskd.server.tokenizers import load_tokenizer
+    from maskd.tools.bench.tools import tool_pool as pool_of
+
+    folder = pathlib.Path(data_dir)
+    if not folder.is_dir():
+        raise ValueError(f"no MaskBench-dev folder at {folder}")
+    pool = pool_of(folder, load_tokenizer(tokenizer))
+    if len(pool) < 2:
+        raise ValueError(f"{folder} has fewer than 2 BFCL / Glaive tools that compile alone")
+    return pool
+
+
+def tool_sets(pool: Sequence[tuple[str, dict]], size: int, n: int, tag: str) -> list[dict]:
+    """``n`` call arrays (``tool_choice: "required"``, as vLLM builds them): the base set of the pool's
+    first ``size`` tools with tool i replaced by a tool new to ``tag``, in an order of its own."""
+    import random
+
+    from maskd.tool_specs import tool_call_schema
+    from maskd.tools.bench.tools import _tool
+
+    size = min(size, len(pool) - 1)
+    base = [_tool(stem, schema, "base") for stem, schema in pool[:size]]
+    rng = random.Random(tag)
+    out = []
+    for i in range(n):
+        stem, schema = pool[size + i % (len(pool) - size)]
+        tools = base[:i % size] + base[i % size + 1:] + [_tool(stem, schema, f"{tag}-{i}")]
+        rng.shuffle(tools)
+        out.append(tool_call_schema(tools, "required"))
+    return out
+
+
+def base_tool_set(pool: Sequence[tuple[str, dict]], size: int) -> dict:
+    from maskd.tool_specs import tool_call_schema
+    from maskd.tools.bench.tools import _tool
+
+    return tool_call_schema([_tool(stem, schema, "base") for stem, schema in pool[:min(size, len(pool) - 1)]],
+                            "required")
 
 
 def burst_schemas(pool: Sequence[dict], n: int, tag: str) -> list[dict]:
