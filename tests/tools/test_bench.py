@@ -161,7 +161,7 @@ def test_garbage_bench_flags_are_clear_errors(tmp_path, mode, flags, message):
     (["--profile", "-5"], "--profile"),
     (["--workloads", "maskbench", "--data", "/nonexistent/maskbench"], "no MaskBench folder"),
     (["--workloads", "tools", "--tool-set", "0"], "--tool-set"),
-    (["--workloads", "tools", "--data", "/nonexistent/maskbench"], "no MaskBench-dev folder"),
+    (["--workloads", "tools", "--data", "/nonexistent/maskbench"], "no MaskBench"),
 ])
 def test_garbage_bench_vllm_flags_are_clear_errors(tmp_path, flags, message):
     # refused before any engine or server starts
