@@ -87,7 +87,8 @@ def run(args, log: Callable[[str], None] = print) -> dict:
         maskd_cpus = [int(c) for c in args.maskd_cpus.split(",") if c.strip()]
     except ValueError:
         raise SystemExit(f"{prog}: --maskd-cpus {args.maskd_cpus!r}: comma-separated CPU numbers") from None
-    schemas: dict[str, list[dict]] = {w: [vllm_workloads.BUILT_IN[w]] for w in workloads if w in vllm_workloads.BUILT_IN}
+    built_in = vllm_workloads.BUILT_IN
+    schemas: dict[str, list[dict]] = {w: [built_in[w]] for w in workloads if w in built_in}
     burst_pool: list[dict] = []
     if "maskbench" in workloads or args.burst:
         try:
