@@ -152,6 +152,22 @@ def _tokens_in(words: np.ndarray) -> list[int]:
     return out
 
 
+@dataclasses.dataclass
+class Leaving:
+    """Tokens that leave the parameters with bytes to spare, from one (mode, closes needed): each
+    with the token of its bytes up to the close (``heads``, -1: several tokens, ``head_tokens``),
+    the token after it (``tails``, -1: several tokens or a "{" among them), the first token of its
+    bytes up to the close, and what the router reads for it: "}" and the bytes after the close."""
+    keep: np.ndarray             # the row mask of every other token
+    tokens: np.ndarray
+    heads: np.ndarray
+    tails: np.ndarray
+    firsts: np.ndarray
+    head_tokens: list[list[int]]
+    routes: list[list[int]]
+    braced: np.ndarray           # a "{" after the close: it could open another call's parameters
+
+
 class BoundaryTables:
     """Per tokenizer: each token's bytes and the token of any byte string that is one; the tokens
     that can reach into parameters (they hold a "{"); and, by where a token starts (outside a
@@ -172,22 +188,26 @@ class BoundaryTables:
                 self.ids[b] = t
         braces = [t for t, b in enumerate(self.data) if b and 0x7B in b]
         self.braces = self._mask(braces)
-        # (mode, closes needed) -> (mask, tokens, ids up to the close, ids after it, first token up to the close)
-        self.leaving: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
-        found: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
+        # (mode, closes needed) -> the tokens that leave the parameters there with bytes to spare
+        self.leaving: dict[tuple[int, int], Leaving] = {}
+        found: dict[tuple[int, int], list[tuple[int, bytes, bytes]]] = {}
         for t, b in enumerate(self.data):
             if not b or not any(c in _CLOSES for c in b[:-1]):
                 continue
             for mode in (0, 1, 2):
                 for need, at in self._closes(b, mode):
                     if at < len(b) - 1:
-                        head, tail = b[:at + 1], b[at + 1:]
-                        first = ll.tokenize_bytes(head)[0]
-                        found.setdefault((mode, need), []).append(
-                            (t, self.ids.get(head, -1), -1 if 0x7B in tail else self.ids.get(tail, -1), first))
+                        found.setdefault((mode, need), []).append((t, b[:at + 1], b[at + 1:]))
         for key, rows in found.items():
-            cols = np.array(rows, dtype=np.int64).T
-            self.leaving[key] = (self._mask(cols[0].tolist()), cols[0], cols[1], cols[2], cols[3])
+            tokens = np.array([t for t, _, _ in rows], dtype=np.int64)
+            self.leaving[key] = Leaving(
+                ~self._mask(tokens.tolist()), tokens,
+                np.array([self.ids.get(h, -1) for _, h, _ in rows], dtype=np.int64),
+                np.array([-1 if 0x7B in tl else self.ids.get(tl, -1) for _, _, tl in rows], dtype=np.int64),
+                np.array([ll.tokenize_bytes(h)[0] for _, h, _ in rows], dtype=np.int64),
+                [ll.tokenize_bytes(h) for _, h, _ in rows],
+                [ll.tokenize_bytes(b"}" + tl) for _, _, tl in rows],
+                np.array([0x7B in tl for _, _, tl in rows], dtype=bool))
 
     @staticmethod
     def _closes(b: bytes, mode: int) -> list[tuple[int, int]]:
@@ -421,23 +441,30 @@ class ToolCallMatcher(Matcher):
         are allowed where the piece takes the bytes up to the close (it is then complete) and the
         router takes "}" and the rest."""
         scan, tables = self.scan, self.g.tables
-        row[:] = piece_row
         leaving = tables.leaving.get((scan.mode, scan.depth - scan.params + 1))
         if leaving is None:
+            row[:] = piece_row
             return
-        mask, tokens, heads, tails, firsts = leaving
-        np.bitwise_and(row, ~mask, out=row)
-        closes = _bits(piece_row, heads)
-        unsure = (heads < 0) & _bits(piece_row, firsts)       # bytes to the close are no one token
-        if closes.any():
+        np.bitwise_and(piece_row, leaving.keep, out=row)
+        closes = _bits(piece_row, leaving.heads)                  # the piece takes the bytes to its close
+        simple = closes & (leaving.tails >= 0)
+        if simple.any():        # the router's row after the close, for the one-token rests
             self.router.consume_token(tables.ids[b"}"])
             after = np.frombuffer(self.router.compute_bitmask(), dtype=np.int32)
             self.router.rollback(1)
-            unsure |= closes & (tails < 0)
-            for t in tokens[closes & _bits(after, tails)].tolist():
+            for t in leaving.tokens[simple & _bits(after, leaving.tails)].tolist():
                 _set(row, t)
-        for t in tokens[unsure].tolist():
-            if self.allows(t):
+        rest = (closes & (leaving.tails < 0)) | ((leaving.heads < 0) & _bits(piece_row, leaving.firsts))
+        for i in np.flatnonzero(rest).tolist():
+            if leaving.heads[i] < 0:     # the bytes to the close are several tokens: the piece takes them all?
+                head = leaving.head_tokens[i]
+                if self.piece.validate_tokens(head) != len(head):
+                    continue
+            route = leaving.routes[i]
+            if self.router.validate_tokens(route) != len(route):
+                continue
+            t = int(leaving.tokens[i])
+            if not leaving.braced[i] or self.allows(t):
                 _set(row, t)
 
     def _entering(self, row: np.ndarray) -> None:
