@@ -19,6 +19,9 @@ from typing import Any
 from maskd.v1 import maskd_pb2 as pb
 
 KINDS = ("json_schema", "regex", "lark", "ebnf", "choice", "structural_tag")
+#: Kinds a server makes for itself and never sends: a tool's parameters, the piece of a composed
+#: tool-call array (a JSON schema whose document may be followed by anything, as in the array).
+PIECE_KIND = "tool_parameters"
 OPTION_KEYS = ("whitespace", "reasoning", "max_whitespace")
 #: Flexible JSON whitespace: at most this many whitespace characters in a row (0: no bound).
 DEFAULT_MAX_WHITESPACE = 8
@@ -26,7 +29,7 @@ MAX_WHITESPACE_LIMIT = 1 << 16
 #: How JSON schemas are enforced (the server's --json-schema-mode; part of every grammar id).
 JSON_SCHEMA_MODES = ("strict", "complete")
 # Kinds whose grammar depends on the JSON schema mode (JSON schemas, the arguments of tool calls).
-_MODE_KINDS = ("json_schema", "structural_tag")
+_MODE_KINDS = ("json_schema", "structural_tag", PIECE_KIND)
 WHITESPACE = {"flexible": pb.WHITESPACE_FLEXIBLE, "compact": pb.WHITESPACE_COMPACT}
 _WHITESPACE_NAMES = {pb.WHITESPACE_DEFAULT: "flexible", pb.WHITESPACE_FLEXIBLE: "flexible",
                      pb.WHITESPACE_COMPACT: "compact"}
@@ -49,7 +52,7 @@ class GrammarSpec:
     parts: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
+        if self.kind not in KINDS and self.kind != PIECE_KIND:
             raise SpecError(f"unknown grammar kind {self.kind!r}; expected one of {', '.join(KINDS)}")
         if self.whitespace not in WHITESPACE:
             raise SpecError(f"unknown whitespace option {self.whitespace!r}; use 'flexible' or 'compact'")

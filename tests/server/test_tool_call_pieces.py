@@ -9,6 +9,7 @@ and draft rows too. Through a real server: 200 tools registered, then a request 
 but one and one new tool, in another order, ready from 199 cached pieces; a valid call of the new
 tool accepted token by token; a call naming a tool outside the set refused.
 """
+import dataclasses
 import json
 import random
 import time
@@ -67,7 +68,8 @@ def grammars(request, deepseek):
     pieces = [engine.compile(engine.piece_spec(spec, text)) for text in parts.pieces]
     composed = engine.compose(spec, parts, pieces)
     assert composed is not None
-    return engine, engine.compile(GrammarSpec(spec.kind, spec.text)), composed   # whole: no parts, no composing
+    whole = engine.compile(dataclasses.replace(spec, parts=None))    # no parts: compiled whole
+    return engine, whole, composed
 
 
 def rows(engine, matchers, drafts=None):
@@ -166,6 +168,15 @@ def test_rollback_validate_forced_tokens_and_drafts_match_the_whole_grammar(gram
                 pair.take(u, ("again", i))
     pair.check("end")
     assert pair.composed.is_accepting()
+
+
+def test_compact_arrays_compile_whole(deepseek):
+    """In compact JSON a forced span crosses from the router into a piece (after ``"parameters``
+    the array forces ``":{"``), and llguidance's row there is that span's one canonical token:
+    the engine does not compose such arrays."""
+    engine = LLGuidanceEngine(deepseek, threads=1)
+    spec = GrammarSpec.from_request({"tools": TOOLS, "tool_choice": "required", "whitespace": "compact"})
+    assert spec.parts is not None and engine.tool_call_parts(spec) is None
 
 
 def test_a_call_naming_a_tool_outside_the_set_is_refused(grammars, deepseek):

@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
-from harness import ENGINE_OPTIONS, vllm_engine
+from harness import ENGINE_OPTIONS, TOOL_PARSER, vllm_engine
 
 from maskd.server import MaskServer, ServerConfig
 
@@ -31,6 +31,6 @@ def maskd_server():
 def reference(logs):
     """maskd installed and not configured (no MASKD_TARGET): vLLM's own guidance backend serves
     structured outputs, exactly as without maskd."""
-    with vllm_engine(logs, *ENGINE_OPTIONS, name="reference") as engine:
+    with vllm_engine(logs, *ENGINE_OPTIONS, *TOOL_PARSER, name="reference") as engine:
         yield engine
 

@@ -11,7 +11,7 @@ import threading
 
 import jsonschema
 import pytest
-from harness import ENGINE_OPTIONS, server_metric, vllm_engine
+from harness import ENGINE_OPTIONS, TOOL_PARSER, server_metric, vllm_engine
 from workloads import CHOICES, PERSON, RECORDS, check, check_tool_calls, parity_requests, tools
 
 from holds import hold_compiles
@@ -20,7 +20,7 @@ from holds import hold_compiles
 @pytest.fixture(scope="module")
 def engine(logs, maskd_server):
     env = {"MASKD_TARGET": maskd_server.address, "MASKD_ADMISSION_WAIT_S": "1", "MASKD_WAIT_TIMEOUT_S": "120"}
-    with vllm_engine(logs, *ENGINE_OPTIONS, "--kv-cache-memory-bytes", str(3 << 20), "--max-num-seqs", "32",
+    with vllm_engine(logs, *ENGINE_OPTIONS, *TOOL_PARSER, "--kv-cache-memory-bytes", str(3 << 20), "--max-num-seqs", "32",
                      env=env, name="maskd") as e:
         yield e
 
@@ -180,36 +180,32 @@ def test_preemption_and_a_full_batch_keep_outputs_exact(engine, reference, maskd
 
 
 def tool_pieces(server, outcome: str) -> float:
-    return server_metric(server, f'maskd_tool_call_pieces_total{{outcome="{outcome}"}}')
+    return server.metrics.registry.get_sample_value("maskd_tool_call_pieces_total", {"outcome": outcome}) or 0.0
 
 
-def test_tool_calls_are_composed_from_pieces_and_equal_vllms_own_backend(engine, reference, maskd_server):
-    """tool_choice "required" (vLLM builds the call array and hands it to the backend): maskd composes
-    it from per-tool pieces, and greedy outputs equal vLLM's guidance backend, which compiles it
-    whole, byte for byte; a second request with one tool new and the others shuffled compiles
-    only that tool's piece."""
+def test_tool_calls_equal_vllms_own_backend_token_for_token(engine, reference, maskd_server):
+    """tool_choice "required" (vLLM builds the call array and hands it to its backend) through maskd:
+    greedy outputs equal vLLM's guidance backend token for token, and each call names a tool of its
+    request with arguments its schema takes. These engines write compact JSON, whose arrays maskd
+    compiles whole (a forced span crosses the router and a piece there); flexible JSON's are
+    composed from per-tool pieces (tests/server/test_tool_call_pieces.py)."""
     first = tools(40)
     later = first[1:] + tools(41)[40:]
     later = later[::2] + later[1::2]
-    before = {k: tool_pieces(maskd_server, k) for k in ("composed", "compiled", "cached")}
+    composed = tool_pieces(maskd_server, "composed")
+    rows_before = rows_sent(maskd_server)
     outputs = {}
     for name, sent in (("first", first), ("later", later)):
-        body = {"messages": [{"role": "user", "content": "Call a tool."}], "tools": sent,
-                "tool_choice": "required", "max_tokens": 160, "temperature": 0}
+        body = {"messages": [{"role": "user", "content": "Call a tool."}], "tools": sent, "tool_choice": "required",
+                "parallel_tool_calls": False, "max_tokens": 200, "temperature": 0, "return_token_ids": True}
         (s1, ours), (s2, theirs) = engine.post(body, "/v1/chat/completions"), \
             reference.post(body, "/v1/chat/completions")
         assert s1 == 200 and s2 == 200, (ours, theirs)
         mine, ref = ours["choices"][0], theirs["choices"][0]
-        calls = [(c["function"]["name"], c["function"]["arguments"]) for c in mine["message"].get("tool_calls") or []]
-        assert calls == [(c["function"]["name"], c["function"]["arguments"])
-                         for c in ref["message"].get("tool_calls") or []], name
-        assert (mine["message"].get("content"), mine["finish_reason"]) == \
-            (ref["message"].get("content"), ref["finish_reason"]), name
-        if mine["finish_reason"] == "tool_calls":
-            check_tool_calls(sent, mine["message"])
-        outputs[name] = (calls, mine["finish_reason"])
-    after = {k: tool_pieces(maskd_server, k) for k in before}
-    assert after["composed"] - before["composed"] == 2
-    assert after["compiled"] - before["compiled"] == 40 + 1    # the first set's pieces, then the new tool's
-    assert after["cached"] - before["cached"] == 39
+        assert mine["token_ids"] == ref["token_ids"], name
+        assert mine["finish_reason"] == ref["finish_reason"] == "tool_calls", (name, mine)
+        check_tool_calls(sent, mine["message"])
+        outputs[name] = [(c["function"]["name"], c["function"]["arguments"]) for c in mine["message"]["tool_calls"]]
+    assert rows_sent(maskd_server) > rows_before, "maskd computed no rows for the tool calls"
+    assert tool_pieces(maskd_server, "composed") == composed      # compact JSON: compiled whole
     print(f"\ntool calls, greedy: {outputs}")

@@ -53,17 +53,22 @@ def check(name: str, choice: dict[str, Any]) -> None:
         raise AssertionError(f"unknown workload {name}")
 
 
-# Function tools as agents send them (OpenAI chat completions): a few of every shape and 40 more.
+# Function tools as agents send them (OpenAI chat completions), closed and bounded so that even the
+# untrained tiny model finishes its call: four shapes, the property names of each tool its own.
 _SHAPES = [
-    lambda i: {"type": "object", "properties": {f"city_{i}": {"type": "string"}, "days": {"type": "integer"}},
-               "required": [f"city_{i}"]},
+    lambda i: {"type": "object", "properties": {f"city_{i}": {"type": "string", "maxLength": 10},
+                                                "days": {"type": "integer", "minimum": 0, "maximum": 9}},
+               "required": [f"city_{i}"], "additionalProperties": False},
     lambda i: {"type": "object", "properties": {f"query_{i}": {"type": "string", "maxLength": 12},
                                                 "exact": {"type": "boolean"}},
                "required": [f"query_{i}", "exact"], "additionalProperties": False},
-    lambda i: {"type": "object", "properties": {"ids": {"type": "array", "items": {"type": "integer"}, "maxItems": 3},
-                                                f"mode_{i}": {"enum": ["fast", "slow"]}}, "required": [f"mode_{i}"]},
+    lambda i: {"type": "object", "properties": {
+        "ids": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 3},
+        f"mode_{i}": {"enum": ["fast", "slow"]}}, "required": [f"mode_{i}"], "additionalProperties": False},
     lambda i: {"type": "object", "properties": {f"to_{i}": {"$ref": "#/$defs/Point"}}, "required": [f"to_{i}"],
-               "$defs": {"Point": {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+               "additionalProperties": False,
+               "$defs": {"Point": {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9},
+                                                                    "y": {"type": "integer", "minimum": 0, "maximum": 9}},
                                    "required": ["x", "y"], "additionalProperties": False}}},
 ]
 

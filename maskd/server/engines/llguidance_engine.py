@@ -42,7 +42,7 @@ from maskd.server.json_schema import (
     tag_span,
     tool_call_checker,
 )
-from maskd.specs import GrammarSpec
+from maskd.specs import PIECE_KIND, GrammarSpec
 from maskd.tool_specs import ToolCallParts
 
 log = logging.getLogger("maskd.server.engines.llguidance")
@@ -161,6 +161,8 @@ class LLGuidanceEngine(Engine):
             (grammar, probe), checker = self._json_schema(spec)
         elif spec.kind == "structural_tag":
             (grammar, probe), checker = self._structural_tag(spec)
+        elif spec.kind == PIECE_KIND:
+            (grammar, probe), checker = self._tool_parameters(spec)
         else:
             grammar = self.grammar_text(spec)
             probe, checker = self._checked(grammar), None
@@ -363,14 +365,32 @@ class LLGuidanceEngine(Engine):
 
     # -- tool-call arrays composed from per-tool pieces (tool_calls.py) ---------------------------
     def tool_call_parts(self, spec: GrammarSpec) -> ToolCallParts | None:
-        """The parts of a spec that is a ``tool_choice: "required"`` call array, or None."""
-        if spec.kind != "json_schema" or spec.reasoning_end:
+        """The parts of a spec that is a ``tool_choice: "required"`` call array, or None.
+
+        Compact JSON arrays compile whole: where the grammar forces bytes, llguidance's row is the one
+        canonical token of them (``forcing ff_token by mask``), and in compact JSON a forced span
+        runs across the router and a piece (after ``"parameters`` the array forces ``":{"`` and the
+        first key), which neither part sees alone. Flexible JSON allows whitespace at every
+        boundary, so no forced span crosses one."""
+        if spec.kind != "json_schema" or spec.reasoning_end or spec.whitespace == "compact":
             return None
         return spec.parts
 
     def piece_spec(self, spec: GrammarSpec, text: str) -> GrammarSpec:
         """A tool's parameters as a grammar of their own, with the array's options."""
-        return dataclasses.replace(spec, text=text, parts=None)
+        return dataclasses.replace(spec, kind=PIECE_KIND, text=text, parts=None)
+
+    def _tool_parameters(self, spec: GrammarSpec):
+        """A piece: the parameters' JSON document followed by any bytes, as in the array (where a
+        call's object goes on after its parameters). Ending there would make llguidance force the
+        document's last bytes and keep, of the tokens that write them, only the canonical ones (after
+        ``{"x":7`` in compact JSON: ``}}`` but not ``}``), where the array's grammar forces nothing.
+        Strict only: a schema the grammar refuses makes its array compile whole (complete mode's
+        relaxations and checks work on whole documents)."""
+        schema = json.loads(spec.text)
+        text = self._json_text(spec, schema, lenient=False)
+        grammar = self._lark(f"start: %json {text} /(?s:.*)/\n")
+        return (grammar, self._checked(grammar)), self._final_check(schema, (b"", b""))
 
     def compose(self, spec: GrammarSpec, parts: ToolCallParts, pieces: Sequence[CompiledGrammar],
                 router: tuple[str, _Prototype] | None = None) -> CompiledGrammar | None:
