@@ -1,0 +1,106 @@
+"""Per-tool pieces (issue 19, item 2) against the whole grammar on MaskBench-dev's tools: the rows of
+a composed tool-call array and of the same array compiled whole, at every position of valid calls
+(canonical tokens and a character a token) and of random walks that favour the tokens at the
+boundaries of the parameters; and what a row costs each way in the fill (one sequence).
+
+    .venv/bin/python docs/benchmarks/scripts/tool_pieces_rows.py [--tools 200] [--calls 20] [--walks 20]
+
+Tools: ``maskd bench tools``' pool (BFCL / Glaive parameter schemas), named for this run; grammars:
+llguidance's for the plain spec (flexible JSON), ``--mode`` complete or strict; deepseek-v4.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import random
+import time
+
+import numpy as np
+
+from maskd.server.engines.llguidance_engine import LLGuidanceEngine
+from maskd.server.tokenizers import load_tokenizer
+from maskd.specs import GrammarSpec
+from maskd.tools.bench.tools import _tool, tool_pool
+
+REPO = pathlib.Path(__file__).resolve().parents[3]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--data", default=str(REPO / ".." / "shared" / "maskbench-dev"))
+    ap.add_argument("--tools", type=int, default=200)
+    ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--walks", type=int, default=20)
+    ap.add_argument("--mode", default="complete", choices=("complete", "strict"))
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args()
+    data = pathlib.Path(args.data).resolve()
+    tok = load_tokenizer("deepseek-v4")
+    engine = LLGuidanceEngine(tok, threads=1, json_schema_mode=args.mode)
+    engine.prepare()
+    pool = tool_pool(data, tok)
+    instances = {stem: [t["data"] for t in json.loads((data / f"{stem}.json").read_text()).get("tests", [])
+                        if t.get("valid")] for stem, _ in pool}
+    rng = random.Random(args.seed)
+    picked = rng.sample([p for p in pool if instances[p[0]]], args.tools)
+    tools = [_tool(stem, schema, "run") for stem, schema in picked]
+    spec = GrammarSpec.from_request({"tools": tools, "tool_choice": "required"})
+    parts = engine.tool_call_parts(spec)
+    whole = engine.compile(dataclasses.replace(spec, parts=None))
+    composed = engine.compose(spec, parts, [engine.compile(engine.piece_spec(spec, t)) for t in parts.pieces])
+    seconds = {"whole": 0.0, "composed": 0.0}
+    positions = differ = 0
+
+    def compare(w, c) -> np.ndarray:
+        nonlocal positions, differ
+        rows = []
+        for name, m in (("whole", w), ("composed", c)):
+            out = engine.allocate(1)
+            t0 = time.perf_counter()
+            engine.fill_batch([m], [0], None, out)
+            seconds[name] += time.perf_counter() - t0
+            rows.append(out[0])
+        positions += 1
+        differ += not np.array_equal(rows[0], rows[1]) or w.is_accepting() != c.is_accepting()
+        return rows[0]
+
+    for k in range(args.calls):
+        i = rng.randrange(len(tools))
+        calls = [{"name": tools[i]["function"]["name"], "parameters": rng.choice(instances[picked[i][0]])}]
+        text = json.dumps(calls, ensure_ascii=False)
+        tokens = tok.ll.tokenize_bytes(text.encode()) if k % 2 == 0 else \
+            [t for ch in text for t in tok.ll.tokenize_bytes(ch.encode())]
+        w, c = engine.new_matcher(whole), engine.new_matcher(composed)
+        for t in tokens:
+            compare(w, c)
+            if (w.consume([t]) is None) != (c.consume([t]) is None):
+                differ += 1
+                break
+        compare(w, c)
+    timed = positions
+    structural = np.array([any(ch in (tok.ll.decode_bytes([t]) or b"") for ch in b'{}[]",:')
+                           for t in range(tok.ll.vocab_size)])
+    for _ in range(args.walks):
+        w, c = engine.new_matcher(whole), engine.new_matcher(composed)
+        for _ in range(120):
+            row = compare(w, c)
+            allowed = np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")[:tok.ll.vocab_size])
+            if not len(allowed):
+                break
+            pick = allowed[structural[allowed]]
+            t = int(rng.choice(pick if len(pick) and rng.random() < 0.6 else allowed))
+            if (w.consume([t]) is None) != (c.consume([t]) is None):
+                differ += 1
+                break
+            if w.is_stopped():
+                break
+    print(f"{args.tools} tools ({args.mode} mode): {positions} positions compared ({timed} on valid calls, the rest "
+          f"on walks), {differ} differ")
+    print(f"fill of one row, us (all positions): whole {seconds['whole'] / positions * 1e6:.1f}, "
+          f"composed {seconds['composed'] / positions * 1e6:.1f}")
+
+
+if __name__ == "__main__":
+    main()
