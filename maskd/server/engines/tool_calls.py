@@ -5,21 +5,22 @@ A ``tool_choice: "required"`` request asks for a JSON array of ``{"name": ..., "
 200 known costs a compile of all 200 schemas. Composed, the grammar is two kinds of parts:
 
 * the **router** (per request, compiled in process in a few ms): the same array with one item
-  schema, the set's names as an enum and the parameters any object. Its rows are the whole
-  grammar's everywhere outside the parameters, and it follows every token, so it is where the
-  array, the names and the end of the output are decided;
-* a **piece** per tool (its parameters schema alone, compiled once and cached by content like any
-  grammar, across requests and, through the cluster's store, across replicas). Inside a call's
-  parameters the named tool's piece gives the row.
+  schema, the set's names as an enum and the parameters any object. It reads everything outside
+  the parameters (standing in ``{}`` for them), so it is where the array, the names and the end of
+  the output are decided; its rows are the whole grammar's there;
+* a **piece** per tool (its parameters schema, followed by any bytes as in the array; compiled once
+  and cached by content like any grammar, across requests and, through the cluster's store,
+  across replicas). Inside a call's parameters the named tool's piece reads the output and gives
+  the row.
 
 The bytes at a boundary decide the rest. A token that reaches into the parameters (`` {"`` after
-``"parameters":``) is allowed where the router takes it and the piece takes its bytes from the
-``{``; a token that reaches out of them (``}},``, ``"}]``) where the piece takes its bytes up to
-the closing ``}`` and is then complete, and the router takes the whole token. llguidance's state
-is a function of the bytes written, not of how they were tokenized, so a piece that starts inside
+``"parameters":``) is allowed where the router takes its bytes up to the ``{`` and the piece its
+bytes from there; a token that reaches out of them (``}},``, ``"}]``) where the piece takes its
+bytes up to the closing ``}`` and the router takes ``}`` and the rest. A piece that starts inside
 a token is positioned by tokenizing the bytes it got (``LLTokenizer.tokenize_bytes``). Most such
-decisions are a lookup: the token of the piece's own bytes in the piece's row. The composed rows
-equal the whole grammar's (tests/server/test_tool_call_pieces.py).
+decisions are a lookup: the token of those bytes in the piece's row. The composed rows equal the
+whole grammar's (tests/server/test_tool_call_pieces.py) in flexible JSON; compact JSON arrays are
+compiled whole (``LLGuidanceEngine.tool_call_parts`` says why).
 """
 from __future__ import annotations
 
