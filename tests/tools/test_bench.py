@@ -303,7 +303,7 @@ def test_tools(tmp_path):
     assert json.loads(side.read_text()) == report
     assert report["mode"] == "tools" and report["failed"] is False and report["errors"] == []
     assert report["tool_pool"] > 200 and report["request"]["tool_choice"] == "required"
-    assert "baseline" in report["note"]
+    assert "composed" in report["note"]
     assert [x["tools"] for x in report["results"]] == [3, 5]
     for x in report["results"]:
         assert set(x["in_process"]) == {"llguidance", "xgrammar"}
