@@ -317,7 +317,7 @@ def test_tools(tmp_path):
     assert len(timings) > 100
     assert all(isinstance(v, float) and v > 0 for _, v in timings), [t for t in timings if not t[1] > 0]
     md = (out / "tools.md").read_text()
-    assert md.startswith("# maskd bench tools") and "all but one known, shuffled" in md and "baseline" in md
+    assert md.startswith("# maskd bench tools") and "all but one known, shuffled" in md and "composed" in md
     assert (out / "tools.png").stat().st_size > 1000
 
 
