@@ -158,25 +158,10 @@ class CompilePool:
 
     def compile(self, spec: GrammarSpec, timeout_s: float) -> bytes:
         """Serialized compiled grammar; GrammarCompileError (CompileCrashed, CompileTimeout) if not."""
-        worker = self._take()
-        try:
-            kind, value = worker.call(("compile", spec), timeout_s)
-        except TimeoutError:
-            self.timeouts += 1
-            worker.kill()
-            self._replace(worker)
-            raise CompileTimeout(f"grammar compile exceeded the {timeout_s:g} s limit (stopped)") from None
-        except (EOFError, OSError, pickle.UnpicklingError):
-            how = worker.exit_status()
-            self.crashes += 1
-            log.warning("a compile worker died (%s) on a %s grammar", how, spec.kind)
-            self._replace(worker)
-            raise CompileCrashed(f"the grammar crashed its compile worker ({how}): it is nested or chained "
-                                 "too deeply, or too large, for this server") from None
-        self._give_back(worker)
-        if kind == "error":
-            raise GrammarCompileError(value)
-        return value
+        return self._ask(("compile", spec), timeout_s, f"a {spec.kind} grammar",
+                         f"grammar compile exceeded the {timeout_s:g} s limit (stopped)",
+                         "the grammar crashed its compile worker ({how}): it is nested or chained too deeply, "
+                         "or too large, for this server")
 
     def compile_many(self, specs: list[GrammarSpec], timeout_s: float) -> list[bytes | GrammarCompileError]:
         """Each spec's serialized grammar or its error, the specs split over the workers (one
@@ -212,20 +197,27 @@ class CompilePool:
         return out
 
     def _batch(self, specs: list[GrammarSpec], timeout_s: float) -> list[tuple[str, Any]]:
+        return self._ask(("compile_many", specs), timeout_s, f"a batch of {len(specs)} grammars",
+                         f"a batch of {len(specs)} grammars exceeded {timeout_s:g} s (stopped)",
+                         "a batch of grammars crashed its compile worker ({how})")
+
+    def _ask(self, request: tuple[str, Any], timeout_s: float, what: str, timed_out: str, crashed: str) -> Any:
+        """One request to an idle worker: its answer, or the worker killed (a timeout) or replaced
+        (a crash) and CompileTimeout / CompileCrashed raised (``crashed`` is formatted with how)."""
         worker = self._take()
         try:
-            kind, value = worker.call(("compile_many", specs), timeout_s)
+            kind, value = worker.call(request, timeout_s)
         except TimeoutError:
             self.timeouts += 1
             worker.kill()
             self._replace(worker)
-            raise CompileTimeout(f"a batch of {len(specs)} grammars exceeded {timeout_s:g} s (stopped)") from None
+            raise CompileTimeout(timed_out) from None
         except (EOFError, OSError, pickle.UnpicklingError):
             how = worker.exit_status()
             self.crashes += 1
-            log.warning("a compile worker died (%s) on a batch of %d grammars", how, len(specs))
+            log.warning("a compile worker died (%s) on %s", how, what)
             self._replace(worker)
-            raise CompileCrashed(f"a batch of grammars crashed its compile worker ({how})") from None
+            raise CompileCrashed(crashed.format(how=how)) from None
         self._give_back(worker)
         if kind == "error":
             raise GrammarCompileError(value)
