@@ -46,8 +46,14 @@ __all__ = [
 
 _LOGITS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-# Words per Triton program: a (BLOCK_WORDS, 32) tile, i.e. 1,024 logits per program.
-_BLOCK_WORDS = 32
+# The Triton kernel's tile: BLOCK_WORDS words (a (BLOCK_WORDS, 32) tile of 512 logits), TILES of them
+# one after the other per program (4,096 logits), NUM_WARPS warps. Chosen on an H100 among tiles of
+# 8-32 words, 1-16 tiles and 2-8 warps and against xgrammar's kernel (docs/benchmarks.md, "The CUDA
+# apply kernel on an H100"): small tiles over few warps keep rows that disallow most tokens (most
+# grammar steps) fast, several tiles per program keep the program count low for rows that allow all.
+_BLOCK_WORDS = 16
+_TILES = 8
+_NUM_WARPS = 4
 
 # The torch path expands bits into an int32 (or int16) temporary of (rows, 32 * words); process
 # rows in chunks so that temporary stays near this many elements (16 MiB) whatever the batch.
@@ -419,32 +425,36 @@ def _bitmask_kernel(
     bitmask_row_stride,
     HAS_INDICES: tl.constexpr,
     BLOCK_WORDS: tl.constexpr,
+    TILES: tl.constexpr,
+    WIDE_OFFSETS: tl.constexpr,
 ):
-    # One program per (bitmask row, block of BLOCK_WORDS words); the grid covers
+    # One program per (bitmask row, TILES tiles of BLOCK_WORDS words); the grid covers
     # ceil(vocab / 32) words, so columns past 32 * words are reached and masked too.
     mask_row = tl.program_id(0)
-    block = tl.program_id(1)
-    word = block * BLOCK_WORDS + tl.arange(0, BLOCK_WORDS)
-    packed = tl.load(
-        bitmask_ptr + mask_row.to(tl.int64) * bitmask_row_stride + word,
-        mask=word < words,
-        other=0,  # words past the row: no bit set, token disallowed
-    )
-    # The logits are only ever stored to, under a mask of the disallowed tokens, so a word of
-    # all ones (-1) touches none of them; a block of such words (nearly-all-allowed rows) skips
-    # the rest outright: no index load, no (BLOCK_WORDS, 32) expansion, no store.
-    if tl.sum((packed != -1).to(tl.int32), axis=0) > 0:
-        if HAS_INDICES:
-            logits_row = tl.load(indices_ptr + mask_row).to(tl.int64)
-        else:
-            logits_row = mask_row.to(tl.int64)
-        bit = tl.arange(0, 32)
+    if HAS_INDICES:
+        logits_row = tl.load(indices_ptr + mask_row).to(tl.int64)
+    else:
+        logits_row = mask_row.to(tl.int64)
+    row_ptr = logits_ptr + logits_row * logits_row_stride
+    bitmask_row_ptr = bitmask_ptr + mask_row.to(tl.int64) * bitmask_row_stride
+    bit = tl.arange(0, 32)
+    for tile in tl.static_range(TILES):
+        word = (tl.program_id(1) * TILES + tile) * BLOCK_WORDS + tl.arange(0, BLOCK_WORDS)
+        packed = tl.load(
+            bitmask_row_ptr + word,
+            mask=word < words,
+            other=0,  # words past the row: no bit set, token disallowed
+        )
+        # No test for tiles of all-ones words: the store is masked off for them anyway, and on an
+        # H100 the test (a reduction across the program's warps before the store) saved nothing on
+        # all-allowed rows and cost up to a third on rows that disallow most tokens.
         allowed = (packed[:, None] >> bit[None, :]) & 1  # (BLOCK_WORDS, 32)
-        token = word[:, None].to(tl.int64) * 32 + bit[None, :]
+        token = word[:, None] * 32 + bit[None, :]
+        if WIDE_OFFSETS:  # a column stride that takes offsets past int32
+            token = token.to(tl.int64)
         disallowed = (allowed == 0) & (token < vocab)
-        ptrs = logits_ptr + logits_row * logits_row_stride + token * logits_col_stride
-        neg_inf = tl.full([BLOCK_WORDS, 32], float("-inf"), logits_ptr.dtype.element_ty)
-        tl.store(ptrs, neg_inf, mask=disallowed)
+        # -inf is cast to the logits' dtype by the store
+        tl.store(row_ptr + token * logits_col_stride, float("-inf"), mask=disallowed)
 
 
 def _load_triton() -> bool:
@@ -489,7 +499,8 @@ def _apply_triton(
         idx_t = idx.to(device, torch.int64).contiguous()
     else:
         idx_t = torch.from_numpy(idx).to(device, non_blocking=True)
-    grid = (n, triton.cdiv(triton.cdiv(vocab, 32), _BLOCK_WORDS))
+    grid = (n, triton.cdiv(triton.cdiv(vocab, 32), _BLOCK_WORDS * _TILES))
+    wide = (vocab + 32) * max(1, abs(logits2d.stride(1))) >= 2**31
     ctx = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
     with ctx:
         _triton_kernel[grid](
@@ -503,6 +514,9 @@ def _apply_triton(
             bm.stride(0),
             HAS_INDICES=idx is not None,
             BLOCK_WORDS=_BLOCK_WORDS,
+            TILES=_TILES,
+            WIDE_OFFSETS=wide,
+            num_warps=_NUM_WARPS,
         )
 
 

@@ -737,8 +737,13 @@ exp = base.clone()
 m.apply_token_bitmask_reference(exp[:, 50:150], bm)
 m._apply_triton(base[:, 50:150], bm, None)
 assert torch.equal(base, exp)
+cols = torch.randn(3000, 3, generator=g).t()  # a column stride of 3
+bm = torch.randint(-2**31, 2**31, (3, 94), dtype=torch.int32, generator=g)
+exp = m.apply_token_bitmask_reference(cols.clone(), bm)
+m._apply_triton(cols, bm, None)
+assert torch.equal(cols, exp)
 
-# Row shapes: all ones (blocks skipped), one zero bit, a few zero bits, random, none allowed, and
+# Row shapes: all ones (no store), one zero bit, a few zero bits, random, none allowed, and
 # all ones but for zero bits past the vocabulary; vocab not a multiple of 32, a bitmask wider and
 # narrower than the logits, with and without indices.
 def shaped(n, words, vocab):
@@ -792,9 +797,11 @@ assert m.triton_available()
 for ptr, has_idx in (("*fp32", False), ("*bf16", True), ("*fp16", True)):
     sig = {"logits_ptr": ptr, "bitmask_ptr": "*i32", "indices_ptr": "*i64", "vocab": "i32",
            "words": "i32", "logits_row_stride": "i64", "logits_col_stride": "i32",
-           "bitmask_row_stride": "i32", "HAS_INDICES": "constexpr", "BLOCK_WORDS": "constexpr"}
+           "bitmask_row_stride": "i32", "HAS_INDICES": "constexpr", "BLOCK_WORDS": "constexpr",
+           "TILES": "constexpr", "WIDE_OFFSETS": "constexpr"}
     src = ASTSource(fn=m._triton_kernel, signature=sig,
-                    constexprs={"HAS_INDICES": has_idx, "BLOCK_WORDS": m._BLOCK_WORDS})
+                    constexprs={"HAS_INDICES": has_idx, "BLOCK_WORDS": m._BLOCK_WORDS,
+                                "TILES": m._TILES, "WIDE_OFFSETS": False})
     try:
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32))
     except Exception as e:  # no NVIDIA backend / ptxas in this Triton build
