@@ -28,6 +28,11 @@ log = logging.getLogger("maskd.server.grammar_cache")
 _ENTRY_OVERHEAD = 1024   # bytes counted per entry beyond its serialized grammar
 _PIECE_IDS_KEPT = 1 << 16   # tool pieces' grammar ids kept by text (a hash of each every request is ms)
 _IDS_KEPT_FROM, _IDS_KEPT_CHARS = 4096, 32 << 20   # ids of specs this large kept, up to this much text
+# An array composes from its pieces when at most this share of its tools' pieces must be compiled;
+# else it compiles whole and the new pieces compile after it, for the next request. Per tool, a piece
+# through a compile worker costs about 1.6x a tool's share of one whole compile (200 tools, all new:
+# 349 ms composed, 202-220 whole; docs/benchmarks.md, "Per-tool pieces composed").
+_NEW_PIECES_COMPOSED = 0.5
 
 
 class QueueFull(RuntimeError):
@@ -180,6 +185,11 @@ class GrammarCache:
     def bytes(self) -> int:
         return self._bytes
 
+    def compiling(self) -> int:
+        """Grammars queued or being compiled (tool pieces compiled after their array included)."""
+        with self._lock:
+            return sum(e.state is GrammarState.COMPILING for e in self._entries.values())
+
     def queued(self) -> int:
         with self._lock:
             return sum(len(q) for q in self._queues.values())
@@ -236,8 +246,17 @@ class GrammarCache:
     # -- compiling (on a compile thread) ----------------------------------------------------------
     def _compile(self, entry: CacheEntry) -> None:
         t0 = time.perf_counter()
-        if self._composed(entry, t0):
+        later: list[CacheEntry] = []
+        if self._composed(entry, t0, later):
             return
+        try:
+            self._compile_whole(entry, t0)
+        finally:
+            if later:   # an array of mostly new tools: their pieces, for the next request
+                threading.Thread(target=self._compile_pieces_later, args=(later,), daemon=True,
+                                 name="maskd-compile-pieces").start()
+
+    def _compile_whole(self, entry: CacheEntry, t0: float) -> None:
         if self.shared is not None and self._from_shared(entry):
             return
         data: bytes | None = None
@@ -287,11 +306,13 @@ class GrammarCache:
                 self._count_error("shared_cache_put")
 
     # -- tool-call arrays composed from per-tool pieces (engines/tool_calls.py) ---------------------
-    def _composed(self, entry: CacheEntry, t0: float) -> bool:
+    def _composed(self, entry: CacheEntry, t0: float, later: list[CacheEntry]) -> bool:
         """A ``tool_choice: "required"`` array made of its tools' pieces, each a grammar of this cache
         (compiled once, here or by another replica through the shared store), and a router compiled
         here meanwhile. False where the engine does not compose, or a piece does not compile alone
-        or only as a relaxation: the array is then compiled whole (which names the error, if any)."""
+        or only as a relaxation: the array is then compiled whole (which names the error, if any);
+        also where most of its pieces are new (one whole compile is faster then), with those pieces
+        put in ``later``: the caller compiles them once the array is ready."""
         parts = self.engine.tool_call_parts(entry.spec)
         if parts is None:
             return False
@@ -299,8 +320,10 @@ class GrammarCache:
         router = threading.Thread(target=self._route, args=(entry.spec, parts, routed), daemon=True,
                                   name="maskd-compile-router")
         router.start()
-        pieces = self._pieces(entry.spec, parts.pieces, entry.tenant)
+        pieces = self._pieces(entry.spec, parts.pieces, entry.tenant, later)
         router.join()
+        if pieces is None:
+            return False
         compiled = None
         grammars = [p.compiled for p in pieces if p.compiled is not None]
         if routed and not isinstance(routed[0], Exception) and len(grammars) == len(pieces):
@@ -337,10 +360,13 @@ class GrammarCache:
                     del self._piece_ids[next(iter(self._piece_ids))]
         return gid
 
-    def _pieces(self, spec: GrammarSpec, texts: tuple[str, ...], tenant: str) -> list[CacheEntry]:
+    def _pieces(self, spec: GrammarSpec, texts: tuple[str, ...], tenant: str,
+                later: list[CacheEntry]) -> list[CacheEntry] | None:
         """The pieces of ``spec``'s tools (their parameters ``texts``), in order: found in this
-        cache, else compiled on this thread now, together (not queued behind the array that needs
-        them), or waited for where another thread compiles them."""
+        cache or the shared store, else compiled on this thread now, together (not queued behind the
+        array that needs them), or waited for where another thread compiles them. None where more
+        than _NEW_PIECES_COMPOSED of them must be compiled: those are put in ``later`` (held in the
+        cache as compiling, so that a request needing them meanwhile waits for them)."""
         ids = [self._piece_id(spec, t) for t in texts]
         entries: list[CacheEntry] = []
         mine: list[CacheEntry] = []
@@ -363,22 +389,38 @@ class GrammarCache:
                             mine.append(entry)
                 entries.append(entry)
             self._evict()
+        if mine and self.shared is not None:
+            mine = self._pieces_from_shared(mine)
         if self.metrics is not None:
-            self.metrics.tool_pieces.labels("compiled").inc(len(mine))
             self.metrics.tool_pieces.labels("cached").inc(len(entries) - len(mine))
+            self.metrics.tool_pieces.labels("compiled").inc(len(mine))
+        if len(mine) > _NEW_PIECES_COMPOSED * len(entries):
+            later.extend(mine)
+            return None
         if mine:
             self._compile_pieces(mine)
         return [self.wait(e) if e.state is GrammarState.COMPILING else e for e in entries]
 
+    def _compile_pieces_later(self, entries: list[CacheEntry]) -> None:
+        """``_compile_pieces`` on a thread of its own: nothing waits for it but the requests that
+        need these pieces, so a failure here must still finish every entry (and let the next lookup
+        compile it again)."""
+        try:
+            self._compile_pieces(entries)
+        except Exception as exc:
+            log.exception("compiling %d tool pieces after their array failed", len(entries))
+            with self._lock:
+                for entry in entries:
+                    if not entry.done.is_set():
+                        self._finish(entry, None, f"internal compile error: {type(exc).__name__}: {exc}", 0.0)
+                        if self._entries.get(entry.grammar_id) is entry:
+                            self._remove(entry)
+
     def _compile_pieces(self, entries: list[CacheEntry]) -> None:
-        """Pieces from the shared store in one call, the rest compiled in one batch per compile
-        worker (a batch a worker does not survive is compiled again one piece at a time, so that
-        only the piece at fault fails). A piece's matcher is built when a call first needs it: a
-        request names 200 tools and calls one or two of them."""
-        if self.shared is not None:
-            entries = self._pieces_from_shared(entries)
-        if not entries:
-            return
+        """Pieces compiled in one batch per compile worker (a batch a worker does not survive is
+        compiled again one piece at a time, so that only the piece at fault fails). A piece's
+        matcher is built when a call first needs it: a request names 200 tools and calls one or two
+        of them."""
         if self.pool is None:
             for entry in entries:
                 self._compile(entry)
@@ -400,7 +442,6 @@ class GrammarCache:
                     compiled, error = self.engine.deserialize(entry.spec, data, lazy=True), ""
                 except GrammarCompileError as exc:
                     compiled, error, data = None, str(exc), None
-            self.compiles += 1
             with self._lock:
                 self._finish(entry, compiled, error, seconds, size=len(data or b""))
             published.append((entry.grammar_id, data, error or None))
@@ -410,6 +451,7 @@ class GrammarCache:
             except Exception:  # the shared store is an optimization
                 log.warning("cannot publish %d tool pieces to the shared cache", len(published), exc_info=True)
                 self._count_error("shared_cache_put")
+        self.compiles += len(published)   # counted once published: the cluster's store has them
 
     def _pieces_from_shared(self, entries: list[CacheEntry]) -> list[CacheEntry]:
         """Loads the pieces the shared store has (one call); returns those it has not."""

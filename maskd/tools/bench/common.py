@@ -220,6 +220,11 @@ class ServerHandle:
         return os.getpid() if self._server is not None else None
 
     @property
+    def server(self):
+        """The embedded MaskServer (None for a subprocess or a remote server)."""
+        return self._server
+
+    @property
     def service(self):
         return self._server.service if self._server is not None else None
 
