@@ -939,3 +939,34 @@ def test_cuda_buffers_side_stream():
         buf.mark_consumed()
         assert_bit_equal(out, ref)
     assert buf.max_rows >= 3
+
+
+@cuda
+def test_cuda_apply_with_host_indices_never_waits_for_the_gpu(monkeypatch):
+    """Indices given as a list or a CPU tensor: no call synchronizes with the device (the engine's
+    CPU thread must not wait for the forward pass that wrote the logits). torch's sync debug mode
+    raises on any synchronizing copy or call."""
+    import maskd_client.apply as mod
+
+    gen = torch.Generator().manual_seed(11)
+    bm = random_bitmask(gen, 4, 4040)
+    logits = random_logits(gen, 6, 129280, torch.bfloat16)
+    ref = apply_token_bitmask_reference(logits.clone(), bm, [5, 0, 3, 2])
+    full = torch.full((6, 4040), -1, dtype=torch.int32)
+    full[[5, 0, 3, 2]] = bm
+    for use_triton in ([True] if mod.triton_available() else []) + [False]:
+        if not use_triton:
+            monkeypatch.setattr(mod, "_triton_state", "missing")
+        apply_packed_token_bitmask_inplace(logits.cuda(), bm.cuda(), [5, 0, 3, 2])   # first-call tables
+        for indices in ([5, 0, 3, 2], torch.tensor([5, 0, 3, 2])):
+            packed, whole = logits.cuda(), logits.cuda()
+            dev_bm, dev_full = bm.cuda(), full.cuda()
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                apply_packed_token_bitmask_inplace(packed, dev_bm, indices)
+                apply_token_bitmask_inplace(whole, dev_full, indices=indices)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            assert_bit_equal(packed.cpu(), ref)
+            assert_bit_equal(whole.cpu(), ref)
