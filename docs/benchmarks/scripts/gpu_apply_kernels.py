@@ -157,15 +157,12 @@ def previous_kernel(
 
 @triton.jit
 def flat_kernel(logits_ptr, bitmask_ptr, vocab, words, logits_row_stride, bitmask_row_stride,
-                BLOCK: tl.constexpr, SKIP: tl.constexpr):
+                BLOCK: tl.constexpr):
     row = tl.program_id(0)
     block = tl.program_id(1)
     word = block * (BLOCK // 32) + tl.arange(0, BLOCK // 32)
     packed = tl.load(bitmask_ptr + row.to(tl.int64) * bitmask_row_stride + word, mask=word < words, other=0)
-    go = True
-    if SKIP:
-        go = tl.sum((packed != -1).to(tl.int32), axis=0) > 0
-    if go:
+    if tl.sum((packed != -1).to(tl.int32), axis=0) > 0:
         token = block * BLOCK + tl.arange(0, BLOCK)
         disallowed = (((packed[:, None] >> tl.arange(0, 32)[None, :]) & 1) == 0).reshape(BLOCK)
         tl.store(logits_ptr + row.to(tl.int64) * logits_row_stride + token, float("-inf"),
@@ -204,10 +201,10 @@ def persistent_kernel(logits_ptr, bitmask_ptr, rows, vocab, words, logits_row_st
                      mask=disallowed & (token < vocab))
 
 
-def launch_flat(logits, bm, block, num_warps, skip=True):
+def launch_flat(logits, bm, block, num_warps):
     grid = (bm.shape[0], triton.cdiv(logits.shape[1], block))
     flat_kernel[grid](logits, bm, logits.shape[1], bm.shape[1], logits.stride(0), bm.stride(0),
-                      BLOCK=block, SKIP=skip, num_warps=num_warps)
+                      BLOCK=block, num_warps=num_warps)
 
 
 def launch_looped(logits, bm, block, num_warps, sub):
@@ -252,7 +249,7 @@ def candidates(base_logits, words, gen, device, smoke, xgr=None):
                         progs = sms * int(name.split("x")[-1]) if " x" in name else sms
                         fn = (lambda lg, b=block, w=nw, p=progs: launch_persistent(lg, bm, b, w, p))
                     else:
-                        fn = (lambda lg, b=block, w=nw, s=(name == "flat"): launch_flat(lg, bm, b, w, s))
+                        fn = (lambda lg, b=block, w=nw: launch_flat(lg, bm, b, w))
                     o = logits0.clone()
                     fn(o)
                     ints = torch.int32 if dtype == torch.float32 else torch.int16
