@@ -170,6 +170,13 @@ def test_garbage_bench_vllm_flags_are_clear_errors(tmp_path, flags, message):
     assert message in str(exc.value.code)
 
 
+def test_bench_vllm_whitespace_is_compact_or_flexible(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "vllm", "--data", SAMPLE, "--out", str(tmp_path), "--whitespace", "loose"])
+    assert exc.value.code == 2
+    assert "--whitespace" in capsys.readouterr().err
+
+
 def test_e2e(tmp_path):
     pin = "1+1" if len(os.sched_getaffinity(0)) >= 2 else "none"
     report, out = _run("e2e", tmp_path, "--batch-sizes", "3,8", "--forward-ms", "2", "--steps", "16",
