@@ -4,9 +4,16 @@ a composed tool-call array and of the same array compiled whole, at every positi
 boundaries of the parameters; and what a row costs each way in the fill (one sequence).
 
     .venv/bin/python docs/benchmarks/scripts/tool_pieces_rows.py [--tools 200] [--calls 20] [--walks 20]
+        [--whitespace compact] [--single] [--show 10]
 
 Tools: ``maskd bench tools``' pool (BFCL / Glaive parameter schemas), named for this run; grammars:
-llguidance's for the plain spec (flexible JSON), ``--mode`` complete or strict; deepseek-v4.
+llguidance's for the plain spec (flexible JSON unless ``--whitespace compact``), ``--mode``
+complete or strict, ``--single`` for ``parallel_tool_calls: false``; deepseek-v4.
+
+The server compiles compact arrays whole (``LLGuidanceEngine.tool_call_parts``); with
+``--whitespace compact`` this script composes them anyway, to show where the rows part: each of the
+first ``--show`` differing positions is printed with the forced bytes of the whole grammar, the
+router and the named tool's piece (llguidance's ``compute_ff_bytes``).
 """
 from __future__ import annotations
 
@@ -35,6 +42,9 @@ def main() -> None:
     ap.add_argument("--walks", type=int, default=20)
     ap.add_argument("--mode", default="complete", choices=("complete", "strict"))
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--whitespace", default="flexible", choices=("flexible", "compact"))
+    ap.add_argument("--single", action="store_true", help="parallel_tool_calls false: at most one call")
+    ap.add_argument("--show", type=int, default=10, help="differing positions printed")
     args = ap.parse_args()
     data = pathlib.Path(args.data).resolve()
     tok = load_tokenizer("deepseek-v4")
@@ -46,14 +56,35 @@ def main() -> None:
     rng = random.Random(args.seed)
     picked = rng.sample([p for p in pool if instances[p[0]]], args.tools)
     tools = [_tool(stem, schema, "run") for stem, schema in picked]
-    spec = GrammarSpec.from_request({"tools": tools, "tool_choice": "required"})
-    parts = engine.tool_call_parts(spec)
+    spec = GrammarSpec.from_request({"tools": tools, "tool_choice": "required",
+                                     "disable_any_whitespace": args.whitespace == "compact",
+                                     "parallel_tool_calls": not args.single})
+    parts = spec.parts    # (tool_call_parts: None for compact arrays, which the server compiles whole)
+    separators = (",", ":") if args.whitespace == "compact" else None
     whole = engine.compile(dataclasses.replace(spec, parts=None))
     composed = engine.compose(spec, parts, [engine.compile(engine.piece_spec(spec, t)) for t in parts.pieces])
     seconds = {"whole": 0.0, "composed": 0.0}
     positions = differ = 0
 
-    def compare(w, c) -> np.ndarray:
+    shown = 0
+
+    def show(w, c, rows, written: bytes) -> None:
+        nonlocal shown
+        shown += 1
+        if shown > args.show:
+            return
+
+        def listed(row):
+            allowed = np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")[:tok.ll.vocab_size])
+            return f"{len(allowed)} tokens {[tok.ll.decode_bytes([int(t)]) for t in allowed[:4]]}"
+        print(f"differ after ...{written[-40:]!r}: whole {listed(rows[0])}, composed {listed(rows[1])}")
+        if hasattr(c, "router"):
+            piece = c.g.pieces.get(c.scan.name)
+            print(f"    forced bytes: whole {w.m.compute_ff_bytes()!r}, router {c.router.compute_ff_bytes()!r}, "
+                  f"piece of {c.scan.name!r} at its start "
+                  f"{piece.matcher().compute_ff_bytes() if piece is not None else None!r}")
+
+    def compare(w, c, written: bytes = b"") -> np.ndarray:
         nonlocal positions, differ
         rows = []
         for name, m in (("whole", w), ("composed", c)):
@@ -63,29 +94,34 @@ def main() -> None:
             seconds[name] += time.perf_counter() - t0
             rows.append(out[0])
         positions += 1
-        differ += not np.array_equal(rows[0], rows[1]) or w.is_accepting() != c.is_accepting()
+        if not np.array_equal(rows[0], rows[1]) or w.is_accepting() != c.is_accepting():
+            differ += 1
+            show(w, c, rows, written)
         return rows[0]
 
     for k in range(args.calls):
         i = rng.randrange(len(tools))
         calls = [{"name": tools[i]["function"]["name"], "parameters": rng.choice(instances[picked[i][0]])}]
-        text = json.dumps(calls, ensure_ascii=False)
+        text = json.dumps(calls, ensure_ascii=False, separators=separators)
         tokens = tok.ll.tokenize_bytes(text.encode()) if k % 2 == 0 else \
             [t for ch in text for t in tok.ll.tokenize_bytes(ch.encode())]
         w, c = engine.new_matcher(whole), engine.new_matcher(composed)
+        written = b""
         for t in tokens:
-            compare(w, c)
+            compare(w, c, written)
             if (w.consume([t]) is None) != (c.consume([t]) is None):
                 differ += 1
                 break
-        compare(w, c)
+            written += tok.ll.decode_bytes([t])
+        compare(w, c, written)
     timed = positions
     structural = np.array([any(ch in (tok.ll.decode_bytes([t]) or b"") for ch in b'{}[]",:')
                            for t in range(tok.ll.vocab_size)])
     for _ in range(args.walks):
         w, c = engine.new_matcher(whole), engine.new_matcher(composed)
+        written = b""
         for _ in range(120):
-            row = compare(w, c)
+            row = compare(w, c, written)
             allowed = np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")[:tok.ll.vocab_size])
             if not len(allowed):
                 break
@@ -94,9 +130,11 @@ def main() -> None:
             if (w.consume([t]) is None) != (c.consume([t]) is None):
                 differ += 1
                 break
+            written += tok.ll.decode_bytes([t])
             if w.is_stopped():
                 break
-    print(f"{args.tools} tools ({args.mode} mode): {positions} positions compared ({timed} on valid calls, the rest "
+    kind = f"{args.mode} mode, {args.whitespace} JSON" + (", single" if args.single else "")
+    print(f"{args.tools} tools ({kind}): {positions} positions compared ({timed} on valid calls, the rest "
           f"on walks), {differ} differ")
     print(f"fill of one row, us (all positions): whole {seconds['whole'] / positions * 1e6:.1f}, "
           f"composed {seconds['composed'] / positions * 1e6:.1f}")

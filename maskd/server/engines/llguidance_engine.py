@@ -365,14 +365,9 @@ class LLGuidanceEngine(Engine):
 
     # -- tool-call arrays composed from per-tool pieces (tool_calls.py) ---------------------------
     def tool_call_parts(self, spec: GrammarSpec) -> ToolCallParts | None:
-        """The parts of a spec that is a ``tool_choice: "required"`` call array, or None.
-
-        Compact JSON arrays compile whole: where the grammar forces bytes, llguidance's row is the one
-        canonical token of them (``forcing ff_token by mask``), and in compact JSON a forced span
-        runs across the router and a piece (after ``"parameters`` the array forces ``":{"`` and the
-        first key), which neither part sees alone. Flexible JSON allows whitespace at every
-        boundary, so no forced span crosses one."""
-        if spec.kind != "json_schema" or spec.reasoning_end or spec.whitespace == "compact":
+        """The parts of a spec that is a ``tool_choice: "required"`` call array, or None (compact
+        JSON too: tool_calls.py says how a forced span across the router and a piece is served)."""
+        if spec.kind != "json_schema" or spec.reasoning_end:
             return None
         return spec.parts
 
@@ -407,7 +402,8 @@ class LLGuidanceEngine(Engine):
                 validators[name] = checker.validator
         text, prototype = router or self.router(spec, parts)
         handle = ToolCallGrammar(prototype, text, {n: Piece(p) for n, p in zip(parts.names, pieces)},
-                                 boundary_tables(self.tokenizer, self.words_per_row))
+                                 boundary_tables(self.tokenizer, self.words_per_row),
+                                 compact=spec.whitespace == "compact")
         checker = CallArrayChecker(validators, self.tokenizer) if validators else None
         return CompiledGrammar(spec, handle, time.perf_counter() - t0, checker=checker)
 

@@ -18,9 +18,15 @@ The bytes at a boundary decide the rest. A token that reaches into the parameter
 bytes from there; a token that reaches out of them (``}},``, ``"}]``) where the piece takes its
 bytes up to the closing ``}`` and the router takes ``}`` and the rest. A piece that starts inside
 a token is positioned by tokenizing the bytes it got (``LLTokenizer.tokenize_bytes``). Most such
-decisions are a lookup: the token of those bytes in the piece's row. The composed rows equal the
-whole grammar's (tests/server/test_tool_call_pieces.py) in flexible JSON; compact JSON arrays are
-compiled whole (``LLGuidanceEngine.tool_call_parts`` says why).
+decisions are a lookup: the token of those bytes in the piece's row.
+
+Compact JSON has one more boundary: where a grammar forces bytes, llguidance's row is the first
+canonical token of them (``forcing ff_token by mask``), and the array forces bytes across the
+router and a piece (after ``"parameters`` it forces ``":{"`` and the piece's first key, which
+neither part forces alone: the router's ``":{`` is chopped to nothing, as its object may go on
+with any key). Where the router's forced bytes run into a call's parameters, the composed row is
+the first token of those bytes up to the ``{`` and the piece's forced tokens at its start. The
+composed rows equal the whole grammar's (tests/server/test_tool_call_pieces.py) in both layouts.
 """
 from __future__ import annotations
 
@@ -189,6 +195,7 @@ class BoundaryTables:
                 self.ids[b] = t
         braces = [t for t, b in enumerate(self.data) if b and 0x7B in b]
         self.braces = self._mask(braces)
+        self._brace_tokens = [(t, self.data[t] or b"") for t in braces]
         # (mode, closes needed) -> the tokens that leave the parameters there with bytes to spare
         self.leaving: dict[tuple[int, int], Leaving] = {}
         found: dict[tuple[int, int], list[tuple[int, bytes, bytes]]] = {}
@@ -209,6 +216,10 @@ class BoundaryTables:
                 [ll.tokenize_bytes(h) for _, h, _ in rows],
                 [ll.tokenize_bytes(b"}" + tl) for _, _, tl in rows],
                 np.array([0x7B in tl for _, _, tl in rows], dtype=bool))
+
+    def brace_tokens(self) -> list[tuple[int, bytes]]:
+        """The tokens with a "{" in them, with their bytes."""
+        return self._brace_tokens
 
     @staticmethod
     def _closes(b: bytes, mode: int) -> list[tuple[int, int]]:
@@ -265,6 +276,18 @@ class Piece:
     """One tool's parameters, compiled alone (a grammar of the cache), and its row at the start."""
     compiled: CompiledGrammar
     first_row: np.ndarray | None = None
+    forced_head: tuple[bytes, int] | None = None
+    entries: dict[bytes, list[int] | None] = dataclasses.field(default_factory=dict)
+
+    def forced_start(self, ll) -> tuple[bytes, int]:
+        """The bytes the piece forces at its start (compact JSON: ``{"`` and its first key where it
+        has one) and how many of the last of them llguidance chops off its forced tokens (they could
+        be the start of a longer token)."""
+        if self.forced_head is None:
+            m = self.matcher()
+            forced = m.compute_ff_bytes()
+            self.forced_head = (forced, len(forced) - len(ll.decode_bytes(m.compute_ff_tokens())))
+        return self.forced_head
 
     def matcher(self) -> llguidance.LLMatcher:
         return self.compiled.prototype.copy()
@@ -283,6 +306,7 @@ class ToolCallGrammar:
     router_text: str
     pieces: dict[str, Piece]
     tables: BoundaryTables
+    compact: bool = False            # compact JSON: forced spans cross into the parameters
 
 
 class ToolCallMatcher(Matcher):
@@ -414,8 +438,65 @@ class ToolCallMatcher(Matcher):
             raise ValueError(f"cannot roll back {num_tokens} tokens")
 
     def forced_tokens(self) -> list[int]:
-        forced = self.piece.compute_ff_tokens() if self.scan.params else self.router.compute_ff_tokens()
+        if self.scan.params:
+            forced = self.piece.compute_ff_tokens()
+        else:
+            forced = (self.g.compact and self._forced_into_parameters()) or self.router.compute_ff_tokens()
         return forced[:self.validate(forced)] if forced else []
+
+    def _forced_into_parameters(self) -> list[int] | None:
+        """Compact JSON, outside the parameters: where the router's forced bytes run into a call's
+        parameters and its piece forces bytes at its start, the whole grammar's forced tokens: the
+        router's bytes up to the ``{`` and the piece's forced bytes, tokenized, less the last tokens
+        that hold what the piece chops off its own (None where none is left, and elsewhere)."""
+        ff = self.router.compute_ff_bytes()
+        if not ff or 0x7B not in ff:
+            return None
+        events: list = []
+        self.scan.copy().feed(ff, events)
+        if not events or events[0][0] != "in":
+            return None
+        _, at, name = events[0]
+        piece = self.g.pieces.get(name)
+        if piece is None:
+            return None
+        before = ff[:at]
+        if before not in piece.entries:
+            piece.entries[before] = self._entry_tokens(piece, before)
+        return piece.entries[before]
+
+    def _entry_tokens(self, piece: Piece, before: bytes) -> list[int] | None:
+        """llguidance's forced tokens for ``before`` + the piece's forced bytes: their canonical
+        tokens less the last ones that hold the longest suffix some longer token could go on from
+        (``chop_tokens``). A suffix within the piece's bytes is the piece's own decision; one that
+        starts before them is checked here, with the piece after its forced bytes."""
+        tables = self.g.tables
+        ll = tables.ll
+        head, chopped = piece.forced_start(ll)
+        if not head:
+            return None
+        tokens = ll.tokenize_bytes(before + head)
+        tail = b"".join(tables.data[t] or b"" for t in tokens[-4:])
+        after = None
+        for i in range(len(tail) - len(head)):       # the suffixes that start before the piece's bytes
+            suffix = tail[i:]
+            longer = [b for _, b in tables.brace_tokens() if len(b) > len(suffix) and b.startswith(suffix)]
+            if not longer:
+                continue
+            if after is None:
+                after = piece.matcher()
+                after.consume_tokens(ll.tokenize_bytes(head))
+            for b in longer:
+                rest = ll.tokenize_bytes(b[len(suffix):])
+                if after.validate_tokens(rest) == len(rest):
+                    chopped = len(suffix)
+                    break
+            else:
+                continue
+            break
+        while chopped > 0 and tokens:
+            chopped -= len(tables.data[tokens.pop()] or b"")
+        return tokens or None
 
     def is_accepting(self) -> bool:
         return not self.scan.params and self.router.is_accepting()
@@ -434,7 +515,14 @@ class ToolCallMatcher(Matcher):
         if self.scan.params:
             assert piece_row is not None
             self._inside(row, piece_row)
-        elif self.scan.depth == 2:
+            return
+        if self.g.compact:
+            forced = self._forced_into_parameters()
+            if forced:     # llguidance's row where bytes are forced: their first token alone
+                row[:] = 0
+                _set(row, forced[0])
+                return
+        if self.scan.depth == 2:
             self._entering(row)
 
     def _inside(self, row: np.ndarray, piece_row: np.ndarray) -> None:
