@@ -195,7 +195,7 @@ class BoundaryTables:
                 self.ids[b] = t
         braces = [t for t, b in enumerate(self.data) if b and 0x7B in b]
         self.braces = self._mask(braces)
-        self._brace_tokens = [(t, self.data[t] or b"") for t in braces]
+        self.brace_bytes = [self.data[t] or b"" for t in braces]   # the bytes of each token with a "{"
         # (mode, closes needed) -> the tokens that leave the parameters there with bytes to spare
         self.leaving: dict[tuple[int, int], Leaving] = {}
         found: dict[tuple[int, int], list[tuple[int, bytes, bytes]]] = {}
@@ -216,10 +216,6 @@ class BoundaryTables:
                 [ll.tokenize_bytes(h) for _, h, _ in rows],
                 [ll.tokenize_bytes(b"}" + tl) for _, _, tl in rows],
                 np.array([0x7B in tl for _, _, tl in rows], dtype=bool))
-
-    def brace_tokens(self) -> list[tuple[int, bytes]]:
-        """The tokens with a "{" in them, with their bytes."""
-        return self._brace_tokens
 
     @staticmethod
     def _closes(b: bytes, mode: int) -> list[tuple[int, int]]:
@@ -480,7 +476,7 @@ class ToolCallMatcher(Matcher):
         after = None
         for i in range(len(tail) - len(head)):       # the suffixes that start before the piece's bytes
             suffix = tail[i:]
-            longer = [b for _, b in tables.brace_tokens() if len(b) > len(suffix) and b.startswith(suffix)]
+            longer = [b for b in tables.brace_bytes if len(b) > len(suffix) and b.startswith(suffix)]
             if not longer:
                 continue
             if after is None:
