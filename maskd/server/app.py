@@ -122,8 +122,9 @@ class MaskServer:
         self._housekeeper.start()
         if self._drafts_sync is not None:
             self._drafts_sync.start()
-        log.info("maskd serving on %s (backend %s, tokenizer %s, width %d, compiles in %ss)", self.address,
-                 self.engine.name, self.engine.tokenizer.spec, self.engine.width, self.config.compile_isolation)
+        log.info("maskd serving on %s (backend %s, tokenizer %s, width %d, compiles in %s)", self.address,
+                 self.engine.name, self.engine.tokenizer.spec, self.engine.width,
+                 "worker processes" if self.config.compile_isolation == "process" else "server threads")
         return self
 
     def stop(self, grace: float | None = None, delay: float = 0.0) -> None:

@@ -60,10 +60,11 @@ def write_message(stream: Any, obj: Any) -> None:
 def read_exact(fd: int, n: int, deadline: float | None) -> bytes:
     """n bytes from a pipe; TimeoutError past the deadline, EOFError when the writer is gone."""
     chunks, left = [], n
+    poller = select.poll()         # not select(): a server with many open files has descriptors past 1024
+    poller.register(fd, select.POLLIN)
     while left:
-        wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-        ready, _, _ = select.select([fd], [], [], wait)
-        if not ready:
+        wait = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000) + 1)
+        if not poller.poll(wait):
             raise TimeoutError
         chunk = os.read(fd, min(left, 1 << 20))
         if not chunk:
@@ -212,7 +213,7 @@ class CompilePool:
             worker.kill()
             self._replace(worker)
             raise CompileTimeout(timed_out) from None
-        except (EOFError, OSError, pickle.UnpicklingError):
+        except (EOFError, OSError, pickle.UnpicklingError, ValueError, struct.error):
             how = worker.exit_status()
             self.crashes += 1
             log.warning("a compile worker died (%s) on %s", how, what)

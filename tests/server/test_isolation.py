@@ -125,6 +125,37 @@ def test_a_runaway_compile_is_stopped_and_not_cached():
         assert register(stub, {"regex": "[ab]"}).state == pb.GRAMMAR_STATE_READY   # the workers were replaced
 
 
+def test_compile_workers_whose_pipes_are_past_descriptor_1024_compile():
+    # a server holding many connections: select() cannot watch a descriptor past 1024 (ValueError
+    # that lost the worker, and every compile after it waited for one forever)
+    import os
+    import resource
+
+    from maskd.server.compile_pool import CompilePool
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"this machine allows {hard} open files per process")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = []
+    try:
+        while not held or held[-1] < 1030:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        pool = CompilePool("llguidance", "cl100k", None, 1)
+        try:
+            assert pool.wait_warm(120.0)
+            assert pool._idle[0].proc.stdout.fileno() > 1024
+            for _ in range(2):
+                assert pool.compile(GrammarSpec.create("regex", "[0-9]{2}-fd"), 30.0)
+            assert pool.crashes == 0 and pool.timeouts == 0
+        finally:
+            pool.close()
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def test_compiles_are_taken_round_robin_across_tenants(cl100k):
     """Tenant A queues five grammars, then tenant B one: B's compiles second, not sixth."""
     from maskd.server.engines import create_engine
