@@ -156,6 +156,7 @@ class GrammarCache:
                 raise QueueFull(f"{total} grammars wait to compile on this server; the limit is "
                                 f"{self.max_queued} (max-compiles-queued)")
             self._count("miss")
+            log.debug("grammar %s (%s, tenant %r): queued", gid, spec.kind, tenant)
             entry = CacheEntry(gid, spec, tenant)
             self._entries[gid] = entry
             self._enqueue(entry)
@@ -234,6 +235,7 @@ class GrammarCache:
                     entry = self._next()
                 self._running[entry.tenant] += 1
                 entry.started = time.monotonic()
+                log.debug("grammar %s: compile starts", entry.grammar_id)
             try:
                 self._compile(entry)
             finally:
@@ -285,6 +287,7 @@ class GrammarCache:
             self._count_error("compile_internal")
         seconds = time.perf_counter() - t0
         self.compiles += 1
+        log.debug("grammar %s: compiled in %.3f s%s", entry.grammar_id, seconds, f" ({error[:200]})" if error else "")
         if self.metrics is not None:
             self.metrics.compile_seconds.labels(self.engine.name).observe(seconds)
         if compiled is not None and data is None:

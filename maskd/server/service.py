@@ -94,7 +94,10 @@ class MaskService(pb_grpc.MaskServiceServicer):
         if request.wait and self._blocking_registers.acquire(blocking=False):
             try:
                 remaining = context.time_remaining()
+                t0 = time.monotonic()
                 entry = self.cache.wait(entry, remaining if remaining < 1e6 else None)
+                log.debug("register %s waited %.3f s of %.1f: %s", entry.grammar_id, time.monotonic() - t0,
+                          remaining, entry.state.name)
             finally:
                 self._blocking_registers.release()
             if entry.state is GrammarState.FAILED:

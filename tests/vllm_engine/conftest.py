@@ -2,6 +2,7 @@
 the model's vocabulary) and the reference engine (maskd installed, not configured: vLLM's own
 guidance backend), one per module that compares with it, so that no more than two engines share
 the machine's cores at a time. Engines that run maskd are started by the modules that test them."""
+import logging
 import pathlib
 import sys
 
@@ -20,11 +21,23 @@ def logs(tmp_path_factory) -> pathlib.Path:
 
 
 @pytest.fixture(scope="session")
-def maskd_server():
+def maskd_server(logs):
+    """The server's log at DEBUG in the session's log folder, beside the engines' (every register's wait
+    and every compile's queue, start and time)."""
+    handler = logging.FileHandler(logs / "maskd-server.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(threadName)s %(name)s %(levelname)s %(message)s"))
+    handler.setLevel(logging.DEBUG)
+    logger = logging.getLogger("maskd")
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.DEBUG)
     server = MaskServer(ServerConfig(host="127.0.0.1", port=0, tokenizer="deepseek-v4", threads=1,
                                      compile_threads=1)).start()
     yield server
     server.stop(grace=1.0)
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+    handler.close()
 
 
 @pytest.fixture(scope="module")
