@@ -22,10 +22,13 @@ requests and leave every other request to vLLM:
   spec, a grammar that does not compile, a server that cannot be reached or serves another
   vocabulary width is HTTP 400 with the reason. A compile still running then is left to the engine.
   Admission holds the API server's event loop (every stream it serves) for that round trip, so a
-  spec the server compiled before for this process is admitted without one (``KnownSpecs``);
-* the engine core's ``StructuredOutputManager``: ``grammar_init`` waits for the compile on a
-  thread of its own, so only that request sits in ``WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR`` (a
-  spec compiled before is ready at once);
+  spec the server compiled before for this process is admitted without one (``KnownSpecs``).
+  A request whose grammar the server holds is marked so (``extra_args["maskd_registered"]``);
+* the engine core's ``StructuredOutputManager``: ``grammar_init`` of a request admission marked
+  registered (or of a spec compiled before) is ready at once, with no round trip from the engine
+  core (whose busy loop, on a machine short of CPU, has held a register's send back for its whole
+  deadline); any other waits for the compile on a thread of its own, so only that request sits in
+  ``WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR``;
   ``Scheduler.update_from_output`` (where vLLM hands each grammar the tokens it sampled) is followed
   by one maskd step for every maskd request that accepted tokens: it is on the wire while vLLM
   sends its outputs, schedules the next step and runs the forward pass; ``grammar_bitmask`` (which
@@ -95,6 +98,7 @@ __all__ = ["BACKEND", "EXTRA_ARGS_KEY", "GrammarDrafts", "MaskdGrammar", "MaskdS
            "spec_of"]
 
 EXTRA_ARGS_KEY = "maskd"
+REGISTERED_KEY = "maskd_registered"   # set by admission: the server holds this request's grammar
 BACKEND = "maskd"       # StructuredOutputsParams._backend of maskd's requests
 REQUESTS_ENV = "MASKD_VLLM_REQUESTS"
 ADMISSION_WAIT_ENV = "MASKD_ADMISSION_WAIT_S"
@@ -196,8 +200,11 @@ class _Admission:
         # the server compiled before is admitted without one
         self.known = KnownSpecs()
 
-    def check(self, spec: GrammarSpec, vocab_size: int) -> None:
-        """Raises ValueError (HTTP 400) with the reason where maskd cannot serve this request."""
+    def check(self, spec: GrammarSpec, vocab_size: int) -> bool:
+        """Raises ValueError (HTTP 400) with the reason where maskd cannot serve this request; True
+        where the server holds its grammar (compiled, or compiling past the wait when the server
+        had no thread to wait on it: the step reports it waiting), False where the compile outlasted
+        the wait or was not waited for."""
         try:
             if self.checked_width != vocab_size:
                 info = self.client.info()
@@ -209,16 +216,17 @@ class _Admission:
                         "tokenizer and --logits-width")
                 self.checked_width = vocab_size
             if spec in self.known:
-                return
+                return True
             if self.wait_s > 0:
                 self.client.register(spec, wait=True, timeout_s=self.wait_s)
                 self.known.add(spec)
-            else:
-                self.client.register(spec, wait=False)
+                return True
+            self.client.register(spec, wait=False)
+            return False
         except MaskClientError as exc:
             code = getattr(exc.code, "name", "")
             if code == "DEADLINE_EXCEEDED":
-                return                       # still compiling: the engine holds the request until it is done
+                return False                 # still compiling: the engine holds the request until it is done
             if code in ("UNAVAILABLE", "UNAUTHENTICATED", "PERMISSION_DENIED"):
                 raise ValueError(f"maskd at {self.settings.target} cannot serve this request: {exc}") from None
             raise ValueError(f"maskd refused the grammar: {exc}") from None
@@ -238,6 +246,8 @@ def _validate_structured_outputs(original: Callable, params: Any, model_config: 
     so = params.structured_outputs
     if so is not None and getattr(so, "_backend", None) == BACKEND:
         return                                          # admitted already (a copy validated again)
+    if params.extra_args and REGISTERED_KEY in params.extra_args:   # admission's word, not a client's
+        params.extra_args = {k: v for k, v in params.extra_args.items() if k != REGISTERED_KEY}
     xargs = (getattr(params, "extra_args", None) or {}).get(EXTRA_ARGS_KEY)
     has_so = so is not None and not so.all_constraints_none()
     if xargs is None and not (has_so and _configured() and _serves_all_or_400()):
@@ -263,7 +273,8 @@ def _validate_structured_outputs(original: Callable, params: Any, model_config: 
             so._backend = BACKEND
             spec = spec_of(params)
         assert spec is not None
-        _admission().check(spec, model_config.get_vocab_size())
+        if _admission().check(spec, model_config.get_vocab_size()):
+            params.extra_args = {**(params.extra_args or {}), REGISTERED_KEY: True}
     except (ValueError, EngineConfigError) as exc:
         if so is not None:
             so._backend = None
@@ -405,6 +416,8 @@ class MaskdStructuredOutputs:
         """A future of the request's MaskdGrammar, done when the server has compiled its grammar."""
         spec = spec_of(request.sampling_params)
         assert spec is not None
+        if (request.sampling_params.extra_args or {}).get(REGISTERED_KEY):
+            self.known.add(spec)
         if spec in self.known:
             ready: concurrent.futures.Future = concurrent.futures.Future()
             ready.set_result(_grammar_class()(self, request.request_id, spec))

@@ -127,6 +127,23 @@ def test_a_spec_admitted_before_is_admitted_without_a_round_trip(target, server)
     assert lookups() == before + 1
 
 
+def test_admission_marks_a_request_whose_grammar_the_server_holds(target, server, monkeypatch):
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(regex="[0-9]{2}-marked"))
+    params._validate_structured_outputs(vocab(server), CONFIG, tokenizer=object())
+    assert params.extra_args[plugin.REGISTERED_KEY] is True
+    # a client's own mark is dropped: on a request maskd does not serve, and where admission did not wait
+    theirs = SamplingParams(extra_args={plugin.REGISTERED_KEY: True, "other": 1})
+    monkeypatch.setenv("MASKD_VLLM_REQUESTS", "xargs")
+    theirs._validate_structured_outputs(vocab(server), CONFIG, tokenizer=object())
+    assert theirs.extra_args == {"other": 1}
+    monkeypatch.setenv("MASKD_ADMISSION_WAIT_S", "0")
+    plugin._admission.cache_clear()
+    unwaited = SamplingParams(extra_args={"maskd": '{"regex": "[0-9]{2}-unwaited"}', plugin.REGISTERED_KEY: True})
+    unwaited._validate_structured_outputs(vocab(server), CONFIG, tokenizer=object())
+    assert unwaited.structured_outputs._backend == plugin.BACKEND
+    assert plugin.REGISTERED_KEY not in unwaited.extra_args
+
+
 @pytest.mark.parametrize(("params", "words"), [
     (lambda: SamplingParams(structured_outputs=StructuredOutputsParams(regex="[a-")), "does not compile"),
     (lambda: SamplingParams(extra_args={"maskd": '{"regexp": "a"}'}), "unknown"),
@@ -331,6 +348,35 @@ def _ready(manager, requests) -> None:
             manager.grammar_init(request)
             request.structured_output_request._grammar.result(timeout=30)
             assert request.structured_output_request.is_grammar_ready
+
+
+def _lookups(server) -> float:
+    return sum(server.metrics.registry.get_sample_value(name, {"cache": "local"}) or 0
+               for name in ("maskd_grammar_cache_hits_total", "maskd_grammar_cache_misses_total"))
+
+
+def test_the_engine_core_opens_an_admitted_grammar_without_a_register(engine, server, monkeypatch):
+    # the engine core's busy loop has held a register's send back for its whole deadline on a machine
+    # short of CPU: a grammar admission saw on the server is ready at once, the open carries its spec
+    admitted = _maskd_request(server, "admitted", "[0-9]{3}-ready")
+    before = _lookups(server)
+    engine.grammar_init(admitted)
+    assert admitted.structured_output_request._grammar.done()
+    assert admitted.structured_output_request.is_grammar_ready
+    assert _lookups(server) == before
+    monkeypatch.setenv("MASKD_ADMISSION_WAIT_S", "0")      # admission did not wait: the engine core registers
+    plugin._admission.cache_clear()
+    unwaited = _maskd_request(server, "unwaited", "[0-9]{3}-unwaited")
+    assert plugin.REGISTERED_KEY not in (unwaited.sampling_params.extra_args or {})
+    engine.grammar_init(unwaited)
+    unwaited.structured_output_request._grammar.result(timeout=30)
+    assert unwaited.structured_output_request.is_grammar_ready
+    assert _lookups(server) >= before + 2          # admission's register without waiting, the engine core's
+    rows = engine.grammar_bitmask({"admitted": admitted, "unwaited": unwaited}, ["admitted", "unwaited"], {})
+    assert rows is not None and rows.shape[0] >= 2
+    for request in (admitted, unwaited):      # opened on the stream, a row each, no failure
+        assert request.structured_output_request.grammar.failure is None
+        assert request.structured_output_request.grammar.opened
 
 
 def _server_rows(server, regex: str, tokens: list[int]) -> list:
