@@ -71,8 +71,8 @@ Tested against vLLM 0.32.0 (the CPU build, a real engine in tests/engines/real) 
 (interfaces). What it patches: ``SamplingParams._validate_structured_outputs``,
 ``StructuredOutputManager.grammar_init`` / ``grammar_bitmask``, ``Scheduler._free_request``,
 ``Scheduler.update_from_output`` / ``get_grammar_bitmask`` / ``update_draft_token_ids`` and, in the
-worker, ``apply_grammar_bitmask``: a batch whose rows are all maskd's is applied with maskd's CPU
-kernel (the same logits; any other batch, and a GPU's logits, keep vLLM's function).
+worker, ``apply_grammar_bitmask``: a batch whose rows are all maskd's is applied with maskd's
+kernel, on CPU and on CUDA (the same logits; any other batch keeps vLLM's function).
 """
 from __future__ import annotations
 
@@ -708,45 +708,16 @@ def _get_grammar_bitmask(original: Callable, scheduler: Any, scheduler_output: A
 
 def _apply_grammar_bitmask(original: Callable, scheduler_output: Any, grammar_output: Any, input_batch: Any,
                            logits: Any) -> None:
-    """(worker) vLLM's apply_grammar_bitmask, with maskd's CPU kernel for a batch whose rows are all
-    maskd's (the same logits; it skips words of 32 allowed tokens and writes only the disallowed
-    ones where they are few, where vLLM's CPU path expands every row, via float32 for other dtypes).
-    Any other batch, and logits on a GPU, go to vLLM's function."""
+    """(worker) vLLM's apply_grammar_bitmask, with maskd's kernel for a batch whose rows are all
+    maskd's (the same logits; ``maskd_client.vllm_apply``): on CPU, and on CUDA where Triton loads.
+    Any other batch, and other devices, go to vLLM's function."""
+    from maskd_client import vllm_apply
+
     marked = MaskdGrammarOutput is not None and type(grammar_output) is MaskdGrammarOutput
-    if not marked or not logits.is_cpu:
+    if not marked or not vllm_apply.applies_to(logits):
         return original(scheduler_output, grammar_output, input_batch, logits)
-    import torch
-
-    from maskd_client.apply import apply_packed_token_bitmask_inplace
-
-    ids = grammar_output.structured_output_request_ids
-    spec_tokens = scheduler_output.scheduled_spec_decode_tokens
-    wanted = set(ids)
-    first_logit: dict[str, int] = {}
-    offset = 0
-    for batch_index, req_id in enumerate(input_batch.req_ids):
-        if req_id in wanted:
-            first_logit[req_id] = batch_index + offset
-        offset += len(spec_tokens.get(req_id, ()))
-    # A request's rows (1 + its scheduled drafts) follow one another (vLLM 0.32) or start every
-    # `stride` rows (0.33: 1 + the most drafts a step may have): told apart by the row count.
-    counts = [1 + len(spec_tokens.get(req_id, ())) for req_id in ids]
-    total = len(grammar_output.grammar_bitmask)
-    stride = 0 if total == sum(counts) else total // len(ids)
-    rows: list[int] = []
-    logits_rows: list[int] = []
-    at = 0
-    for k, (req_id, n) in enumerate(zip(ids, counts)):
-        first = first_logit.get(req_id)
-        start = k * stride if stride else at
-        if first is not None:
-            rows.extend(range(start, start + n))
-            logits_rows.extend(range(first, first + n))
-        at += n
-    bitmask = torch.from_numpy(grammar_output.grammar_bitmask)
-    if len(rows) != len(bitmask):
-        bitmask = bitmask[rows]
-    apply_packed_token_bitmask_inplace(logits, bitmask, logits_rows)
+    vllm_apply.apply_rows(grammar_output.grammar_bitmask, grammar_output.structured_output_request_ids,
+                          scheduler_output.scheduled_spec_decode_tokens, input_batch.req_ids, logits)
 
 
 def _patch_apply(hook: Callable) -> None:

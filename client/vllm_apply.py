@@ -1,0 +1,94 @@
+"""(vLLM worker) A step's maskd rows applied to vLLM's logits with maskd's kernel.
+
+vLLM's engine core sends the worker one bitmask per step (``GrammarOutput.grammar_bitmask``, a
+numpy int32 array) with the ids of the structured-output requests it holds rows for. Request
+``k`` has ``1 + d`` rows (``d``: its drafts scheduled this step): vLLM 0.32 packs them one request
+after another, vLLM 0.33 starts request ``k``'s at ``k * stride`` (``stride``: 1 + the most drafts a
+step may have). The two are told apart by the row count. The logits row of a request's first row
+is its place in the worker's batch plus the drafts scheduled before it.
+
+:func:`place_rows` maps bitmask rows to logits rows (what vLLM's ``apply_grammar_bitmask``
+computes); :func:`apply_rows` applies them with ``maskd_client.apply``: on CPU the kernel that
+skips words of 32 allowed tokens (vLLM expands every row, via float32 for other dtypes); on CUDA
+the Triton kernel, fed only the structured rows (vLLM builds and copies a full-batch bitmask of
+all-allowed rows around them), copied from pinned memory on the current stream without waiting
+for the device. Imports nothing of vLLM: the plugin (``maskd_client.vllm``) decides which batches
+come here.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["applies_to", "apply_rows", "place_rows"]
+
+
+def applies_to(logits: Any) -> bool:
+    """Whether maskd's kernel applies to these logits: on CPU always, on CUDA where Triton loads
+    (without it vLLM's own function, whose CUDA kernel needs Triton too, is as good)."""
+    if logits.is_cpu:
+        return True
+    if logits.device.type != "cuda":
+        return False
+    from maskd_client.apply import triton_available
+
+    return triton_available()
+
+
+def place_rows(batch_req_ids: Sequence[str], ids: Sequence[str], spec_tokens: Mapping[str, Sequence[int]],
+               total: int) -> tuple[list[int], list[int]]:
+    """(bitmask rows, logits rows): bitmask row ``rows[i]`` masks logits row ``logits_rows[i]``.
+
+    batch_req_ids: the worker's batch in logits order (``InputBatch.req_ids``); ids: the requests
+    the bitmask holds rows for, in its order; spec_tokens: the drafts scheduled per request;
+    total: the bitmask's row count. A request not in the batch has rows that are skipped.
+    """
+    wanted = set(ids)
+    first_logit: dict[str, int] = {}
+    offset = 0
+    for batch_index, req_id in enumerate(batch_req_ids):
+        if req_id in wanted:
+            first_logit[req_id] = batch_index + offset
+        offset += len(spec_tokens.get(req_id, ()))
+    counts = [1 + len(spec_tokens.get(req_id, ())) for req_id in ids]
+    stride = 0 if total == sum(counts) else total // max(1, len(ids))
+    rows: list[int] = []
+    logits_rows: list[int] = []
+    at = 0
+    for k, (req_id, n) in enumerate(zip(ids, counts)):
+        first = first_logit.get(req_id)
+        start = k * stride if stride else at
+        if first is not None:
+            rows.extend(range(start, start + n))
+            logits_rows.extend(range(first, first + n))
+        at += n
+    return rows, logits_rows
+
+
+def apply_rows(bitmask: np.ndarray, ids: Sequence[str], spec_tokens: Mapping[str, Sequence[int]],
+               batch_req_ids: Sequence[str], logits: Any) -> None:
+    """Set the logits each request's rows disallow to -inf, in place (CPU or CUDA logits; see
+    :func:`applies_to`). Logits rows of requests without rows are left as they are."""
+    import torch
+
+    from maskd_client.apply import apply_packed_token_bitmask_inplace
+
+    rows, logits_rows = place_rows(batch_req_ids, ids, spec_tokens, len(bitmask))
+    if not rows:
+        return
+    every_row = len(rows) == len(bitmask)
+    if logits.is_cpu:
+        picked = torch.from_numpy(bitmask if every_row else bitmask[rows])
+    else:
+        # Pinned, so the copy is queued on the current stream (after the forward pass that wrote
+        # the logits) and the host goes on; torch's pinned allocator reuses the block only after
+        # that copy is done.
+        staged = torch.empty((len(rows), bitmask.shape[1]), dtype=torch.int32, pin_memory=True)
+        if every_row:
+            np.copyto(staged.numpy(), bitmask.view(np.int32), casting="no")
+        else:
+            np.take(bitmask.view(np.int32), rows, axis=0, out=staged.numpy())
+        picked = staged.to(logits.device, non_blocking=True)
+    apply_packed_token_bitmask_inplace(logits, picked, logits_rows)
