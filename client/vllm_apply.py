@@ -12,7 +12,8 @@ computes); :func:`apply_rows` applies them with ``maskd_client.apply``: on CPU t
 skips words of 32 allowed tokens (vLLM expands every row, via float32 for other dtypes); on CUDA
 the Triton kernel, fed only the structured rows (vLLM builds and copies a full-batch bitmask of
 all-allowed rows around them), copied from pinned memory on the current stream without waiting
-for the device. Imports nothing of vLLM: the plugin (``maskd_client.vllm``) decides which batches
+for the device. A batch whose every logits row has a row gets them in the logits' order and
+needs no row index. Imports nothing of vLLM: the plugin (``maskd_client.vllm``) decides which batches
 come here.
 """
 from __future__ import annotations
@@ -73,12 +74,17 @@ def apply_rows(bitmask: np.ndarray, ids: Sequence[str], spec_tokens: Mapping[str
     :func:`applies_to`). Logits rows of requests without rows are left as they are."""
     import torch
 
-    from maskd_client.apply import apply_packed_token_bitmask_inplace
+    from maskd_client.apply import apply_packed_token_bitmask_inplace, apply_token_bitmask_inplace
 
     rows, logits_rows = place_rows(batch_req_ids, ids, spec_tokens, len(bitmask))
     if not rows:
         return
-    every_row = len(rows) == len(bitmask)
+    if len(logits_rows) == len(logits) and logits_rows != sorted(logits_rows):
+        # every logits row has a row: put them in the logits' order, and the kernel needs no index
+        order = sorted(range(len(rows)), key=logits_rows.__getitem__)
+        rows = [rows[i] for i in order]
+        logits_rows = [logits_rows[i] for i in order]
+    every_row = rows == list(range(len(bitmask)))
     if logits.is_cpu:
         picked = torch.from_numpy(bitmask if every_row else bitmask[rows])
     else:
@@ -89,6 +95,10 @@ def apply_rows(bitmask: np.ndarray, ids: Sequence[str], spec_tokens: Mapping[str
         if every_row:
             np.copyto(staged.numpy(), bitmask.view(np.int32), casting="no")
         else:
-            np.take(bitmask.view(np.int32), rows, axis=0, out=staged.numpy())
+            # rows are in range (place_rows); "clip" skips numpy's buffered copy that "raise" makes
+            np.take(bitmask.view(np.int32), rows, axis=0, out=staged.numpy(), mode="clip")
         picked = staged.to(logits.device, non_blocking=True)
-    apply_packed_token_bitmask_inplace(logits, picked, logits_rows)
+    if len(logits_rows) == len(logits) and logits_rows[-1] == len(logits) - 1:
+        apply_token_bitmask_inplace(logits, picked)    # one row per logits row, in order
+    else:
+        apply_packed_token_bitmask_inplace(logits, picked, logits_rows)

@@ -98,3 +98,21 @@ def test_cuda_apply_never_waits_for_the_gpu():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(on_gpu.cpu(), _expected(bitmask, logits, 12))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda_triton)])
+@pytest.mark.parametrize("order", ["batch", "reversed"])
+def test_a_batch_whose_every_row_is_structured_gets_its_rows(device, order):
+    """Every logits row has a row (the index-free case), whatever order the bitmask lists them in."""
+    rng = np.random.default_rng(11)
+    batch = [f"r{i}" for i in range(5)]
+    ids = batch if order == "batch" else batch[::-1]
+    bitmask = rng.integers(-2**31, 2**31, size=(5, 40), dtype=np.int64).astype(np.int32)
+    logits = torch.from_numpy(rng.standard_normal((5, 1270)).astype(np.float32))
+    expected = logits.clone()
+    for k, req_id in enumerate(ids):
+        i = batch.index(req_id)
+        apply_token_bitmask_reference(expected[i:i + 1], torch.from_numpy(bitmask[k:k + 1].copy()))
+    ours = logits.to(device)
+    apply_rows(bitmask, ids, {}, batch, ours)
+    assert torch.equal(ours.cpu(), expected)
