@@ -99,6 +99,8 @@ __all__ = ["BACKEND", "EXTRA_ARGS_KEY", "GrammarDrafts", "MaskdGrammar", "MaskdS
 
 EXTRA_ARGS_KEY = "maskd"
 REGISTERED_KEY = "maskd_registered"   # set by admission: the server holds this request's grammar
+SPEC_KEY = "maskd_spec"               # set by admission: the spec it admitted, as plain data
+ADMISSION_KEYS = (REGISTERED_KEY, SPEC_KEY)   # admission's words, never a client's
 BACKEND = "maskd"       # StructuredOutputsParams._backend of maskd's requests
 REQUESTS_ENV = "MASKD_VLLM_REQUESTS"
 ADMISSION_WAIT_ENV = "MASKD_ADMISSION_WAIT_S"
@@ -246,8 +248,8 @@ def _validate_structured_outputs(original: Callable, params: Any, model_config: 
     so = params.structured_outputs
     if so is not None and getattr(so, "_backend", None) == BACKEND:
         return                                          # admitted already (a copy validated again)
-    if params.extra_args and REGISTERED_KEY in params.extra_args:   # admission's word, not a client's
-        params.extra_args = {k: v for k, v in params.extra_args.items() if k != REGISTERED_KEY}
+    if params.extra_args and any(k in params.extra_args for k in ADMISSION_KEYS):   # a client's: dropped
+        params.extra_args = {k: v for k, v in params.extra_args.items() if k not in ADMISSION_KEYS}
     xargs = (getattr(params, "extra_args", None) or {}).get(EXTRA_ARGS_KEY)
     has_so = so is not None and not so.all_constraints_none()
     if xargs is None and not (has_so and _configured() and _serves_all_or_400()):
@@ -273,8 +275,14 @@ def _validate_structured_outputs(original: Callable, params: Any, model_config: 
             so._backend = BACKEND
             spec = spec_of(params)
         assert spec is not None
+        if spec.kind == "json_schema" and isinstance(so.json, dict):
+            # what the engine core gets: one string, not a tree of objects to decode (vLLM's IPC),
+            # and the spec itself (below): it parses nothing of the request again
+            so.json = spec.text
+        marks: dict[str, Any] = {SPEC_KEY: spec.to_plain()}
         if _admission().check(spec, model_config.get_vocab_size()):
-            params.extra_args = {**(params.extra_args or {}), REGISTERED_KEY: True}
+            marks[REGISTERED_KEY] = True
+        params.extra_args = {**(params.extra_args or {}), **marks}
     except (ValueError, EngineConfigError) as exc:
         if so is not None:
             so._backend = None
@@ -414,9 +422,10 @@ class MaskdStructuredOutputs:
     # -- compiles -------------------------------------------------------------------------------
     def grammar(self, request: Any) -> concurrent.futures.Future:
         """A future of the request's MaskdGrammar, done when the server has compiled its grammar."""
-        spec = spec_of(request.sampling_params)
+        marks = request.sampling_params.extra_args or {}
+        spec = GrammarSpec.from_plain(marks[SPEC_KEY]) if SPEC_KEY in marks else spec_of(request.sampling_params)
         assert spec is not None
-        if (request.sampling_params.extra_args or {}).get(REGISTERED_KEY):
+        if marks.get(REGISTERED_KEY):
             self.known.add(spec)
         if spec in self.known:
             ready: concurrent.futures.Future = concurrent.futures.Future()

@@ -132,7 +132,7 @@ def test_admission_marks_a_request_whose_grammar_the_server_holds(target, server
     params._validate_structured_outputs(vocab(server), CONFIG, tokenizer=object())
     assert params.extra_args[plugin.REGISTERED_KEY] is True
     # a client's own mark is dropped: on a request maskd does not serve, and where admission did not wait
-    theirs = SamplingParams(extra_args={plugin.REGISTERED_KEY: True, "other": 1})
+    theirs = SamplingParams(extra_args={plugin.REGISTERED_KEY: True, plugin.SPEC_KEY: {"kind": "regex"}, "other": 1})
     monkeypatch.setenv("MASKD_VLLM_REQUESTS", "xargs")
     theirs._validate_structured_outputs(vocab(server), CONFIG, tokenizer=object())
     assert theirs.extra_args == {"other": 1}
@@ -377,6 +377,39 @@ def test_the_engine_core_opens_an_admitted_grammar_without_a_register(engine, se
     for request in (admitted, unwaited):      # opened on the stream, a row each, no failure
         assert request.structured_output_request.grammar.failure is None
         assert request.structured_output_request.grammar.opened
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+           "required": ["city"]}
+
+
+def test_the_engine_core_takes_the_spec_admission_built_and_parses_nothing(engine, server, monkeypatch):
+    # a 200-tool array costs ~5 ms to build from the request: once, in the API server's admission
+    from vllm.v1.request import Request
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    from maskd.tool_specs import tool_call_schema
+
+    tools = [{"type": "function", "function": {"name": f"weather_{i}", "parameters": WEATHER}} for i in range(20)]
+    schema = tool_call_schema(tools, "required")
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(json=schema), max_tokens=64)
+    params._validate_structured_outputs(vocab(server), CONFIG, tokenizer=object())
+    admitted = GrammarSpec.create("json_schema", schema)
+    # the schema goes on as one string (vLLM's IPC decodes no tree of objects), the spec as plain data
+    assert params.structured_outputs.json == admitted.text
+    assert params.extra_args[plugin.SPEC_KEY] == admitted.to_plain()
+    sent = MsgpackDecoder(SamplingParams).decode(MsgpackEncoder().encode(params))   # API server -> engine core
+
+    def parse_again(*args, **kwargs):
+        raise AssertionError("the engine core parsed the request again")
+
+    monkeypatch.setattr(plugin, "spec_of", parse_again)
+    request = Request("tools", [1, 2, 3], sent, None)
+    engine.grammar_init(request)
+    grammar = request.structured_output_request.grammar
+    assert grammar.spec == admitted and grammar.spec.parts == admitted.parts
+    rows = engine.grammar_bitmask({"tools": request}, ["tools"], {})
+    assert grammar.failure is None and grammar.opened and (rows[0] != -1).any()
 
 
 def _server_rows(server, regex: str, tokens: list[int]) -> list:

@@ -352,6 +352,44 @@ def test_parts_travel_as_themselves_and_come_back_checked():
     assert GrammarSpec.from_proto(loose) == spec
 
 
+@pytest.mark.parametrize("spec", [
+    GrammarSpec.from_request({"tools": DEFS_TOOLS, "tool_choice": "required", "max_whitespace": 3}),
+    GrammarSpec.from_request({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}),
+    GrammarSpec.create("json_schema", WEATHER, whitespace="compact", reasoning=("<think>", "</think>")),
+    GrammarSpec.create("regex", "[0-9]+", reasoning="</think>"),
+    GrammarSpec.create("choice", ["a", "b"]),
+])
+def test_plain_data_brings_back_the_same_spec(spec):
+    # what a vLLM API server hands its engine core (msgpack: strings, ints, bools, lists, dicts)
+    plain = spec.to_plain()
+    assert json.loads(json.dumps(plain)) == plain
+    back = GrammarSpec.from_plain(plain)
+    assert back == spec and back.parts == spec.parts
+    assert back.grammar_id("fp", "llguidance", "1") == spec.grammar_id("fp", "llguidance", "1")
+    assert back.to_proto() == spec.to_proto()
+
+
+@pytest.mark.parametrize("change", [
+    lambda p: p.pop("kind"),
+    lambda p: p.update(reasoning=["<think>"]),
+    lambda p: p.update(text=7),
+    lambda p: p.update(kind="yaml"),
+    lambda p: p.update(max_whitespace="8"),
+    lambda p: p["tools"].update(names=[]),
+    lambda p: p["tools"].update(params=p["tools"]["params"][:1]),
+    lambda p: p["tools"].update(single="no"),
+    lambda p: p["tools"].update(params=[{}] * len(p["tools"]["names"])),
+    lambda p: p.update(tools=[1]),
+])
+def test_garbage_plain_data_is_refused(change):
+    plain = GrammarSpec.from_request({"tools": DEFS_TOOLS, "tool_choice": "required"}).to_plain()
+    change(plain)
+    with pytest.raises(SpecError):
+        GrammarSpec.from_plain(plain)
+    with pytest.raises(SpecError):
+        GrammarSpec.from_plain("not a dict")
+
+
 @pytest.mark.parametrize("change, message", [
     (lambda m: m.tool_calls.ClearField("tools"), "names no tools"),
     (lambda m: setattr(m.tool_calls.tools[0], "name", ""), "tools[0].name is empty"),
