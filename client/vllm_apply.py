@@ -79,8 +79,9 @@ def apply_rows(bitmask: np.ndarray, ids: Sequence[str], spec_tokens: Mapping[str
     rows, logits_rows = place_rows(batch_req_ids, ids, spec_tokens, len(bitmask))
     if not rows:
         return
-    if len(logits_rows) == len(logits) and logits_rows != sorted(logits_rows):
-        # every logits row has a row: put them in the logits' order, and the kernel needs no index
+    # Every logits row has a row (logits rows are unique): in the logits' order, the kernel needs no index.
+    whole_batch = len(logits_rows) == len(logits)
+    if whole_batch and logits_rows != sorted(logits_rows):
         order = sorted(range(len(rows)), key=logits_rows.__getitem__)
         rows = [rows[i] for i in order]
         logits_rows = [logits_rows[i] for i in order]
@@ -98,7 +99,7 @@ def apply_rows(bitmask: np.ndarray, ids: Sequence[str], spec_tokens: Mapping[str
             # rows are in range (place_rows); "clip" skips numpy's buffered copy that "raise" makes
             np.take(bitmask.view(np.int32), rows, axis=0, out=staged.numpy(), mode="clip")
         picked = staged.to(logits.device, non_blocking=True)
-    if len(logits_rows) == len(logits) and logits_rows[-1] == len(logits) - 1:
-        apply_token_bitmask_inplace(logits, picked)    # one row per logits row, in order
+    if whole_batch:
+        apply_token_bitmask_inplace(logits, picked)
     else:
         apply_packed_token_bitmask_inplace(logits, picked, logits_rows)
