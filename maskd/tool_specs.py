@@ -84,7 +84,7 @@ def _some(names: Mapping[str, Any], shown: int = 8) -> str:
 
 def _plain(value: Any) -> Any:
     """Mappings and plain values as they are; pydantic objects as their dict."""
-    if value is None or isinstance(value, (Mapping, str)):
+    if type(value) is dict or value is None or isinstance(value, (Mapping, str)):
         return value
     dump = getattr(value, "model_dump", None)
     return dump() if callable(dump) else value
@@ -115,13 +115,13 @@ def _functions(tools: Any) -> dict[str, _Function]:
     where_named: dict[str, int] = {}
     for i, raw in enumerate(tools):
         tool = _plain(raw)
-        if not isinstance(tool, Mapping):
+        if type(tool) is not dict and not isinstance(tool, Mapping):
             raise SpecError(f"tools[{i}] is a {_TOOL} object, not {type(tool).__name__}")
         kind = tool.get("type", "function")
         if kind != "function":
             raise SpecError(f"tools[{i}] has type {kind!r}: only function tools ({_TOOL}) are taken")
         function = _plain(tool.get("function"))
-        if not isinstance(function, Mapping):
+        if type(function) is not dict and not isinstance(function, Mapping):
             raise SpecError(f"tools[{i}].function is an object with a name and parameters, not "
                             f"{type(function).__name__}")
         name = function.get("name")
@@ -138,9 +138,9 @@ def _functions(tools: Any) -> dict[str, _Function]:
 def _parameters(params: Any, where: str) -> _Function:
     """The parameters schema as JSON text (checked to be JSON, of an object), its ``$defs`` apart."""
     params = _plain(params)
-    if params is None or (isinstance(params, Mapping) and not params):
+    if not params and (params is None or isinstance(params, Mapping)):
         params = EMPTY_PARAMETERS    # vLLM: none declared, an object with any members
-    if not isinstance(params, Mapping):
+    if type(params) is not dict and not isinstance(params, Mapping):
         raise SpecError(f"{where} is a JSON schema object describing the arguments, not {type(params).__name__}")
     declared = params.get("type")
     if declared is not None and declared != "object" and not (isinstance(declared, list) and "object" in declared):
@@ -148,7 +148,7 @@ def _parameters(params: Any, where: str) -> _Function:
                         "parameters schema describes an object (type 'object')")
     defs = params.get("$defs")
     body = {k: v for k, v in params.items() if k != "$defs"} if "$defs" in params else params
-    if defs is not None and not isinstance(defs, Mapping):
+    if defs is not None and type(defs) is not dict and not isinstance(defs, Mapping):
         raise SpecError(f"{where}: $defs is an object of named schemas, not {type(defs).__name__}")
     try:
         text = _compact(body)

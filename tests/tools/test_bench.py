@@ -301,17 +301,19 @@ def _timings(node, path=""):
 
 
 @needs_maskbench
-def test_tools(tmp_path):
+@pytest.mark.parametrize("server, counts", [("embedded", [3, 5]), ("subprocess", [3])])
+def test_tools(tmp_path, server, counts):
     out, side = tmp_path / "tools", tmp_path / "tools-copy.json"
-    rc = main(["bench", "tools", "--data", str(MASKBENCH), "--tools", "3,5", "--rounds", "1", "--out", str(out),
-               "--json", str(side)])
+    rc = main(["bench", "tools", "--data", str(MASKBENCH), "--tools", ",".join(map(str, counts)), "--rounds", "1",
+               "--server", server, "--out", str(out), "--json", str(side)])
     assert rc == 0
     report = json.loads((out / "tools.json").read_text())
     assert json.loads(side.read_text()) == report
     assert report["mode"] == "tools" and report["failed"] is False and report["errors"] == []
+    assert report["server"]["kind"] == server and report["args"]["server"] == server
     assert report["tool_pool"] > 200 and report["request"]["tool_choice"] == "required"
     assert "composed" in report["note"]
-    assert [x["tools"] for x in report["results"]] == [3, 5]
+    assert [x["tools"] for x in report["results"]] == counts
     for x in report["results"]:
         assert set(x["in_process"]) == {"llguidance", "xgrammar"}
         assert set(x["server"]) == {"cold", "same", "shuffled"}
@@ -325,6 +327,7 @@ def test_tools(tmp_path):
     assert all(isinstance(v, float) and v > 0 for _, v in timings), [t for t in timings if not t[1] > 0]
     md = (out / "tools.md").read_text()
     assert md.startswith("# maskd bench tools") and "all but one known, shuffled" in md and "composed" in md
+    assert ("in a process of its own" in md) == (server == "subprocess")
     assert (out / "tools.png").stat().st_size > 1000
 
 
