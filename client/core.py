@@ -149,11 +149,15 @@ class ClientCore(Recovery):
         return self._info
 
     # -- sequences --------------------------------------------------------------------------------
-    def open(self, seq_id: str, spec: Any) -> None:
-        """Opens a sequence; the open travels with the next step, whose reply has its first mask."""
+    def open(self, seq_id: str, spec: Any, *, grammar_id: str = "") -> None:
+        """Opens a sequence; the open travels with the next step, whose reply has its first mask.
+        ``grammar_id``: the spec's id as ``register`` gave it: the open names the id instead of
+        carrying the spec (a 200-tool spec is ~110 KB for the server to read again on the step
+        path). A server that does not hold that id refuses the step (NOT_FOUND) and the sequence
+        is not open there; the next step opens it with the spec. The spec is kept for restores."""
         spec_pb = spec_proto(spec)
         with self._cond:
-            self._ledger.open(seq_id, spec_pb)   # raises if it is open already
+            self._ledger.open(seq_id, spec_pb, grammar_id)   # raises if it is open already
         try:
             address, _ = self._place(seq_id)
         except BaseException:

@@ -28,6 +28,7 @@ class SequenceState:
     history: list[int] = dataclasses.field(default_factory=list)   # accepted tokens, as sent
     opened: bool = False                             # an open has been sent
     handle: int = 0                                  # its server's handle (0: none known)
+    grammar_id: str = ""                             # the open names this id, not the spec ("": the spec)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -98,11 +99,11 @@ class SequenceLedger:
         return self._seqs[seq_id].spec
 
     # -- opening and closing ----------------------------------------------------------------------
-    def open(self, seq_id: str, spec: pb.GrammarSpec) -> None:
+    def open(self, seq_id: str, spec: pb.GrammarSpec, grammar_id: str = "") -> None:
         if seq_id in self._seqs:
             raise MaskClientError(f"sequence {seq_id!r} is already open on this client",
                                   grpc.StatusCode.ALREADY_EXISTS)
-        self._seqs[seq_id] = SequenceState(spec)
+        self._seqs[seq_id] = SequenceState(spec, grammar_id=grammar_id)
 
     def close(self, seq_id: str) -> pb.SeqStep | None:
         """Forgets a sequence; returns the close entry for the server (None if it never got there)."""
@@ -132,7 +133,10 @@ class SequenceLedger:
                            propose_drafts=a.propose, sampled_unmasked=a.unmasked)
         opened_here = not seq.opened
         if opened_here:
-            entry.spec.CopyFrom(seq.spec)
+            if seq.grammar_id:
+                entry.grammar_id = seq.grammar_id
+            else:
+                entry.spec.CopyFrom(seq.spec)
             seq.opened = True
         popped: tuple[int, ...] = ()
         if a.rollback:
@@ -224,6 +228,7 @@ def _revert(seq: SequenceState, rec: UndoRecord) -> None:
     seq.step -= 1
     if rec.opened_here:
         seq.opened = False
+        seq.grammar_id = ""     # refused (the server no longer holds that id?) or lost: the spec goes next
 
 
 def _part_offsets(n: int, limit: int) -> Iterator[int]:

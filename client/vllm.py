@@ -23,12 +23,15 @@ requests and leave every other request to vLLM:
   vocabulary width is HTTP 400 with the reason. A compile still running then is left to the engine.
   Admission holds the API server's event loop (every stream it serves) for that round trip, so a
   spec the server compiled before for this process is admitted without one (``KnownSpecs``).
-  A request whose grammar the server holds is marked so (``extra_args["maskd_registered"]``);
+  A request whose grammar the server holds is marked with its grammar id
+  (``extra_args["maskd_registered"]``);
 * the engine core's ``StructuredOutputManager``: ``grammar_init`` of a request admission marked
   registered (or of a spec compiled before) is ready at once, with no round trip from the engine
   core (whose busy loop, on a machine short of CPU, has held a register's send back for its whole
-  deadline); any other waits for the compile on a thread of its own, so only that request sits in
-  ``WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR``;
+  deadline), and its open names the grammar id instead of carrying the spec (~110 KB for 200
+  tools, read on the server's step path; an id the server no longer holds is refused and the open
+  goes again with the spec); any other waits for the compile on a thread of its own, so only that
+  request sits in ``WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR``;
   ``Scheduler.update_from_output`` (where vLLM hands each grammar the tokens it sampled) is followed
   by one maskd step for every maskd request that accepted tokens: it is on the wire while vLLM
   sends its outputs, schedules the next step and runs the forward pass; ``grammar_bitmask`` (which
@@ -98,7 +101,7 @@ __all__ = ["BACKEND", "EXTRA_ARGS_KEY", "GrammarDrafts", "MaskdGrammar", "MaskdS
            "spec_of"]
 
 EXTRA_ARGS_KEY = "maskd"
-REGISTERED_KEY = "maskd_registered"   # set by admission: the server holds this request's grammar
+REGISTERED_KEY = "maskd_registered"   # set by admission: the id of this request's grammar, which the server holds
 SPEC_KEY = "maskd_spec"               # set by admission: the spec it admitted, as plain data
 ADMISSION_KEYS = (REGISTERED_KEY, SPEC_KEY)   # admission's words, never a client's
 BACKEND = "maskd"       # StructuredOutputsParams._backend of maskd's requests
@@ -163,25 +166,30 @@ def _wait_seconds(name: str, default: float) -> float:
 
 
 class KnownSpecs:
-    """The specs the maskd server compiled for this process, most recent last (bounded): a request
-    whose spec is among them needs no register round trip (its open step names the spec, and a
-    server that has since evicted it compiles it again)."""
+    """The specs the maskd server compiled for this process and their grammar ids, most recent last
+    (bounded): a request whose spec is among them needs no register round trip (its open names the
+    id; a server that has since evicted it refuses that open, and the open goes again with the
+    spec, which it compiles again)."""
 
     def __init__(self, limit: int = 4096) -> None:
         self.limit = limit
-        self._specs: collections.OrderedDict[GrammarSpec, None] = collections.OrderedDict()
+        self._specs: collections.OrderedDict[GrammarSpec, str] = collections.OrderedDict()
         self._lock = threading.Lock()
 
     def __contains__(self, spec: GrammarSpec) -> bool:
-        with self._lock:
-            if spec in self._specs:
-                self._specs.move_to_end(spec)
-                return True
-            return False
+        return self.grammar_id(spec) is not None
 
-    def add(self, spec: GrammarSpec) -> None:
+    def grammar_id(self, spec: GrammarSpec) -> str | None:
+        """The spec's grammar id ("" where it is known without one), None where it is not known."""
         with self._lock:
-            self._specs[spec] = None
+            found = self._specs.get(spec)
+            if found is not None:
+                self._specs.move_to_end(spec)
+            return found
+
+    def add(self, spec: GrammarSpec, grammar_id: str = "") -> None:
+        with self._lock:
+            self._specs[spec] = grammar_id or self._specs.get(spec) or ""
             self._specs.move_to_end(spec)
             while len(self._specs) > self.limit:
                 self._specs.popitem(last=False)
@@ -202,11 +210,11 @@ class _Admission:
         # the server compiled before is admitted without one
         self.known = KnownSpecs()
 
-    def check(self, spec: GrammarSpec, vocab_size: int) -> bool:
-        """Raises ValueError (HTTP 400) with the reason where maskd cannot serve this request; True
-        where the server holds its grammar (compiled, or compiling past the wait when the server
-        had no thread to wait on it: the step reports it waiting), False where the compile outlasted
-        the wait or was not waited for."""
+    def check(self, spec: GrammarSpec, vocab_size: int) -> str | None:
+        """Raises ValueError (HTTP 400) with the reason where maskd cannot serve this request; the
+        grammar id where the server holds its grammar (compiled, or compiling past the wait when
+        the server had no thread to wait on it: the step reports it waiting), None where the
+        compile outlasted the wait or was not waited for."""
         try:
             if self.checked_width != vocab_size:
                 info = self.client.info()
@@ -217,18 +225,19 @@ class _Admission:
                         f"has {vocab_size} ids ({-(-vocab_size // 32)} words): start maskd with this model's "
                         "tokenizer and --logits-width")
                 self.checked_width = vocab_size
-            if spec in self.known:
-                return True
+            known = self.known.grammar_id(spec)
+            if known:
+                return known
             if self.wait_s > 0:
-                self.client.register(spec, wait=True, timeout_s=self.wait_s)
-                self.known.add(spec)
-                return True
+                grammar_id = self.client.register(spec, wait=True, timeout_s=self.wait_s)
+                self.known.add(spec, grammar_id)
+                return grammar_id
             self.client.register(spec, wait=False)
-            return False
+            return None
         except MaskClientError as exc:
             code = getattr(exc.code, "name", "")
             if code == "DEADLINE_EXCEEDED":
-                return False                 # still compiling: the engine holds the request until it is done
+                return None                  # still compiling: the engine holds the request until it is done
             if code in ("UNAVAILABLE", "UNAUTHENTICATED", "PERMISSION_DENIED"):
                 raise ValueError(f"maskd at {self.settings.target} cannot serve this request: {exc}") from None
             raise ValueError(f"maskd refused the grammar: {exc}") from None
@@ -280,8 +289,9 @@ def _validate_structured_outputs(original: Callable, params: Any, model_config: 
             # and the spec itself (below): it parses nothing of the request again
             so.json = spec.text
         marks: dict[str, Any] = {SPEC_KEY: spec.to_plain()}
-        if _admission().check(spec, model_config.get_vocab_size()):
-            marks[REGISTERED_KEY] = True
+        grammar_id = _admission().check(spec, model_config.get_vocab_size())
+        if grammar_id:
+            marks[REGISTERED_KEY] = grammar_id
         params.extra_args = {**(params.extra_args or {}), **marks}
     except (ValueError, EngineConfigError) as exc:
         if so is not None:
@@ -305,10 +315,11 @@ class MaskdGrammar:
     comes with that step's rows. A sequence the server failed refuses every later token, which
     makes vLLM end the request with an error."""
 
-    def __init__(self, owner: MaskdStructuredOutputs, seq_id: str, spec: GrammarSpec) -> None:
+    def __init__(self, owner: MaskdStructuredOutputs, seq_id: str, spec: GrammarSpec, grammar_id: str = "") -> None:
         self.owner = owner
         self.seq_id = seq_id
         self.spec = spec
+        self.grammar_id = grammar_id      # the open names it ("": the open carries the spec)
         self.pending: list[int] = []
         self.prepared: tuple[list[int], np.ndarray, int] | None = None   # (drafts, rows, valid) for the next pass
         self.opened = False
@@ -425,11 +436,13 @@ class MaskdStructuredOutputs:
         marks = request.sampling_params.extra_args or {}
         spec = GrammarSpec.from_plain(marks[SPEC_KEY]) if SPEC_KEY in marks else spec_of(request.sampling_params)
         assert spec is not None
-        if marks.get(REGISTERED_KEY):
-            self.known.add(spec)
-        if spec in self.known:
+        registered = marks.get(REGISTERED_KEY)
+        if registered:
+            self.known.add(spec, registered if isinstance(registered, str) else "")
+        grammar_id = self.known.grammar_id(spec)
+        if grammar_id is not None:
             ready: concurrent.futures.Future = concurrent.futures.Future()
-            ready.set_result(_grammar_class()(self, request.request_id, spec))
+            ready.set_result(_grammar_class()(self, request.request_id, spec, grammar_id))
             return ready
         return self.compiles.submit(self._compile, request.request_id, spec)
 
@@ -438,9 +451,10 @@ class MaskdStructuredOutputs:
         while True:
             left = deadline - time.monotonic()
             try:
-                self.client.register(spec, wait=True, timeout_s=max(0.1, min(left, self.settings.timeout_s)))
-                self.known.add(spec)
-                return _grammar_class()(self, seq_id, spec)
+                grammar_id = self.client.register(spec, wait=True,
+                                                  timeout_s=max(0.1, min(left, self.settings.timeout_s)))
+                self.known.add(spec, grammar_id)
+                return _grammar_class()(self, seq_id, spec, grammar_id)
             except MaskClientError as exc:
                 if getattr(exc.code, "name", "") != "DEADLINE_EXCEEDED" or left <= 0:
                     log.error("maskd grammar for request %s: %s", seq_id, exc)
@@ -584,7 +598,7 @@ class MaskdStructuredOutputs:
         for e in entries:
             g = e.grammar
             if not g.opened:
-                self.client.open(g.seq_id, g.spec)
+                self.client.open(g.seq_id, g.spec, grammar_id=g.grammar_id)
                 g.opened = True
             tokens, g.pending = g.pending, []
             request[g.seq_id] = StepInput(tokens, e.drafts, propose=e.propose) if e.drafts or e.propose else tokens
@@ -596,8 +610,17 @@ class MaskdStructuredOutputs:
                 self.steps += 1
                 result = self.client.step_async(request).result(self.settings.timeout_s + 5)
                 waiting: dict[str, Any] = {}
+                again: dict[str, Any] = {}
                 for sid, res in result.seqs.items():
                     e = by_id[sid]
+                    if res.status is SeqStatus.ERROR and e.grammar.grammar_id and \
+                            getattr(res.code, "name", "") == "NOT_FOUND":
+                        # an open naming an id the server no longer holds (evicted, or admission's
+                        # register went to another server): refused and taken back, it goes again
+                        # at once with the spec (the client's ledger sends it), which the server compiles
+                        e.grammar.grammar_id = ""
+                        again[sid] = request[sid]
+                        continue
                     if res.status is not SeqStatus.WAITING:
                         answered.add(sid)
                     if res.has_rows:
@@ -614,13 +637,13 @@ class MaskdStructuredOutputs:
                         self._give_up(by_id[sid], f"grammar still compiling after {self.settings.wait_timeout_s:g} s",
                                       out)
                     return valid
-                if waiting:
+                if waiting and not again:
                     pause = min(0.05, 0.001 * 2 ** attempt)
                     time.sleep(pause)
                     waited += pause
                     attempt += 1
                     self.polls += 1
-                request = waiting
+                request = {**waiting, **again}
         except (MaskClientError, concurrent.futures.TimeoutError) as exc:
             for sid, e in by_id.items():   # no row may go out unconstrained: these requests end here
                 if sid not in answered:

@@ -130,7 +130,7 @@ def test_a_spec_admitted_before_is_admitted_without_a_round_trip(target, server)
 def test_admission_marks_a_request_whose_grammar_the_server_holds(target, server, monkeypatch):
     params = SamplingParams(structured_outputs=StructuredOutputsParams(regex="[0-9]{2}-marked"))
     params._validate_structured_outputs(vocab(server), CONFIG, tokenizer=object())
-    assert params.extra_args[plugin.REGISTERED_KEY] is True
+    assert params.extra_args[plugin.REGISTERED_KEY] == server.cache.grammar_id(plugin.spec_of(params))
     # a client's own mark is dropped: on a request maskd does not serve, and where admission did not wait
     theirs = SamplingParams(extra_args={plugin.REGISTERED_KEY: True, plugin.SPEC_KEY: {"kind": "regex"}, "other": 1})
     monkeypatch.setenv("MASKD_VLLM_REQUESTS", "xargs")
@@ -377,6 +377,50 @@ def test_the_engine_core_opens_an_admitted_grammar_without_a_register(engine, se
     for request in (admitted, unwaited):      # opened on the stream, a row each, no failure
         assert request.structured_output_request.grammar.failure is None
         assert request.structured_output_request.grammar.opened
+
+
+def _opens(monkeypatch) -> list[str]:
+    """How the server's opens name their grammar, from now on."""
+    from maskd.server import entries
+
+    seen: list[str] = []
+    parse = entries.Entry.of_message
+
+    def record(msg):
+        entry = parse(msg)
+        if entry.opens:
+            seen.append(entry.opens)
+        return entry
+
+    monkeypatch.setattr(entries.Entry, "of_message", staticmethod(record))
+    return seen
+
+
+def test_the_engine_core_opens_an_admitted_grammar_by_its_id(engine, server, monkeypatch):
+    # the spec of a 200-tool request is ~110 KB that the server would read again on its step path
+    request = _maskd_request(server, "by-id", "[0-9]{3}-by-id")
+    _ready(engine, {"by-id": request})
+    grammar = request.structured_output_request.grammar
+    assert grammar.grammar_id == request.sampling_params.extra_args[plugin.REGISTERED_KEY]
+    seen = _opens(monkeypatch)
+    rows = engine.grammar_bitmask({"by-id": request}, ["by-id"], {})
+    assert seen == ["grammar_id"] and grammar.failure is None
+    assert (rows[0] == _server_rows(server, "[0-9]{3}-by-id", [])[0]).all()
+
+
+def test_an_id_the_server_does_not_hold_opens_with_the_spec(engine, server, monkeypatch):
+    # admission registered on another server, or this one evicted it: the open is refused
+    # (NOT_FOUND) and goes again at once with the spec; the request never goes unconstrained
+    request = _maskd_request(server, "evicted", "[0-9]{3}-evicted")
+    request.sampling_params.extra_args[plugin.REGISTERED_KEY] = "0" * 64
+    engine.grammar_init(request)
+    _ready(engine, {"evicted": request})
+    seen = _opens(monkeypatch)
+    rows = engine.grammar_bitmask({"evicted": request}, ["evicted"], {})
+    grammar = request.structured_output_request.grammar
+    assert seen == ["grammar_id", "spec"]
+    assert grammar.failure is None and grammar.grammar_id == ""
+    assert (rows[0] == _server_rows(server, "[0-9]{3}-evicted", [])[0]).all()
 
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},

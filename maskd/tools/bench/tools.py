@@ -206,16 +206,18 @@ def _settle(mc, tools: list[dict]) -> None:
 
 def first_row(mc, req: dict, sid: str) -> dict[str, float]:
     """Seconds until the request's first row through the server: the spec built from the request,
-    register (waits for the compile), open + the first step (again while it answers WAITING)."""
+    register (waits for the compile), open + the first step (again while it answers WAITING). The
+    open names the grammar id register gave, as vLLM's engine core opens a request admission
+    registered."""
     from maskd.specs import GrammarSpec
     from maskd_client import MaskClientError, SeqStatus
 
     t0 = time.perf_counter()
     spec = GrammarSpec.from_request(req).to_proto()
     t1 = time.perf_counter()
-    mc.register(spec, wait=True)
+    grammar_id = mc.register(spec, wait=True)
     t2 = time.perf_counter()
-    mc.open(sid, spec)
+    mc.open(sid, spec, grammar_id=grammar_id)
     res = mc.step({sid: []})
     while res.status[0] == SeqStatus.WAITING and time.perf_counter() - t2 < 60:
         res = mc.step({sid: []})
