@@ -138,7 +138,7 @@ def _functions(tools: Any) -> dict[str, _Function]:
 def _parameters(params: Any, where: str) -> _Function:
     """The parameters schema as JSON text (checked to be JSON, of an object), its ``$defs`` apart."""
     params = _plain(params)
-    if not params and (params is None or isinstance(params, Mapping)):
+    if params is None or (isinstance(params, Mapping) and not params):
         params = EMPTY_PARAMETERS    # vLLM: none declared, an object with any members
     if type(params) is not dict and not isinstance(params, Mapping):
         raise SpecError(f"{where} is a JSON schema object describing the arguments, not {type(params).__name__}")
