@@ -36,7 +36,7 @@ from maskd_client.connection import Connection, ConnectionSettings, spec_proto
 from maskd_client.ledger import Advance, SequenceLedger, Undo
 from maskd_client.merge import gather
 from maskd_client.recovery import LostServer, Recovery, Unreachable
-from maskd_client.routing import NoOwner, Router
+from maskd_client.routing import DirectoryError, NoOwner, Router
 from maskd_client.stream import InFlight, StepStream, fail_all
 from maskd_client.types import MaskClientError, StepInput, StepResult
 
@@ -139,6 +139,13 @@ class ClientCore(Recovery):
                 except NoOwner:
                     time.sleep(self.retry_backoff_s)
 
+    def _same_owner(self, seq_id: str, grammar_id: str) -> bool:
+        """Whether the router places the sequence where it placed the grammar's register."""
+        try:
+            return self._router.place(seq_id) == self._router.place(grammar_id)
+        except (NoOwner, DirectoryError):   # placing the sequence raises it again, where it is handled
+            return False
+
     def _retry_placement(self, suspects: set[str]) -> bool:
         """Whether another server may take a key when these are unreachable (a fixed one: no)."""
         return True
@@ -153,9 +160,13 @@ class ClientCore(Recovery):
         """Opens a sequence; the open travels with the next step, whose reply has its first mask.
         ``grammar_id``: the spec's id as ``register`` gave it: the open names the id instead of
         carrying the spec (a 200-tool spec is ~110 KB for the server to read again on the step
-        path). A server that does not hold that id refuses the step (NOT_FOUND) and the sequence
-        is not open there; the next step opens it with the spec. The spec is kept for restores."""
+        path), where the sequence's server is the one ``register`` chose for that id (one server:
+        always; a cluster: the id's owner, which holds what it registered). A server that does not
+        hold the id (it evicted it) refuses the step (NOT_FOUND) and the sequence is not open
+        there; the next step opens it with the spec. The spec is kept for restores."""
         spec_pb = spec_proto(spec)
+        if grammar_id and not self._same_owner(seq_id, grammar_id):
+            grammar_id = ""      # registered on another server: the sequence's would refuse the id
         with self._cond:
             self._ledger.open(seq_id, spec_pb, grammar_id)   # raises if it is open already
         try:

@@ -266,6 +266,41 @@ def test_directory_target_and_lookup(mini_cluster):
     assert [owners[k].worker_id for k in KEYS[:200]] == ring.owners(KEYS[:200])
 
 
+def test_opens_name_a_grammar_id_only_on_the_server_that_registered_it(mini_cluster, monkeypatch):
+    # register places a grammar on its id's owner; a sequence lives on its own id's owner: an open
+    # there names the id, elsewhere it carries the spec (that server would refuse the id)
+    from maskd.server import entries
+    from maskd_client.routing import HashRing
+
+    seen = []
+    parse = entries.Entry.of_message
+
+    def record(msg):
+        entry = parse(msg)
+        if entry.opens:
+            seen.append((msg.seq_id, entry.opens))
+        return entry
+
+    monkeypatch.setattr(entries.Entry, "of_message", staticmethod(record))
+    spec = {"json_schema": SCHEMAS[0], "whitespace": "compact"}
+    ring = HashRing(["worker-0", "worker-1"], vnodes=64)
+    with MaskClient(f"directory:{mini_cluster.address}") as mc:
+        grammar_id = mc.register(spec, wait=True)
+        ids = [f"by-owner-{i}" for i in range(16)]
+        for sid in ids:
+            mc.open(sid, spec, grammar_id=grammar_id)
+        res = mc.step({sid: [] for sid in ids})
+        while (res.status == SeqStatus.WAITING).any():    # the other worker compiles it (or loads it)
+            res = mc.step({sid: [] for sid in ids})
+        assert all(res.seqs[sid].status is SeqStatus.READY for sid in ids)
+        owner = ring.owner(grammar_id)
+        expected = {sid: "grammar_id" if ring.owner(sid) == owner else "spec" for sid in ids}
+        assert dict(seen) == expected
+        assert set(expected.values()) == {"grammar_id", "spec"}          # both kinds were exercised
+        rows = {sid: res.bitmask[res.seqs[sid].row] for sid in ids}
+        assert all((rows[sid] == rows[ids[0]]).all() for sid in ids)
+
+
 def test_client_recovers_when_a_server_stops_mid_generation(mini_cluster):
     specs = generation_specs(8)
     target = "directory:" + mini_cluster.address
