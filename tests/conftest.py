@@ -68,3 +68,22 @@ def stub(server):
     from maskd.v1 import maskd_pb2_grpc as pb_grpc
     with grpc.insecure_channel(server.address) as ch:
         yield pb_grpc.MaskServiceStub(ch)
+
+
+@pytest.fixture
+def server_opens(monkeypatch):
+    """(seq_id, how its open named the grammar: "grammar_id" or "spec") of every open an in-process
+    server reads from now on."""
+    from maskd.server import entries
+
+    seen: list[tuple[str, str]] = []
+    parse = entries.Entry.of_message
+
+    def record(msg):
+        entry = parse(msg)
+        if entry.opens:
+            seen.append((entry.seq_id, entry.opens))
+        return entry
+
+    monkeypatch.setattr(entries.Entry, "of_message", staticmethod(record))
+    return seen

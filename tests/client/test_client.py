@@ -129,33 +129,24 @@ def test_step_errors_are_reported_and_undone(server, cl100k):
             mc.open("x", {"regex": 5})
 
 
-def test_an_open_names_the_registered_grammar_id_and_falls_back_to_the_spec(server, cl100k, monkeypatch):
-    from maskd.server import entries
+def test_an_open_names_the_registered_grammar_id_and_falls_back_to_the_spec(server, cl100k, server_opens):
+    def seen():
+        return [kind for _, kind in server_opens]
 
-    seen = []        # how the server's opens named their grammar
-    parse = entries.Entry.of_message
-
-    def record(msg):
-        entry = parse(msg)
-        if entry.opens:
-            seen.append(entry.opens)
-        return entry
-
-    monkeypatch.setattr(entries.Entry, "of_message", staticmethod(record))
     spec = {"json_schema": SCHEMA}
     with MaskClient(server.address, tokenizer=cl100k) as mc:
         gid = mc.register(spec, wait=True)
         mc.open("by-id", spec, grammar_id=gid)
         mc.open("by-spec", spec)
         r = _ready(mc, "by-id", "by-spec")
-        assert seen == ["grammar_id", "spec"]
+        assert seen() == ["grammar_id", "spec"]
         assert (r.bitmask[r.seqs["by-id"].row] == r.bitmask[r.seqs["by-spec"].row]).all()
         tokens = cl100k.encode('{"n": 7')
         r = mc.step({"by-id": tokens, "by-spec": tokens})
         assert (r.bitmask[r.seqs["by-id"].row] == r.bitmask[r.seqs["by-spec"].row]).all()
         # an id the server does not hold (evicted, another server's): the step is refused with
         # NOT_FOUND and taken back; the next step opens the sequence with its spec
-        seen.clear()
+        server_opens.clear()
         mc.open("gone", spec, grammar_id="0" * 64)
         refused = mc.step({"gone": tokens})
         assert refused.seqs["gone"].status is SeqStatus.ERROR
@@ -164,7 +155,7 @@ def test_an_open_names_the_registered_grammar_id_and_falls_back_to_the_spec(serv
         r = mc.step({"gone": tokens})
         while r.seqs["gone"].status is SeqStatus.WAITING:
             r = mc.step({"gone": []})
-        assert seen == ["grammar_id", "spec"]
+        assert seen() == ["grammar_id", "spec"]
         assert r.seqs["gone"].status is SeqStatus.READY and mc.history("gone") == tokens
         assert (r.bitmask[r.seqs["gone"].row] == _ready(mc, "by-id").bitmask[0]).all()
 

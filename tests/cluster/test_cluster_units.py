@@ -266,22 +266,11 @@ def test_directory_target_and_lookup(mini_cluster):
     assert [owners[k].worker_id for k in KEYS[:200]] == ring.owners(KEYS[:200])
 
 
-def test_opens_name_a_grammar_id_only_on_the_server_that_registered_it(mini_cluster, monkeypatch):
+def test_opens_name_a_grammar_id_only_on_the_server_that_registered_it(mini_cluster, server_opens):
     # register places a grammar on its id's owner; a sequence lives on its own id's owner: an open
     # there names the id, elsewhere it carries the spec (that server would refuse the id)
-    from maskd.server import entries
     from maskd_client.routing import HashRing
 
-    seen = []
-    parse = entries.Entry.of_message
-
-    def record(msg):
-        entry = parse(msg)
-        if entry.opens:
-            seen.append((msg.seq_id, entry.opens))
-        return entry
-
-    monkeypatch.setattr(entries.Entry, "of_message", staticmethod(record))
     spec = {"json_schema": SCHEMAS[0], "whitespace": "compact"}
     ring = HashRing(["worker-0", "worker-1"], vnodes=64)
     with MaskClient(f"directory:{mini_cluster.address}") as mc:
@@ -295,7 +284,7 @@ def test_opens_name_a_grammar_id_only_on_the_server_that_registered_it(mini_clus
         assert all(res.seqs[sid].status is SeqStatus.READY for sid in ids)
         owner = ring.owner(grammar_id)
         expected = {sid: "grammar_id" if ring.owner(sid) == owner else "spec" for sid in ids}
-        assert dict(seen) == expected
+        assert dict(server_opens) == expected
         assert set(expected.values()) == {"grammar_id", "spec"}          # both kinds were exercised
         rows = {sid: res.bitmask[res.seqs[sid].row] for sid in ids}
         assert all((rows[sid] == rows[ids[0]]).all() for sid in ids)

@@ -379,46 +379,27 @@ def test_the_engine_core_opens_an_admitted_grammar_without_a_register(engine, se
         assert request.structured_output_request.grammar.opened
 
 
-def _opens(monkeypatch) -> list[str]:
-    """How the server's opens name their grammar, from now on."""
-    from maskd.server import entries
-
-    seen: list[str] = []
-    parse = entries.Entry.of_message
-
-    def record(msg):
-        entry = parse(msg)
-        if entry.opens:
-            seen.append(entry.opens)
-        return entry
-
-    monkeypatch.setattr(entries.Entry, "of_message", staticmethod(record))
-    return seen
-
-
-def test_the_engine_core_opens_an_admitted_grammar_by_its_id(engine, server, monkeypatch):
+def test_the_engine_core_opens_an_admitted_grammar_by_its_id(engine, server, server_opens):
     # the spec of a 200-tool request is ~110 KB that the server would read again on its step path
     request = _maskd_request(server, "by-id", "[0-9]{3}-by-id")
     _ready(engine, {"by-id": request})
     grammar = request.structured_output_request.grammar
     assert grammar.grammar_id == request.sampling_params.extra_args[plugin.REGISTERED_KEY]
-    seen = _opens(monkeypatch)
     rows = engine.grammar_bitmask({"by-id": request}, ["by-id"], {})
-    assert seen == ["grammar_id"] and grammar.failure is None
+    assert server_opens == [("by-id", "grammar_id")] and grammar.failure is None
     assert (rows[0] == _server_rows(server, "[0-9]{3}-by-id", [])[0]).all()
 
 
-def test_an_id_the_server_does_not_hold_opens_with_the_spec(engine, server, monkeypatch):
+def test_an_id_the_server_does_not_hold_opens_with_the_spec(engine, server, server_opens):
     # admission registered on another server, or this one evicted it: the open is refused
     # (NOT_FOUND) and goes again at once with the spec; the request never goes unconstrained
     request = _maskd_request(server, "evicted", "[0-9]{3}-evicted")
     request.sampling_params.extra_args[plugin.REGISTERED_KEY] = "0" * 64
     engine.grammar_init(request)
     _ready(engine, {"evicted": request})
-    seen = _opens(monkeypatch)
     rows = engine.grammar_bitmask({"evicted": request}, ["evicted"], {})
     grammar = request.structured_output_request.grammar
-    assert seen == ["grammar_id", "spec"]
+    assert server_opens == [("evicted", "grammar_id"), ("evicted", "spec")]
     assert grammar.failure is None and grammar.grammar_id == ""
     assert (rows[0] == _server_rows(server, "[0-9]{3}-evicted", [])[0]).all()
 
