@@ -19,7 +19,7 @@ import os
 import pathlib
 import time
 from collections.abc import Callable, Mapping
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from maskd_client.client import MaskClient
 from maskd_client.types import SeqResult, SeqStatus, StepResult
@@ -97,16 +97,20 @@ def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
     return value
 
 
-def settle(result: StepResult, keys: Mapping[str, K], step: Callable[[dict[str, list[int]]], StepResult],
+def settle(result: StepResult, keys: Mapping[str, K], step: Callable[[dict[str, Any]], StepResult],
            wait_timeout_s: float, ready: Callable[[K, SeqResult, StepResult], None],
-           give_up: Callable[[K, str], None]) -> int:
+           give_up: Callable[[K, str], None], again: Callable[[K, SeqResult], Any] | None = None) -> int:
     """Hands every sequence of ``keys`` (seq_id -> the adapter's own key: a batch row, a slot) its
     answer: ``ready`` for a row, ``give_up`` for a failure or a refusal. Sequences whose grammar is
     still compiling are polled with empty steps (1 ms doubling to 50 ms) until ``wait_timeout_s``,
-    then given up. Returns the number of polls sent."""
+    then given up. ``again``: for a refused sequence, the step entry to send once more at once, or
+    None to give it up (an open that named a grammar id the server no longer holds is refused with
+    NOT_FOUND and taken back by the client: sent again, it carries the spec). Returns the number of
+    polls sent."""
     waited, attempt = 0.0, 0
     while True:
         waiting: dict[str, K] = {}
+        resend: dict[str, tuple[K, Any]] = {}
         for sid, key in keys.items():
             res = result.seqs[sid]
             if res.has_rows:
@@ -114,16 +118,21 @@ def settle(result: StepResult, keys: Mapping[str, K], step: Callable[[dict[str, 
             elif res.status is SeqStatus.WAITING:
                 waiting[sid] = key
             else:
-                give_up(key, res.reason or res.status.name)
-        if not waiting:
-            return attempt
-        if waited > wait_timeout_s:
+                entry = again(key, res) if again is not None else None
+                if entry is None:
+                    give_up(key, res.reason or res.status.name)
+                else:
+                    resend[sid] = (key, entry)
+        if waiting and waited > wait_timeout_s:
             for key in waiting.values():
                 give_up(key, f"grammar still compiling after {wait_timeout_s:g} s")
+            waiting = {}
+        if not waiting and not resend:
             return attempt
-        pause = min(0.05, 0.001 * 2 ** attempt)
-        time.sleep(pause)
-        waited += pause
-        attempt += 1
-        keys = waiting
-        result = step({sid: [] for sid in waiting})
+        if not resend:
+            pause = min(0.05, 0.001 * 2 ** attempt)
+            time.sleep(pause)
+            waited += pause
+            attempt += 1
+        keys = {**waiting, **{sid: key for sid, (key, _) in resend.items()}}
+        result = step({**{sid: [] for sid in waiting}, **{sid: entry for sid, (_, entry) in resend.items()}})

@@ -12,7 +12,9 @@ What SGLang calls, and what happens:
   (its grammar queue polls the future): the grammar is registered with maskd (``RegisterGrammar``,
   waiting for the compile, which every rank asks for and the server runs once). A grammar that does
   not compile comes back as SGLang's ``InvalidGrammarObject`` with the engine's message.
-* ``copy()`` is a new sequence on the cached grammar; it is opened on the server by its first fill.
+* ``copy()`` is a new sequence on the cached grammar; it is opened on the server by its first fill,
+  naming the grammar id the register gave (the server reads no spec on its step path). An id the
+  server no longer holds (evicted) is refused and the open goes again at once with the spec.
 * ``accept_token`` only records the token (and checks it against the row this grammar was last
   given, so a token outside the grammar raises ValueError at once, as SGLang's own backends do);
   ``rollback`` takes back recorded tokens, or rolls back the server's on the next step.
@@ -54,7 +56,7 @@ from sglang.srt.constrained.base_grammar_backend import (
 from maskd.specs import GrammarSpec, SpecError
 from maskd_client.apply import apply_token_bitmask_inplace
 from maskd_client.engine_env import EngineSettings, settle
-from maskd_client.types import MaskClientError, SeqResult, StepInput, StepResult
+from maskd_client.types import MaskClientError, SeqResult, SeqStatus, StepInput, StepResult
 
 __all__ = ["BACKEND_NAME", "MaskdGrammar", "MaskdGrammarBackend", "register"]
 
@@ -228,7 +230,7 @@ class MaskdGrammarBackend(BaseGrammarBackend):
                 g: MaskdGrammar = entry.grammar
                 if g.seq_id is None:
                     g.seq_id = f"{self._prefix}{next(self._ids)}"
-                    self.client.open(g.seq_id, g.spec)
+                    self.client.open(g.seq_id, g.spec, grammar_id=g.grammar_id)   # the id register gave
                     weakref.finalize(g, self._closing.append, g.seq_id)
                 if g.failed:
                     self._set_row(vocab_mask, entry.row, self._eos_row)
@@ -241,7 +243,8 @@ class MaskdGrammarBackend(BaseGrammarBackend):
                 return
             self.polls += settle(self._step(request), rows, self._step, self.settings.wait_timeout_s,
                                  lambda key, res, result: self._take_row(vocab_mask, key, res, result),
-                                 lambda key, reason: self._give_up(vocab_mask, key, reason))
+                                 lambda key, reason: self._give_up(vocab_mask, key, reason),
+                                 lambda key, res: self._open_with_spec(key, res, request))
 
     def _take_row(self, vocab_mask: torch.Tensor, key: tuple[int, MaskdGrammar], res: SeqResult,
                   result: StepResult) -> None:
@@ -249,6 +252,18 @@ class MaskdGrammarBackend(BaseGrammarBackend):
         g.row = result.bitmask[res.row].copy()
         g.forced = list(res.forced_tokens)
         self._set_row(vocab_mask, row, g.row)
+
+    @staticmethod
+    def _open_with_spec(key: tuple[int, MaskdGrammar], res: SeqResult, request: dict[str, Any]) -> Any:
+        """An open that named the grammar id the server no longer holds (evicted, or registered on
+        another server): refused (NOT_FOUND) and taken back by the client, it goes again at once
+        and carries the spec, which the server compiles (under the same id: later copies of this
+        grammar open by it again). Any other refusal: None (given up)."""
+        _, g = key
+        if res.status is SeqStatus.ERROR and g.grammar_id and getattr(res.code, "name", "") == "NOT_FOUND":
+            g.grammar_id = ""
+            return request[str(g.seq_id)]
+        return None
 
     def _give_up(self, vocab_mask: torch.Tensor, key: tuple[int, MaskdGrammar], reason: str) -> None:
         row, g = key

@@ -168,6 +168,40 @@ def test_a_sequence_whose_grammar_is_compiling_waits_and_never_gets_all_allowed(
     assert allowed(row, tok.encode("w")[0]) and not allowed(row, tok.encode("x")[0])
 
 
+def test_a_copy_opens_by_the_grammar_id_its_register_gave(backend, server_opens, tok):
+    # a 200-tool array's spec is ~110 KB: the server must not read it again on its step path
+    g, _ = compile(backend, ("regex", "id[0-9]{2}"))
+    copies = [g.copy(), g.copy()]
+    rows = masks(copies, tok.ll.vocab_size)
+    assert [how for _, how in server_opens] == ["grammar_id", "grammar_id"]
+    assert all(allowed(r, tok.encode("id")[0]) and not allowed(r, tok.encode("x")[0]) for r in rows)
+
+
+def test_a_grammar_the_server_evicted_opens_with_the_spec_and_its_neighbours_carry_on(backend, server, server_opens,
+                                                                                       tok):
+    # refused (NOT_FOUND) and sent again at once with the spec, in the same fill: never
+    # unconstrained, never failed; the server compiles it again under the same id
+    g, _ = compile(backend, ("regex", "ev[0-9]{3}"))        # SGLang's cache holds g, a request a copy
+    base, _ = compile(backend, ("regex", "k[0-9]+"))
+    entry = server.cache.get(g.grammar_id)
+    with server.cache._lock:                                 # evicted (the least recently used)
+        server.cache._remove(entry)
+    first, neighbour = g.copy(), base.copy()
+    rows = masks([first, neighbour], tok.ll.vocab_size)
+    assert [how for sid, how in server_opens if sid == first.seq_id] == ["grammar_id", "spec"]
+    assert [how for sid, how in server_opens if sid == neighbour.seq_id] == ["grammar_id"]
+    assert first.grammar_id == "" and not first.failed and not neighbour.failed
+    assert allowed(rows[0], tok.encode("ev")[0]) and not allowed(rows[0], tok.encode("k")[0])
+    assert allowed(rows[1], tok.encode("k")[0]) and not allowed(rows[1], tok.encode("ev")[0])
+    for t in tok.encode("ev12"):
+        first.accept_token(t)
+    row = masks([first], tok.ll.vocab_size)[0]              # the sequence goes on in its grammar
+    assert allowed(row, tok.encode("3")[0]) and not allowed(row, tok.encode("x")[0]) and not first.failed
+    later = g.copy()                                         # the server holds the id again
+    masks([later], tok.ll.vocab_size)
+    assert [how for sid, how in server_opens if sid == later.seq_id] == ["grammar_id"] and not later.failed
+
+
 def test_a_failed_sequence_gets_an_eos_only_row_and_its_neighbours_carry_on(backend, tok):
     g, _ = compile(backend, ("regex", "[a-z]+"))
     h = g.copy()

@@ -43,7 +43,8 @@ def run(rank: int, world: int, target: str, port: int, workdir: str, docs: list,
         assert time.time() < deadline, "the test never closed the compile gate"
         time.sleep(0.01)
     dist.barrier()
-    late = MaskdGrammar(backend, GrammarSpec.from_request({"regex": "[0-9]{3}-[a-z]{2}"}), "unregistered")
+    # a grammar nobody registered (no id: its open carries the spec, and the server compiles it then)
+    late = MaskdGrammar(backend, GrammarSpec.from_request({"regex": "[0-9]{3}-[a-z]{2}"}), "")
     requests.append([late, tok.encode("123-ab"), 0])
 
     report = {"polls_per_step": [], "steps": 0}
