@@ -316,6 +316,9 @@ class _PieceTexts:
         """The canonical form of each text (``where(i)`` names the i-th in an error)."""
         with self._lock:
             found = [self._items.get(t) for t in texts]
+            for t, f in zip(texts, found):
+                if f is not None:
+                    self._items.move_to_end(t)   # least recently used goes first, not the oldest
         return [f[0] if f is not None else self.get(t, where(i))[0] for i, (t, f) in enumerate(zip(texts, found))]
 
     def get(self, text: str, where: str) -> tuple[str, int]:

@@ -352,6 +352,22 @@ def test_parts_travel_as_themselves_and_come_back_checked():
     assert GrammarSpec.from_proto(loose) == spec
 
 
+def test_the_memo_of_parameters_texts_keeps_the_tools_in_use(monkeypatch):
+    # bounded: the least recently used text goes first, so a tool every request names stays read
+    from maskd import tool_specs
+
+    memo = tool_specs._PieceTexts()
+    hot = json.dumps({"type": "object", "properties": {"city": {"type": "string"}}})
+    texts = [json.dumps({"type": "object", "title": f"t{i}"}) for i in range(8)]
+    monkeypatch.setattr(memo, "MAX_CHARS", 2 * (len(hot) + len(texts[0])) + 4 * 2 * len(texts[0]))
+    memo.canonical([hot], str)
+    for text in texts:
+        memo.canonical([hot, text], str)         # every request names the hot tool, and one more
+        assert hot in memo._items
+    assert texts[0] not in memo._items and texts[-1] in memo._items
+    assert memo._chars <= memo.MAX_CHARS
+
+
 @pytest.mark.parametrize("spec", [
     GrammarSpec.from_request({"tools": DEFS_TOOLS, "tool_choice": "required", "max_whitespace": 3}),
     GrammarSpec.from_request({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}),
