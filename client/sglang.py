@@ -20,7 +20,8 @@ What SGLang calls, and what happens:
   ``rollback`` takes back recorded tokens, or rolls back the server's on the next step.
 * ``fill_vocab_mask_batched`` (called once per scheduler step by ``update_regex_vocab_mask``) is one
   maskd step for the whole batch: the recorded tokens go out and the rows come back into SGLang's
-  mask. A sequence whose grammar is still compiling (evicted from the server's cache meanwhile) is
+  mask, every answered sequence's at once (one gather from the step's rows, one scatter into the
+  mask; no per-sequence result objects). A sequence whose grammar is still compiling (evicted from the server's cache meanwhile) is
   polled until it has rows; it never gets an all-allowed row.
 * ``is_terminated`` is true once EOS was accepted; ``try_jump_forward`` returns maskd's forced
   tokens for the current position.
@@ -241,10 +242,40 @@ class MaskdGrammarBackend(BaseGrammarBackend):
                 rows[g.seq_id] = (entry.row, g)
             if not request:
                 return
-            self.polls += settle(self._step(request), rows, self._step, self.settings.wait_timeout_s,
-                                 lambda key, res, result: self._take_row(vocab_mask, key, res, result),
-                                 lambda key, reason: self._give_up(vocab_mask, key, reason),
-                                 lambda key, res: self._open_with_spec(key, res, request))
+            result = self._step(request)
+            rest = self._take_rows(vocab_mask, rows, result)
+            if rest:     # still compiling, refused or failed: one at a time
+                self.polls += settle(result, rest, self._step, self.settings.wait_timeout_s,
+                                     lambda key, res, result: self._take_row(vocab_mask, key, res, result),
+                                     lambda key, reason: self._give_up(vocab_mask, key, reason),
+                                     lambda key, res: self._open_with_spec(key, res, request))
+
+    def _take_rows(self, vocab_mask: torch.Tensor, rows: dict[str, tuple[int, MaskdGrammar]],
+                   result: StepResult) -> dict[str, tuple[int, MaskdGrammar]]:
+        """The rows of every sequence the step answered with one, into SGLang's mask at once (one
+        gather from the step's rows, one scatter into the mask); returns the other sequences."""
+        ids = result.ids
+        have = result.with_rows()
+        answered = [ids[i] for i in have.tolist()]
+        if len(answered) < len(rows):
+            with_rows = set(answered)
+            rest = {sid: key for sid, key in rows.items() if sid not in with_rows}
+        else:
+            rest = {}
+        if not answered:
+            return rest
+        block = result.bitmask[result.row[have]]       # a copy: each grammar keeps its row for accept_token
+        dest = np.fromiter((rows[sid][0] for sid in answered), dtype=np.intp, count=len(answered))
+        target = vocab_mask.numpy()
+        n = min(block.shape[1], target.shape[1])
+        target[dest, :n] = block[:, :n]
+        if n < target.shape[1]:
+            target[dest, n:] = 0       # ids past the server's width are not in the grammar
+        for k, sid in enumerate(answered):
+            g = rows[sid][1]
+            g.row = block[k]
+            g.forced = result.forced_tokens(sid)
+        return rest
 
     def _take_row(self, vocab_mask: torch.Tensor, key: tuple[int, MaskdGrammar], res: SeqResult,
                   result: StepResult) -> None:

@@ -123,6 +123,16 @@ class StepResult:
             self._seqs = out
         return self._seqs
 
+    def forced_tokens(self, seq_id: str) -> list[int]:
+        """The forced tokens of one sequence (without building the batch's SeqResult objects)."""
+        d = self._details.get(seq_id)
+        return list(d.forced_tokens) if d is not None else list(self._forced.get(seq_id, ()))
+
+    def with_rows(self) -> np.ndarray:
+        """Positions (in ``ids``) of the sequences answered with rows (READY or FINISHED)."""
+        ready = (self.status == int(SeqStatus.READY)) | (self.status == int(SeqStatus.FINISHED))
+        return np.flatnonzero(ready & (self.row >= 0))
+
     def row_index(self, seq_id: str) -> int:
         return self.seqs[seq_id].row
 

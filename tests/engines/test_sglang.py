@@ -159,13 +159,16 @@ def test_accept_rollback_terminate_copy_and_jump_forward(backend, tok):
 def test_a_sequence_whose_grammar_is_compiling_waits_and_never_gets_all_allowed(backend, server, tok):
     spec = maskd_sglang.GrammarSpec.from_request({"regex": "w[0-9]{4}"})
     g = maskd_sglang.MaskdGrammar(backend, spec, "not-registered")   # e.g. evicted from the server's cache
+    ready, _ = compile(backend, ("regex", "r[0-9]+"))
+    neighbour = ready.copy()                           # in the same batch, its grammar compiled
     gate = threading.Event()
     hold_compiles(server.cache, gate)                  # compiles wait for the gate
     threading.Timer(0.3, gate.set).start()
     polls = backend.polls
-    row = masks([g], tok.ll.vocab_size)[0]
+    row, other = masks([neighbour, g], tok.ll.vocab_size)[[1, 0]]
     assert backend.polls > polls
     assert allowed(row, tok.encode("w")[0]) and not allowed(row, tok.encode("x")[0])
+    assert allowed(other, tok.encode("r")[0]) and not allowed(other, tok.encode("w")[0])   # its row, at once
 
 
 def test_a_copy_opens_by_the_grammar_id_its_register_gave(backend, server_opens, tok):
