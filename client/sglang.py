@@ -21,8 +21,8 @@ What SGLang calls, and what happens:
 * ``fill_vocab_mask_batched`` (called once per scheduler step by ``update_regex_vocab_mask``) is one
   maskd step for the whole batch: the recorded tokens go out and the rows come back into SGLang's
   mask, every answered sequence's at once (one gather from the step's rows, one scatter into the
-  mask; no per-sequence result objects). A sequence whose grammar is still compiling (evicted from the server's cache meanwhile) is
-  polled until it has rows; it never gets an all-allowed row.
+  mask; no per-sequence result objects). A sequence whose grammar is still compiling (evicted
+  from the server's cache meanwhile) is polled until it has rows; it never gets an all-allowed row.
 * ``is_terminated`` is true once EOS was accepted; ``try_jump_forward`` returns maskd's forced
   tokens for the current position.
 * A sequence the server failed (a token the grammar rejects, a compile that failed after all) gets
