@@ -108,8 +108,10 @@ def settle(result: StepResult, keys: Mapping[str, K], step: Callable[[dict[str, 
     NOT_FOUND and taken back by the client: sent again, it carries the spec). Returns the number of
     polls sent."""
     waited, attempt = 0.0, 0
+    carried: dict[str, K] = {}      # waiting over a step that only sent refused entries again
     while True:
-        waiting: dict[str, K] = {}
+        waiting: dict[str, K] = carried
+        carried = {}
         resend: dict[str, tuple[K, Any]] = {}
         for sid, key in keys.items():
             res = result.seqs[sid]
@@ -127,12 +129,18 @@ def settle(result: StepResult, keys: Mapping[str, K], step: Callable[[dict[str, 
             for key in waiting.values():
                 give_up(key, f"grammar still compiling after {wait_timeout_s:g} s")
             waiting = {}
-        if not waiting and not resend:
+        if resend:
+            # at once and alone: the polls keep their own steps, numbered alike on every rank of a
+            # tensor-parallel engine whether or not its open was the one refused
+            carried = waiting
+            keys = {sid: key for sid, (key, _) in resend.items()}
+            result = step({sid: entry for sid, (_, entry) in resend.items()})
+            continue
+        if not waiting:
             return attempt
-        if not resend:
-            pause = min(0.05, 0.001 * 2 ** attempt)
-            time.sleep(pause)
-            waited += pause
-            attempt += 1
-        keys = {**waiting, **{sid: key for sid, (key, _) in resend.items()}}
-        result = step({**{sid: [] for sid in waiting}, **{sid: entry for sid, (_, entry) in resend.items()}})
+        pause = min(0.05, 0.001 * 2 ** attempt)
+        time.sleep(pause)
+        waited += pause
+        attempt += 1
+        keys = waiting
+        result = step({sid: [] for sid in waiting})

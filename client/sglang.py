@@ -193,6 +193,8 @@ class MaskdGrammarBackend(BaseGrammarBackend):
         self._eos_row = self._eos_row.view(np.int32)
         self.steps = 0                       # maskd steps sent (one per fill, plus polls)
         self.polls = 0
+        self.reopen_steps = 0                # steps sending again opens by an id the server did not hold
+        self._reopened_after = -1
 
     # -- compiles (on SGLang's executor; the grammar queue polls the future) ---------------------------
     def _register(self, request: dict) -> BaseGrammarObject:
@@ -284,8 +286,7 @@ class MaskdGrammarBackend(BaseGrammarBackend):
         g.forced = list(res.forced_tokens)
         self._set_row(vocab_mask, row, g.row)
 
-    @staticmethod
-    def _open_with_spec(key: tuple[int, MaskdGrammar], res: SeqResult, request: dict[str, Any]) -> Any:
+    def _open_with_spec(self, key: tuple[int, MaskdGrammar], res: SeqResult, request: dict[str, Any]) -> Any:
         """An open that named the grammar id the server no longer holds (evicted, or registered on
         another server): refused (NOT_FOUND) and taken back by the client, it goes again at once
         and carries the spec, which the server compiles (under the same id: later copies of this
@@ -293,6 +294,9 @@ class MaskdGrammarBackend(BaseGrammarBackend):
         _, g = key
         if res.status is SeqStatus.ERROR and g.grammar_id and getattr(res.code, "name", "") == "NOT_FOUND":
             g.grammar_id = ""
+            if self._reopened_after != self.steps:   # the first of this step's answers sent again
+                self._reopened_after = self.steps
+                self.reopen_steps += 1
             return request[str(g.seq_id)]
         return None
 

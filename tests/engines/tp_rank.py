@@ -77,6 +77,7 @@ def run(rank: int, world: int, target: str, port: int, workdir: str, docs: list,
         step += 1
     report["steps"] = step
     report["maskd_steps"] = backend.steps
+    report["reopen_steps"] = backend.reopen_steps
     report["recoveries"] = backend.client.recoveries
     report["replays"] = backend.client.replays
     reports = [None] * world
