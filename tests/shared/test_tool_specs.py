@@ -352,6 +352,28 @@ def test_parts_travel_as_themselves_and_come_back_checked():
     assert GrammarSpec.from_proto(loose) == spec
 
 
+@pytest.mark.parametrize("value", [
+    WEATHER, {"a": [True, None, 1.5, -0.0, 3.141592653589793]}, 1e16, 1e-05, 2 ** 70, float("nan"), float("inf"),
+    "é\u2028\x00\"\\", {"é": "ü", "\ud800": 1}, {1: "an int key"}, (1, 2), [], {}, "", 0, True, None,
+])
+def test_the_compact_writer_writes_json_dumps_text(value):
+    # grammar ids are hashes of these texts: one character apart is another grammar
+    from maskd.tool_specs import _compact
+
+    assert _compact(value) == json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def test_what_json_cannot_write_is_refused_naming_the_tool():
+    cyclic: dict = {"type": "object"}
+    cyclic["properties"] = {"self": cyclic}
+    for params, message in (({"type": "object", "enum": {1, 2}}, "is not JSON"),
+                            ({"type": "object", "default": b"x"}, "is not JSON"),
+                            (cyclic, "nested too deeply")):
+        tools = [{"type": "function", "function": {"name": "f", "parameters": params}}]
+        with pytest.raises(SpecError, match=message):
+            tool_call_schema(tools, "required")
+
+
 def test_the_memo_of_parameters_texts_keeps_the_tools_in_use(monkeypatch):
     # bounded: the least recently used text goes first, so a tool every request names stays read
     from maskd import tool_specs
