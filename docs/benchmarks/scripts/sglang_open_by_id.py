@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import random
 import statistics
 import time
-import types
 
 
 def main() -> None:
@@ -34,41 +32,17 @@ def main() -> None:
     ap.add_argument("--tokenizer", default="deepseek-v4")
     args = ap.parse_args()
 
-    import torch
-    from sglang.srt.constrained.base_grammar_backend import GRAMMAR_BACKEND_REGISTRY
-    from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+    from sglang_batch import sglang_batch
 
-    import maskd_client.sglang  # noqa: F401  (registers "maskd")
-    from maskd.server.tokenizers import load_tokenizer
     from maskd.tool_specs import tool_call_schema
-    from maskd.tools.bench import common
     from maskd.tools.bench import tools as bench_tools
 
-    tok = load_tokenizer(args.tokenizer)
-    pool = bench_tools.tool_pool(pathlib.Path(args.data), tok)
-    tools = [bench_tools._tool(stem, schema, "open") for stem, schema in random.Random(0).sample(pool, args.tools)]
-    handle = common.subprocess_server(args.tokenizer, 1)
-    try:
-        os.environ["MASKD_TARGET"] = handle.address
-        server_args = types.SimpleNamespace(host="127.0.0.1", port=30000, nccl_port=0, dist_init_addr=None)
-        backend = GRAMMAR_BACKEND_REGISTRY["maskd"](server_args, None, tok.ll.vocab_size, set(tok.eos_token_ids))
-
-        def masks(grammars):
-            batch = types.SimpleNamespace(grammars=list(grammars), temperatures=torch.ones(len(grammars)),
-                                          vocab_size=tok.ll.vocab_size, device="cpu", grammar_mask=None)
-            SamplingBatchInfo.update_regex_vocab_mask(batch)
-            return batch.grammar_mask.vocab_mask
-
-        text = backend.dispatch_json(json.dumps({"type": "object", "properties": {"text": {"type": "string"}},
-                                                 "required": ["text"]}))
-        array = backend.dispatch_json(json.dumps(tool_call_schema(tools, "required")))
+    with sglang_batch(args.tokenizer) as sg:
+        pool = bench_tools.tool_pool(pathlib.Path(args.data), sg.tok)
+        tools = [bench_tools._tool(stem, schema, "open") for stem, schema in random.Random(0).sample(pool, args.tools)]
+        array = sg.backend.dispatch_json(json.dumps(tool_call_schema(tools, "required")))
         wire = len(array.spec.to_proto().SerializeToString())
-        decoding = [text.copy() for _ in range(args.batch)]
-        for t in tok.encode('{"text": "'):
-            masks(decoding)
-            for g in decoding:
-                g.accept_token(t)
-        letter = tok.encode("a")[0]
+        decoding = sg.decoding(args.batch)
         times: dict[str, list[float]] = {"grammar_id": [], "spec": []}
         for r in range(2 * args.rounds + 2):
             how = "grammar_id" if r % 2 == 0 else "spec"
@@ -76,20 +50,15 @@ def main() -> None:
             if how == "spec":
                 base.grammar_id = ""            # the adapter before: every open carries the spec
             new = base.copy()
-            masks(decoding)                     # a step without a new request, between
-            for g in decoding:
-                g.accept_token(letter)
+            sg.masks(decoding)                  # a step without a new request, between
+            sg.take_letter(decoding)
             t0 = time.perf_counter()
-            masks(decoding + [new])             # the step the new request joins
+            sg.masks(decoding + [new])          # the step the new request joins
             elapsed = time.perf_counter() - t0
-            for g in decoding:
-                g.accept_token(letter)
+            sg.take_letter(decoding)
             new.finished = True
             if r >= 2:                          # the first of each: warm-up
                 times[how].append(elapsed)
-        backend.shutdown()
-    finally:
-        handle.close()
     print(f"{args.tools} tools (spec {wire / 1024:.0f} KB on the wire), {args.batch} sequences decoding, "
           f"{args.rounds} rounds each, alternating; the step a new request joins, ms:")
     for how, ts in times.items():

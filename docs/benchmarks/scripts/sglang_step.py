@@ -15,11 +15,8 @@ Medians over ``--steps`` steps per way, ms.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import time
-import types
 
 
 def main() -> None:
@@ -29,65 +26,39 @@ def main() -> None:
     ap.add_argument("--tokenizer", default="deepseek-v4")
     args = ap.parse_args()
 
-    import torch
-    from sglang.srt.constrained.base_grammar_backend import GRAMMAR_BACKEND_REGISTRY
-    from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+    from sglang_batch import sglang_batch
 
-    from maskd.server.tokenizers import load_tokenizer
-    from maskd.tools.bench import common
     from maskd_client import sglang as adapter
 
-    tok = load_tokenizer(args.tokenizer)
     columns = adapter.MaskdGrammarBackend._take_rows
 
     def per_sequence(self, vocab_mask, rows, result):
         return dict(rows)           # every sequence through settle, one SeqResult and one copy each
 
-    handle = common.subprocess_server(args.tokenizer, 1)
     try:
-        os.environ["MASKD_TARGET"] = handle.address
-        server_args = types.SimpleNamespace(host="127.0.0.1", port=30000, nccl_port=0, dist_init_addr=None)
-        backend = GRAMMAR_BACKEND_REGISTRY["maskd"](server_args, None, tok.ll.vocab_size, set(tok.eos_token_ids))
-
-        def masks(grammars):
-            batch = types.SimpleNamespace(grammars=list(grammars), temperatures=torch.ones(len(grammars)),
-                                          vocab_size=tok.ll.vocab_size, device="cpu", grammar_mask=None)
-            SamplingBatchInfo.update_regex_vocab_mask(batch)
-            return batch.grammar_mask.vocab_mask
-
-        text = backend.dispatch_json(json.dumps({"type": "object", "properties": {"text": {"type": "string"}},
-                                                 "required": ["text"]}))
-        letter = tok.encode("a")[0]
-        print(f"{args.tokenizer} ({tok.ll.vocab_size} ids), free-text JSON string, one server thread; "
-              "the step: update_regex_vocab_mask + accept_token, ms")
-        for size in [int(b) for b in args.batch.split(",")]:
-            decoding = [text.copy() for _ in range(size)]
-            for t in tok.encode('{"text": "'):
-                masks(decoding)
+        with sglang_batch(args.tokenizer) as sg:
+            print(f"{args.tokenizer} ({sg.tok.ll.vocab_size} ids), free-text JSON string, one server thread; "
+                  "the step: update_regex_vocab_mask + accept_token, ms")
+            for size in [int(b) for b in args.batch.split(",")]:
+                decoding = sg.decoding(size)
+                times: dict[str, list[float]] = {"columns": [], "per sequence": []}
+                for step in range(2 * args.steps + 4):
+                    way = "columns" if step % 2 == 0 else "per sequence"
+                    adapter.MaskdGrammarBackend._take_rows = columns if way == "columns" else per_sequence
+                    t0 = time.perf_counter()
+                    mask = sg.masks(decoding)
+                    sg.take_letter(decoding)
+                    elapsed = time.perf_counter() - t0
+                    assert int(mask[0][sg.letter >> 5]) >> (sg.letter & 31) & 1
+                    if step >= 4:
+                        times[way].append(elapsed)
+                adapter.MaskdGrammarBackend._take_rows = columns
                 for g in decoding:
-                    g.accept_token(t)
-            times: dict[str, list[float]] = {"columns": [], "per sequence": []}
-            for step in range(2 * args.steps + 4):
-                way = "columns" if step % 2 == 0 else "per sequence"
-                adapter.MaskdGrammarBackend._take_rows = columns if way == "columns" else per_sequence
-                t0 = time.perf_counter()
-                mask = masks(decoding)
-                for g in decoding:
-                    g.accept_token(letter)
-                elapsed = time.perf_counter() - t0
-                assert int(mask[0][letter >> 5]) >> (letter & 31) & 1
-                if step >= 4:
-                    times[way].append(elapsed)
-            adapter.MaskdGrammarBackend._take_rows = columns
-            for g in decoding:
-                g.finished = True
-            cells = "  ".join(f"{way} {statistics.median(ts) * 1e3:6.2f}" for way, ts in times.items())
-            print(f"  batch {size:4d}: {cells}")
-        backend.shutdown()
+                    g.finished = True
+                cells = "  ".join(f"{way} {statistics.median(ts) * 1e3:6.2f}" for way, ts in times.items())
+                print(f"  batch {size:4d}: {cells}")
     finally:
         adapter.MaskdGrammarBackend._take_rows = columns
-        handle.close()
-
 
 if __name__ == "__main__":
     main()
