@@ -15,12 +15,16 @@ set drawn afresh:
   for three requests:
 
   - ``cold``: tools the server has never seen (compiled whole; their pieces compile after it);
-  - ``same``: the same request again (a cache hit);
+  - ``same``: the same request again, once the cold set's pieces are compiled (a cache hit: nothing
+    to compile or compose; what any request of that size costs the client, the wire and the first
+    step, so the floor under ``shuffled``);
   - ``shuffled``: all of the cold set's tools but one, in another order, plus one never seen: a
     new array, which the server composes from the pieces it has (one per tool's parameters) and
-    the new tool's, with a router compiled for its names (issue 19's target: <= 5 ms at 200 tools),
-    sent once the cold set's pieces are compiled (as an agent's next turn finds them: the cold
-    set in reverse order is registered first, which waits for them).
+    the new tool's, with a router compiled for its names (issue 19's target: <= 5 ms at 200 tools).
+
+  ``same`` and ``shuffled`` are sent once the cold set's pieces are compiled (as an agent's next
+  turn finds them: the cold set in reverse order is registered first, which waits for them), so
+  no compile of the cold set's pieces runs beside them.
 
 Every tool of a set is new: its name and its parameters' description carry the set's tag, so no
 cache (of whole grammars, or of pieces later) has seen it before.
@@ -274,7 +278,7 @@ def run(args, log: Callable[[str], None] = print) -> dict:
                         per[name].append({"compile": c, "first_row": f})
                     for scenario, tools in (("cold", cold), ("same", cold), ("shuffled", shuffled)):
                         try:
-                            if scenario == "shuffled":
+                            if scenario == "same":
                                 _settle(mc, cold)
                             per[scenario].append(first_row(mc, request(tools), f"{tag}-{scenario}"))
                         except MaskClientError as exc:
@@ -323,7 +327,11 @@ def _targets(results: list[dict]) -> dict:
     for x in results:
         if x["tools"] == 200 and x["server"]["shuffled"]["first_row_ms"]["n"]:
             p50 = x["server"]["shuffled"]["first_row_ms"]["p50"]
-            return {"n200_all_but_one_known_shuffled_first_row_at_most_5ms": {"p50_ms": p50, "met": p50 <= TARGET_MS}}
+            found = {"p50_ms": p50, "met": p50 <= TARGET_MS}
+            same = x["server"]["same"]["first_row_ms"]
+            if same.get("n"):   # the cache hit of the same size: what no composing takes off
+                found["same_set_cache_hit_p50_ms"] = same["p50"]
+            return {"n200_all_but_one_known_shuffled_first_row_at_most_5ms": found}
     return {}
 
 
