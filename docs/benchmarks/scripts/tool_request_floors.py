@@ -41,7 +41,7 @@ def main() -> None:
     from maskd.server.tokenizers import load_tokenizer
     from maskd.specs import GrammarSpec
     from maskd.tools.bench import tools as bench_tools
-    from maskd_client import MaskClient, SeqStatus
+    from maskd_client import MaskClient
 
     handler: list[float] = []
     original_register = service_module.MaskService.RegisterGrammar
@@ -94,20 +94,10 @@ def main() -> None:
                     gc.collect()
                     time.sleep(0.05)
                     handler.clear()
-                    sid = f"{i}-{kind}"
-                    t0 = time.perf_counter()
-                    spec = GrammarSpec.from_request(request).to_proto()
-                    t1 = time.perf_counter()
-                    grammar_id = mc.register(spec, wait=True)
-                    t2 = time.perf_counter()
-                    mc.open(sid, spec, grammar_id=grammar_id)
-                    res = mc.step({sid: []})
-                    t3 = time.perf_counter()
-                    mc.close(sid)
-                    if res.status[0] != SeqStatus.READY:
-                        raise SystemExit(f"{kind}: the first step answered {SeqStatus(int(res.status[0])).name}")
-                    samples[kind].append({"first row": t3 - t0, "spec": t1 - t0, "register": t2 - t1,
-                                          "register handler": sum(handler), "open + first step": t3 - t2})
+                    took = bench_tools.first_row(mc, request, f"{i}-{kind}")   # the bench's own timing
+                    samples[kind].append({"first row": took["first_row"], "spec": took["spec"],
+                                          "register": took["register"], "register handler": sum(handler),
+                                          "open + first step": took["first_step"]})
             mc.flush_closes()
     finally:
         server.stop(grace=0.5)
