@@ -353,14 +353,44 @@ def test_parts_travel_as_themselves_and_come_back_checked():
 
 
 @pytest.mark.parametrize("value", [
-    WEATHER, {"a": [True, None, 1.5, -0.0, 3.141592653589793]}, 1e16, 1e-05, 2 ** 70, float("nan"), float("inf"),
-    "é\u2028\x00\"\\", {"é": "ü", "\ud800": 1}, {1: "an int key"}, (1, 2), [], {}, "", 0, True, None,
+    WEATHER, {"a": [True, None, 1.5, -0.0, 3.141592653589793]}, 1e16, 1e300, 5e-324, 2 ** 63, -2 ** 63, 2 ** 70,
+    float("nan"), float("inf"), {"type": ["string", "null"]}, "é\u2028\x00\"\\", {"é": "ü", "\ud800": 1},
+    {1: "an int key"}, (1, 2), [], {}, "", 0, True, None, [[[[]]]] * 3, {"a": {"b": [{"c": 0.1}]}},
 ])
 def test_the_compact_writer_writes_json_dumps_text(value):
     # grammar ids are hashes of these texts: one character apart is another grammar
     from maskd.tool_specs import _compact
 
     assert _compact(value) == json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+@pytest.mark.parametrize("value", [1e-05, 1e-07, 1.23e-06, {"minimum": 1e-05}])
+def test_small_floats_are_written_as_orjson_writes_them_the_same_value(value):
+    # orjson's one difference from json.dumps on JSON values: a small float's exponent form. The
+    # value is the same, and the text is canonical: read and written again, it is the same text.
+    from maskd.tool_specs import _compact
+
+    text = _compact(value)
+    assert json.loads(text) == value and _compact(json.loads(text)) == text
+    assert text != json.dumps(value, separators=(",", ":"))
+
+
+def test_nan_is_never_written_as_null():
+    # orjson writes NaN and infinities as null: a schema would silently change ({"const": NaN}
+    # becoming {"const": null}); they are written as json.dumps writes them, for the compile to refuse
+    from maskd.tool_specs import _compact
+
+    for value in ({"const": float("nan")}, {"maximum": float("inf")}, [float("-inf")]):
+        assert "null" not in _compact(value) and _compact(value) == json.dumps(value, separators=(",", ":"))
+
+
+def test_a_deep_schema_past_orjsons_limit_is_written_by_json():
+    from maskd.tool_specs import _compact
+
+    deep: object = {}
+    for _ in range(300):
+        deep = {"a": deep}
+    assert _compact(deep) == json.dumps(deep, separators=(",", ":"))
 
 
 def test_what_json_cannot_write_is_refused_naming_the_tool():
