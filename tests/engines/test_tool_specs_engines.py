@@ -54,3 +54,53 @@ def test_required_is_the_text_of_sglang_too(parallel):
     theirs = get_json_schema_constraint([SglangTool(**t) for t in copy.deepcopy(tools)], "required", parallel)
     ours = GrammarSpec.from_request({"tools": tools, "tool_choice": "required", "parallel_tool_calls": parallel})
     assert ours.text == compact(theirs)
+
+
+# -- the structural tags vLLM builds for tool calls (its tool parsers' model formats) ---------------
+def _registry_tags():
+    """Every structural tag vLLM 0.33 hands its backend for tool calls: each model format of its
+    registry (xgrammar's builtins and vLLM's own), tool_choice required / named / auto with strict
+    tools, with and without reasoning."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionNamedToolChoiceParam, \
+        ChatCompletionToolsParam
+    from vllm.tool_parsers import structural_tag_registry as registry
+    from vllm.tool_parsers.tool_strict_level import ToolStrictLevel
+
+    tools = [ChatCompletionToolsParam(**t) for t in [
+        {"type": "function", "function": {"name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["c", "f"]},
+                                             "days": {"type": "integer"}}, "required": ["city"]}}},
+        {"type": "function", "function": {"name": "search", "parameters": {
+            "type": "object", "properties": {"q": {"type": "string"}, "filters": {"type": "object"}}}}}]]
+    choices = {"required": "required", "auto": "auto",
+               "named": ChatCompletionNamedToolChoiceParam(type="function", function={"name": "search"})}
+    for model in sorted(registry.SUPPORTED_STRUCTURAL_TAG_MODELS):
+        for name, choice in choices.items():
+            for reasoning in (False, True):
+                tag = registry.get_model_structural_tag(model, tools, choice, reasoning,
+                                                        strict_level=ToolStrictLevel.PARAMETER)
+                yield f"{model}-{name}-{'reasoning' if reasoning else 'plain'}", json.dumps(tag.model_dump())
+
+
+@pytest.fixture(scope="module")
+def default_engine():
+    from maskd.server.engines import create_engine
+    from maskd.server.tokenizers import load_tokenizer
+
+    return create_engine("llguidance", load_tokenizer("deepseek-v4"), threads=1, json_schema_mode="complete")
+
+
+def test_every_tool_call_structural_tag_vllm_builds_compiles_on_the_default_backend(default_engine):
+    """What a vLLM user with a structural-tag tool parser (Qwen3-Coder, DeepSeek-V3.2/V4, GLM-4.7, ...)
+    and tool_choice "required" sends: the server's default backend serves every one (llguidance,
+    with xgrammar for the XML argument styles llguidance cannot express)."""
+    tags = dict(_registry_tags())
+    assert len(tags) >= 17 * 6, sorted(tags)
+    by_fallback = []
+    for name, text in tags.items():
+        compiled = default_engine.compile(GrammarSpec.create("structural_tag", text))
+        if compiled.by_fallback:
+            by_fallback.append(name)
+    models = {name.rsplit("-", 2)[0] for name in by_fallback}
+    assert {"qwen_3_coder", "deepseek_v4", "glm_4_7"} <= models, models   # their XML styles: xgrammar's
+    print(f"\n{len(tags)} structural tags; compiled by xgrammar: {sorted(models)}")

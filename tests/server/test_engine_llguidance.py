@@ -158,10 +158,19 @@ def test_compile_errors_carry_engine_message(engine, kind, source, match):
         engine.compile(GrammarSpec.create(kind, source))
 
 
-def test_structural_tag_formats_llguidance_lacks_name_xgrammar(engine):
-    with pytest.raises(UnsupportedSpec, match="'dispatch' is not supported on llguidance; use --backend xgrammar"):
-        engine.compile(GrammarSpec.create("structural_tag", {"type": "structural_tag", "format": {
-            "type": "dispatch", "rules": []}}))
+def test_structural_tag_formats_llguidance_lacks_go_to_xgrammar(engine, cl100k):
+    # llguidance alone refuses them, naming them; the server's llguidance backend compiles them
+    # with xgrammar (engines/fallback.py), and a spec xgrammar refuses too carries both messages
+    from maskd.server.engines.llguidance_engine import LLGuidanceEngine
+
+    empty = GrammarSpec.create("structural_tag", {"type": "structural_tag", "format": {"type": "dispatch", "rules": []}})
+    with pytest.raises(UnsupportedSpec, match="'dispatch' is not supported on llguidance"):
+        LLGuidanceEngine(cl100k, threads=1).compile(empty)
+    with pytest.raises(GrammarCompileError, match="rules must be non-empty.*'dispatch' is not supported on llguidance"):
+        engine.compile(empty)
+    dispatch = GrammarSpec.create("structural_tag", {"type": "structural_tag", "format": {
+        "type": "dispatch", "rules": [["<a>", {"type": "const_string", "value": "A"}]]}})
+    assert engine.compile(dispatch).by_fallback
     with pytest.raises(GrammarCompileError, match="has a 'format'"):
         engine.compile(GrammarSpec.create("structural_tag", {"type": "structural_tag"}))
 

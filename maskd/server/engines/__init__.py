@@ -7,9 +7,14 @@ from maskd.server.engines.base import CompiledGrammar, Engine, GrammarCompileErr
 
 def create_engine(backend: str, tokenizer, *, threads: int, json_schema_mode: str = "strict") -> Engine:
     """Builds the named backend for a loaded tokenizer."""
-    if backend == "llguidance":
+    if backend == "llguidance":   # with xgrammar for the specs llguidance cannot express (fallback.py)
+        from maskd.server.engines.fallback import FallbackEngine
         from maskd.server.engines.llguidance_engine import LLGuidanceEngine
-        return LLGuidanceEngine(tokenizer, threads=threads, json_schema_mode=json_schema_mode)
+        from maskd.server.engines.xgrammar_engine import XGrammarEngine
+        return FallbackEngine(
+            LLGuidanceEngine(tokenizer, threads=threads, json_schema_mode=json_schema_mode),
+            lambda: XGrammarEngine(tokenizer, threads=threads, json_schema_mode=json_schema_mode),
+            f"{XGrammarEngine.name} {XGrammarEngine.version}")
     if backend == "xgrammar":
         from maskd.server.engines.xgrammar_engine import XGrammarEngine
         return XGrammarEngine(tokenizer, threads=threads, json_schema_mode=json_schema_mode)

@@ -35,6 +35,8 @@ class CompiledGrammar:
     # mode the sub-documents a relaxed grammar may not enforce (a maskd.server.json_schema
     # DocumentChecker); None for grammars without JSON schemas.
     checker: Any = None
+    # Compiled by a server's fallback engine (engines/fallback.py): its matchers and bytes are that engine's.
+    by_fallback: bool = False
 
 
 class Matcher(abc.ABC):
@@ -69,6 +71,7 @@ class Matcher(abc.ABC):
 class Engine(abc.ABC):
     name: str
     version: str
+    matcher_type: type = Matcher     # what new_matcher builds (an engine with several: their base)
 
     def __init__(self, tokenizer, *, threads: int, json_schema_mode: str = "strict") -> None:
         self.tokenizer = tokenizer

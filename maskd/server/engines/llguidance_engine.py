@@ -188,7 +188,7 @@ class LLGuidanceEngine(Engine):
             except Exception as exc:
                 raise GrammarCompileError(f"cannot convert the GBNF grammar to Lark: {exc}") from exc
         else:
-            raise UnsupportedSpec(f"the llguidance backend does not support {spec.kind}; use --backend xgrammar")
+            raise UnsupportedSpec(f"llguidance does not support {spec.kind}")
         if spec.reasoning_end:
             return self._lark(reasoning_lark(spec.reasoning_start, spec.reasoning_end, self.specials, body))
         return llguidance.LLMatcher.grammar_from_lark("start: " + body)

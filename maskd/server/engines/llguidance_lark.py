@@ -9,8 +9,9 @@ legacy ``{"structures": [...], "triggers": [...]}``) are translated here for llg
 ``const_string``, ``json_schema`` (style "json"), ``any_text``, ``regex``, ``sequence``, ``or``,
 ``tag``, ``triggered_tags``, ``token_triggered_tags``, ``tags_with_separator``, ``optional``,
 ``plus``, ``star``, ``repeat``, ``token``. Free text between tags never contains a trigger (after
-a trigger, one of its tags must follow). Other formats are refused with a message that names
-them (the xgrammar backend takes them).
+a trigger, one of its tags must follow). Other formats, and json_schema styles other than "json"
+(the XML argument styles), are refused as UnsupportedSpec naming them: the server's llguidance
+backend then compiles the spec with xgrammar (engines/fallback.py).
 """
 from __future__ import annotations
 
@@ -189,8 +190,7 @@ class StructuralTagLark:
         kind = fmt["type"]
         handler = getattr(self, "_f_" + kind, None)
         if handler is None:
-            raise UnsupportedSpec(f"{where}: structural tag format {kind!r} is not supported on llguidance; "
-                                  "use --backend xgrammar")
+            raise UnsupportedSpec(f"{where}: structural tag format {kind!r} is not supported on llguidance")
         return handler(fmt, where)
 
     def _f_const_string(self, fmt, where):

@@ -285,6 +285,7 @@ class XGrammarMatcher(Matcher):
 
 class XGrammarEngine(Engine):
     name = "xgrammar"
+    matcher_type = XGrammarMatcher
     version = f"{_XGR_VERSION}+maskd.{_MAPPING_REVISION}"
 
     def __init__(self, tokenizer, *, threads: int, json_schema_mode: str = "strict",
