@@ -367,7 +367,7 @@ _OPTIONS = ("whitespace", "disable_any_whitespace", "disable_additional_properti
             "reasoning", "max_whitespace")
 _WRAPPERS = ("structured_outputs", "response_format")
 # OpenAI chat completions' tool keys (the schema they ask for: maskd.tool_specs).
-_TOOL_KEYS = ("tools", "tool_choice", "parallel_tool_calls")
+_TOOL_KEYS = ("tools", "tool_choice", "parallel_tool_calls", "tool_call_format")
 _RESPONSE_FORMAT_TYPES = ("json_schema", "json_object", "text", "structural_tag")
 
 
@@ -392,7 +392,10 @@ def spec_from_request(request: Any) -> GrammarSpec | None:
       json_schema response_format silently replace the calls' schema and refuses a json_object
       one beside it (older vLLM let the tools win). maskd's options
       (whitespace, disable_any_whitespace, reasoning, max_whitespace) apply to the calls; the
-      body's other keys (messages, model...) are not maskd's and are left alone.
+      body's other keys (messages, model...) are not maskd's and are left alone. With
+      ``tool_call_format`` (a model's format, such as ``"qwen_3_coder"``): the calls in that
+      model's own tags instead, a structural tag (``maskd.tool_specs.tool_call_tag``; what vLLM
+      builds for a tool parser with that format).
 
     Exactly one constraint must be named; a second one, an unknown key, or an option maskd cannot
     honour is a SpecError that says so, never a silent "any JSON".
@@ -428,9 +431,11 @@ def _fields_of(obj: Any) -> Mapping[str, Any]:
 
 
 def _from_tool_request(request: Mapping[str, Any]) -> GrammarSpec | None:
-    from maskd.tool_specs import ToolCallParts, tool_call_output  # here: maskd.tool_specs imports this module
+    from maskd.tool_specs import ToolCallParts, tool_call_output, tool_call_tag  # maskd.tool_specs imports this module
 
-    schema = tool_call_output(request.get("tools"), request.get("tool_choice"), request.get("parallel_tool_calls"))
+    keys = (request.get("tools"), request.get("tool_choice"), request.get("parallel_tool_calls"))
+    model = request.get("tool_call_format")
+    schema = tool_call_output(*keys) if model is None else tool_call_tag(*keys, model)
     rest = {k: v for k, v in request.items() if k not in _TOOL_KEYS and v is not None}
     others = sorted(k for k in rest if k in _CONSTRAINTS or k in _WRAPPERS)
     if schema is None:    # tool_choice "auto"/"none", or no tools: the body's other constraint, if any
@@ -442,6 +447,8 @@ def _from_tool_request(request: Mapping[str, Any]) -> GrammarSpec | None:
         raise SpecError("disable_additional_properties does not apply to tool calls (vLLM drops it for them "
                         "too); close the parameters schemas themselves with additionalProperties false")
     options = {k: rest[k] for k in _OPTIONS if k in rest}
+    if model is not None:                          # the model's own tags around each call
+        return _from_keys({"structural_tag": schema, **options})
     if not isinstance(schema, ToolCallParts):      # a named function: its parameters schema
         return _from_keys({"json_schema": schema, **options})
     # The call array as its parts: its text is assembled from them, and it travels as them.

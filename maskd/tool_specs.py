@@ -30,7 +30,7 @@ import orjson
 from maskd.specs import SpecError, json_depth
 
 __all__ = ["ARRAY_HEAD", "EMPTY_PARAMETERS", "TOOL_CHOICES", "ToolCallParts", "calls_depth", "calls_schema_parts",
-           "parts_from_wire", "tool_call_output", "tool_call_schema"]
+           "parts_from_wire", "tool_call_output", "tool_call_schema", "tool_call_tag"]
 
 #: The parameters of a function that declares none (vLLM's default): an object, any members.
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
@@ -77,6 +77,58 @@ def tool_call_output(tools: Any, tool_choice: Any = None,
     if not functions:
         return None          # vLLM and OpenAI: "required" with an empty tools list means "none"
     return _calls_parts(functions, single=parallel_tool_calls is False)
+
+
+def tool_call_tag(tools: Any, tool_choice: Any, parallel_tool_calls: Any, model: Any) -> dict[str, Any] | None:
+    """The structural tag of ``model``'s own tool-call format (``tool_call_format``: a model the
+    xgrammar installed here has a builtin format for, such as ``qwen_3_coder``, ``qwen_3``,
+    ``deepseek_v4``, ``glm_4_7``, ``llama``, ``harmony``): the tags that model wraps its calls in,
+    each tool's arguments per its parameters schema (unless the tool says ``strict: false``). The
+    same tag vLLM builds for a tool parser with that format, so the same grammar. ``"auto"`` (the
+    default with tools): free text, and any call the model starts in its format is constrained;
+    ``"required"`` and a named function: at least one call (of that function); ``"none"``, or no
+    tools: None. Needs xgrammar (the client's import of it is lazy); a malformed key, an unknown
+    format or xgrammar's refusal is a SpecError."""
+    if not isinstance(model, str) or not model:
+        raise SpecError(f"tool_call_format names a model's tool-call format (such as 'qwen_3_coder'), "
+                        f"not {model!r}")
+    functions = None if tools is None else _functions(tools)
+    if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
+        raise SpecError(f"parallel_tool_calls is true or false, not {parallel_tool_calls!r}")
+    choice = _plain(tool_choice)
+    if choice is None:
+        choice = "auto"      # OpenAI: tools without a tool_choice are "auto"
+    if choice == "none":
+        return None
+    if isinstance(choice, str) and choice not in TOOL_CHOICES:
+        raise SpecError(f"tool_choice {choice!r} is not one of {', '.join(map(repr, TOOL_CHOICES))} "
+                        f"or a named function {_NAMED}")
+    name = None if isinstance(choice, str) else _named(choice)
+    if functions is None:
+        raise SpecError(f"tool_call_format {model!r} needs tools: the request has none")
+    if name is not None and name not in functions:
+        raise SpecError(f"tool_choice names the function {name!r}, which is not one of the tools "
+                        f"({_some(functions)})")
+    if not functions:
+        return None
+    try:
+        from xgrammar import get_model_structural_tag
+    except ImportError:
+        raise SpecError(f"tool_call_format {model!r} is built from xgrammar's model formats and xgrammar is not "
+                        "installed here (pip install xgrammar); or send the structural tag itself") from None
+    plain: list[Any] = []
+    for raw in tools:
+        tool = dict(_plain(raw))
+        tool["function"] = {k: v for k, v in dict(_plain(tool["function"])).items() if v is not None}
+        plain.append({k: v for k, v in tool.items() if v is not None})
+    try:
+        tag = get_model_structural_tag(model, tools=plain, reasoning=False,
+                                       tool_choice=choice if name is None else {"type": "function",
+                                                                                "function": {"name": name}},
+                                       parallel_tool_calls=parallel_tool_calls is not False)
+    except (ValueError, TypeError) as exc:     # pydantic's ValidationError is a ValueError
+        raise SpecError(f"tool_call_format {model!r}: {str(exc).splitlines()[0]}") from None
+    return json.loads(tag.model_dump_json())
 
 
 def _some(names: Mapping[str, Any], shown: int = 8) -> str:

@@ -104,3 +104,27 @@ def test_every_tool_call_structural_tag_vllm_builds_compiles_on_the_default_back
     models = {name.rsplit("-", 2)[0] for name in by_fallback}
     assert {"qwen_3_coder", "deepseek_v4", "glm_4_7"} <= models, models   # their XML styles: xgrammar's
     print(f"\n{len(tags)} structural tags; compiled by xgrammar: {sorted(models)}")
+
+
+@pytest.mark.parametrize("choice", ["required", "auto", {"type": "function", "function": {"name": "get_weather"}}],
+                         ids=repr)
+def test_tool_call_format_is_the_tag_vllm_builds_for_that_parser(choice):
+    """A client's tool_call_format and vLLM's tool parser of that format give one tag, so one grammar
+    id (vLLM's strict tools: each tool's arguments constrained, as maskd's default)."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionToolsParam
+    from vllm.tool_parsers import structural_tag_registry as registry
+    from vllm.tool_parsers.tool_strict_level import ToolStrictLevel
+
+    tools = [TOOLS[0], {"type": "function", "function": {"name": "search", "parameters": {
+        "type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}}}]
+    models = sorted(registry.XGRAMMAR_BUILTIN_STRUCTURAL_TAG_MODELS)
+    assert {"qwen_3_coder", "qwen_3", "deepseek_v4", "llama"} <= set(models)
+    for model in models:
+        vllm_tag = registry.get_model_structural_tag(model, [ChatCompletionToolsParam(**t) for t in tools],
+                                                     choice if isinstance(choice, str) else
+                                                     ChatCompletionRequest(messages=MESSAGES, model="m", tools=tools,
+                                                                           tool_choice=choice).tool_choice,
+                                                     False, strict_level=ToolStrictLevel.PARAMETER)
+        theirs = GrammarSpec.create("structural_tag", json.dumps(vllm_tag.model_dump()))
+        ours = GrammarSpec.from_request({"tools": tools, "tool_choice": choice, "tool_call_format": model})
+        assert ours == theirs, model

@@ -33,8 +33,8 @@ CALLS = {
 
 
 def tool_tag(model: str) -> GrammarSpec:
-    tag = xgr.get_model_structural_tag(model, tools=TOOLS, tool_choice="required", reasoning=False)
-    return GrammarSpec.create("structural_tag", tag.model_dump_json())
+    """The request a client sends for calls in the model's own format (maskd.tool_specs.tool_call_tag)."""
+    return GrammarSpec.from_request({"tools": TOOLS, "tool_choice": "required", "tool_call_format": model})
 
 
 @pytest.fixture(scope="module")

@@ -486,3 +486,51 @@ def test_garbage_parts_are_refused_naming_the_part(change, message):
 ])
 def test_other_schemas_are_no_call_arrays(schema):
     assert spec_of(schema).parts is None
+
+
+# -- the calls in a model's own tags (tool_call_format) ------------------------------------------
+def test_tool_call_format_gives_the_models_structural_tag():
+    xgr = pytest.importorskip("xgrammar", reason="tool_call_format builds the tag with xgrammar's model formats")
+    spec = GrammarSpec.from_request({"tools": TOOLS, "tool_choice": "required", "tool_call_format": "qwen_3_coder"})
+    assert spec.kind == "structural_tag" and spec.parts is None
+    tag = json.loads(spec.text)
+    want = xgr.get_model_structural_tag("qwen_3_coder", tools=TOOLS, tool_choice="required", reasoning=False)
+    assert tag == json.loads(want.model_dump_json())
+    fmt = tag["format"]
+    assert fmt["at_least_one"] and not fmt["stop_after_first"]
+    assert [t["begin"] for t in fmt["tags"]] == [f"<tool_call>\n<function={t['function']['name']}>\n" for t in TOOLS]
+    # at most one call; "auto" (the default with tools): free text, calls optional; "none": nothing
+    single = json.loads(GrammarSpec.from_request({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False,
+                                                  "tool_call_format": "qwen_3_coder"}).text)
+    assert single["format"]["stop_after_first"]
+    auto = json.loads(GrammarSpec.from_request({"tools": TOOLS, "tool_call_format": "qwen_3_coder"}).text)
+    assert not auto["format"]["at_least_one"]
+    assert GrammarSpec.from_request({"tools": TOOLS, "tool_choice": "none", "tool_call_format": "qwen_3"}) is None
+    named = json.loads(GrammarSpec.from_request({"tools": TOOLS, "tool_choice": {"type": "function", "function": {
+        "name": "noop"}}, "tool_call_format": "qwen_3"}).text)
+    assert "noop" in json.dumps(named) and "get_weather" not in json.dumps(named)
+    # maskd's own options ride along
+    assert GrammarSpec.from_request({"tools": TOOLS, "tool_choice": "required", "tool_call_format": "qwen_3",
+                                     "reasoning": ["<think>", "</think>"]}).reasoning_end == "</think>"
+
+
+@pytest.mark.parametrize("request_keys,message", [
+    ({"tool_call_format": "no_such_model"}, "Unknown format type: no_such_model"),
+    ({"tool_call_format": 5}, "names a model's tool-call format"),
+    ({"tool_call_format": ""}, "names a model's tool-call format"),
+    ({"tool_call_format": "qwen_3", "tools": None}, "needs tools"),
+    ({"tool_call_format": "qwen_3", "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "not one of the tools"),
+    ({"tool_call_format": "qwen_3", "tool_choice": "sometimes"}, "is not one of"),
+    ({"tool_call_format": "qwen_3", "parallel_tool_calls": "no"}, "true or false"),
+    ({"tool_call_format": "qwen_3", "tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}]},
+     "JSON schema object"),
+    ({"tool_call_format": "qwen_3", "json_schema": {"type": "object"}}, "constrains it too"),
+])
+def test_tool_call_format_garbage_is_refused_naming_it(request_keys, message):
+    pytest.importorskip("xgrammar", reason="tool_call_format builds the tag with xgrammar's model formats")
+    body = {"tools": TOOLS, "tool_choice": "required", **request_keys}
+    if body["tools"] is None:
+        del body["tools"]
+    with pytest.raises(SpecError, match=message):
+        GrammarSpec.from_request(body)
