@@ -10,11 +10,13 @@ def create_engine(backend: str, tokenizer, *, threads: int, json_schema_mode: st
     if backend == "llguidance":   # with xgrammar for the specs llguidance cannot express (fallback.py)
         from maskd.server.engines.fallback import FallbackEngine
         from maskd.server.engines.llguidance_engine import LLGuidanceEngine
-        from maskd.server.engines.xgrammar_engine import XGrammarEngine
-        return FallbackEngine(
-            LLGuidanceEngine(tokenizer, threads=threads, json_schema_mode=json_schema_mode),
-            lambda: XGrammarEngine(tokenizer, threads=threads, json_schema_mode=json_schema_mode),
-            f"{XGrammarEngine.name} {XGrammarEngine.version}")
+        from maskd.server.engines.revisions import xgrammar_engine_version
+
+        def xgrammar_engine() -> Engine:   # imported when first needed (xgrammar imports torch: seconds)
+            from maskd.server.engines.xgrammar_engine import XGrammarEngine
+            return XGrammarEngine(tokenizer, threads=threads, json_schema_mode=json_schema_mode)
+        return FallbackEngine(LLGuidanceEngine(tokenizer, threads=threads, json_schema_mode=json_schema_mode),
+                              xgrammar_engine, f"xgrammar {xgrammar_engine_version()}")
     if backend == "xgrammar":
         from maskd.server.engines.xgrammar_engine import XGrammarEngine
         return XGrammarEngine(tokenizer, threads=threads, json_schema_mode=json_schema_mode)

@@ -55,16 +55,14 @@ from collections.abc import Sequence
 
 import numpy as np
 import xgrammar as xgr
-from xgrammar._version import version as _XGR_VERSION
 
 from maskd.server.engines.base import CompiledGrammar, Engine, GrammarCompileError, Matcher
+from maskd.server.engines.revisions import xgrammar_engine_version
 from maskd.server.json_schema import ValidatorError, document_checker
 from maskd.specs import GrammarSpec
 
 log = logging.getLogger("maskd.server.engines.xgrammar")
 
-# Bumped when maskd changes how a spec maps onto xgrammar (it is part of every grammar id).
-_MAPPING_REVISION = 2
 _FORCED_LIMIT = 32            # forced_tokens looks this many tokens ahead at most
 _ZMAGIC = b"XGZ1"             # serialized grammars: magic + zlib(serialize_json)
 _LOG_PREFIX = re.compile(r"^\[\d\d:\d\d:\d\d\] [^\s:]+:\d+: ")
@@ -286,7 +284,7 @@ class XGrammarMatcher(Matcher):
 class XGrammarEngine(Engine):
     name = "xgrammar"
     matcher_type = XGrammarMatcher
-    version = f"{_XGR_VERSION}+maskd.{_MAPPING_REVISION}"
+    version = xgrammar_engine_version()     # its mapping revision: revisions.py
 
     def __init__(self, tokenizer, *, threads: int, json_schema_mode: str = "strict",
                  vocab_source: str = "auto", cache_limit_bytes: int = 512 << 20) -> None:
