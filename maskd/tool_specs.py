@@ -83,8 +83,9 @@ def tool_call_tag(tools: Any, tool_choice: Any, parallel_tool_calls: Any, model:
     """The structural tag of ``model``'s own tool-call format (``tool_call_format``: a model the
     xgrammar installed here has a builtin format for, such as ``qwen_3_coder``, ``qwen_3``,
     ``deepseek_v4``, ``glm_4_7``, ``llama``, ``harmony``): the tags that model wraps its calls in,
-    each tool's arguments per its parameters schema (unless the tool says ``strict: false``). The
-    same tag vLLM builds for a tool parser with that format, so the same grammar. ``"auto"`` (the
+    each tool's arguments per its parameters schema (unless the tool says ``strict: false``). Where
+    vLLM takes a parser's format from xgrammar (vLLM 0.33 builds some itself, such as ``hermes``
+    and its own ``glm_4_7``), the same tag vLLM builds, so the same grammar. ``"auto"`` (the
     default with tools): free text, and any call the model starts in its format is constrained;
     ``"required"`` and a named function: at least one call (of that function); ``"none"``, or no
     tools: None. Needs xgrammar (the client's import of it is lazy); a malformed key, an unknown
