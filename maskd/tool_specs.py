@@ -55,28 +55,44 @@ def tool_call_output(tools: Any, tool_choice: Any = None,
                      parallel_tool_calls: Any = None) -> ToolCallParts | dict[str, Any] | None:
     """What ``tool_call_schema`` gives, with the call array of ``"required"`` as its parts (not
     built as one dict: a server composes it from the parts, and its text is their concatenation)."""
+    chosen = _chosen(tools, tool_choice, parallel_tool_calls)
+    if chosen is None:
+        return None
+    functions, choice, name = chosen
+    if choice == "auto":
+        return None          # vLLM: the tool parser reads the model's own calls; nothing constrains them
+    if name is not None:
+        return functions[name].schema()
+    if not functions:
+        return None          # vLLM and OpenAI: "required" with an empty tools list means "none"
+    return _calls_parts(functions, single=parallel_tool_calls is False)
+
+
+def _chosen(tools: Any, tool_choice: Any,
+            parallel_tool_calls: Any) -> tuple[dict[str, _Function], str, str | None] | None:
+    """The tool keys read and checked: (each tool's parameters by name, "auto" / "required" /
+    "named", the named function or None), or None where they ask for nothing (``"none"``, or no
+    tool_choice and no tools). Malformed keys raise SpecError naming the key."""
     functions = None if tools is None else _functions(tools)
     if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
         raise SpecError(f"parallel_tool_calls is true or false, not {parallel_tool_calls!r}")
     choice = _plain(tool_choice)
-    if choice is None or choice == "none":
-        return None          # vLLM: no tool_choice is "auto" with tools, "none" without
+    if choice is None:
+        if functions is None:
+            return None
+        choice = "auto"      # OpenAI and vLLM: tools without a tool_choice are "auto"
+    if choice == "none":
+        return None
     if isinstance(choice, str) and choice not in TOOL_CHOICES:
         raise SpecError(f"tool_choice {choice!r} is not one of {', '.join(map(repr, TOOL_CHOICES))} "
                         f"or a named function {_NAMED}")
     name = None if isinstance(choice, str) else _named(choice)
     if functions is None:
         raise SpecError(f"tool_choice {choice if name is None else name!r} needs tools: the request has none")
-    if choice == "auto":
-        return None
-    if name is not None:
-        if name not in functions:
-            raise SpecError(f"tool_choice names the function {name!r}, which is not one of the tools "
-                            f"({_some(functions)})")
-        return functions[name].schema()
-    if not functions:
-        return None          # vLLM and OpenAI: "required" with an empty tools list means "none"
-    return _calls_parts(functions, single=parallel_tool_calls is False)
+    if name is not None and name not in functions:
+        raise SpecError(f"tool_choice names the function {name!r}, which is not one of the tools "
+                        f"({_some(functions)})")
+    return functions, "named" if name is not None else choice, name
 
 
 def tool_call_tag(tools: Any, tool_choice: Any, parallel_tool_calls: Any, model: Any) -> dict[str, Any] | None:
@@ -93,39 +109,25 @@ def tool_call_tag(tools: Any, tool_choice: Any, parallel_tool_calls: Any, model:
     if not isinstance(model, str) or not model:
         raise SpecError(f"tool_call_format names a model's tool-call format (such as 'qwen_3_coder'), "
                         f"not {model!r}")
-    functions = None if tools is None else _functions(tools)
-    if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
-        raise SpecError(f"parallel_tool_calls is true or false, not {parallel_tool_calls!r}")
-    choice = _plain(tool_choice)
-    if choice is None:
-        choice = "auto"      # OpenAI: tools without a tool_choice are "auto"
-    if choice == "none":
-        return None
-    if isinstance(choice, str) and choice not in TOOL_CHOICES:
-        raise SpecError(f"tool_choice {choice!r} is not one of {', '.join(map(repr, TOOL_CHOICES))} "
-                        f"or a named function {_NAMED}")
-    name = None if isinstance(choice, str) else _named(choice)
-    if functions is None:
+    if tools is None:
         raise SpecError(f"tool_call_format {model!r} needs tools: the request has none")
-    if name is not None and name not in functions:
-        raise SpecError(f"tool_choice names the function {name!r}, which is not one of the tools "
-                        f"({_some(functions)})")
-    if not functions:
+    chosen = _chosen(tools, tool_choice, parallel_tool_calls)
+    if chosen is None or not chosen[0]:
         return None
+    choice, name = chosen[1], chosen[2]
     try:
         from xgrammar import get_model_structural_tag
     except ImportError:
         raise SpecError(f"tool_call_format {model!r} is built from xgrammar's model formats and xgrammar is not "
                         "installed here (pip install xgrammar); or send the structural tag itself") from None
+    wanted: Any = choice if name is None else {"type": "function", "function": {"name": name}}
     plain: list[Any] = []
     for raw in tools:
         tool = dict(_plain(raw))
         tool["function"] = {k: v for k, v in dict(_plain(tool["function"])).items() if v is not None}
         plain.append({k: v for k, v in tool.items() if v is not None})
     try:
-        tag = get_model_structural_tag(model, tools=plain, reasoning=False,
-                                       tool_choice=choice if name is None else {"type": "function",
-                                                                                "function": {"name": name}},
+        tag = get_model_structural_tag(model, tools=plain, reasoning=False, tool_choice=wanted,
                                        parallel_tool_calls=parallel_tool_calls is not False)
     except (ValueError, TypeError) as exc:     # pydantic's ValidationError is a ValueError
         raise SpecError(f"tool_call_format {model!r}: {str(exc).splitlines()[0]}") from None

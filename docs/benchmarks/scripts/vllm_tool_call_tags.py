@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import http.client
-import json
 import pathlib
 import statistics
 import tempfile
 import time
+
+from maskd.tools.bench.vllm import _stream
 
 PARSER = ("--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder")
 XGRAMMAR = ("--structured-outputs-config", '{"backend": "xgrammar"}')
@@ -27,38 +27,6 @@ TOOLS = [{"type": "function", "function": {"name": f"tool_{i}", "description": f
     "type": "object", "properties": {f"city_{i}": {"type": "string"}, "days": {"type": "integer"},
                                      "unit": {"type": "string", "enum": ["c", "f"]}},
     "required": [f"city_{i}"]}}} for i in range(8)]
-
-
-def stream(port: int, body: dict) -> dict:
-    """One streaming chat request: completion tokens, TTFT (first delta), finish reason, error."""
-    res = {"tokens": 0, "ttft": None, "finish": None, "error": None}
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    t0 = time.perf_counter()
-    try:
-        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"content-type": "application/json"})
-        reply = conn.getresponse()
-        if reply.status != 200:
-            res["error"] = f"HTTP {reply.status}: {reply.read()[:300]!r}"
-            return res
-        for raw in reply:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                res["tokens"] = chunk["usage"]["completion_tokens"]
-            for choice in chunk.get("choices", ()):
-                delta = choice.get("delta") or {}
-                if res["ttft"] is None and (delta.get("content") or delta.get("tool_calls")
-                                            or delta.get("reasoning_content")):
-                    res["ttft"] = time.perf_counter() - t0
-                if choice.get("finish_reason"):
-                    res["finish"] = choice["finish_reason"]
-    except (OSError, http.client.HTTPException, ValueError) as exc:
-        res["error"] = f"{type(exc).__name__}: {exc}"
-    finally:
-        conn.close()
-    return res
 
 
 def drive(port: int, choice: str, concurrency: int, n: int, max_tokens: int, tag: str) -> dict:
@@ -69,7 +37,7 @@ def drive(port: int, choice: str, concurrency: int, n: int, max_tokens: int, tag
 
     t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
-        results = list(pool.map(lambda i: stream(port, body(i)), range(n)))
+        results = list(pool.map(lambda i: _stream("127.0.0.1", port, body(i)), range(n)))
     wall = time.perf_counter() - t0
     ttft = sorted(r["ttft"] for r in results if r["ttft"] is not None)
     finish: dict = {}

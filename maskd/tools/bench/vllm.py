@@ -314,11 +314,15 @@ def _count(values) -> dict:
 
 
 def _stream(host: str, port: int, body: dict, streaming: threading.Event | None = None) -> dict:
+    """One streaming request (a chat request where the body has messages): completion tokens, the
+    time to the first text (or tool-call delta, which a tool parser holds until it read the call's
+    name), the gaps between the later ones, the text, the finish reason, an error."""
     res: dict[str, Any] = {"tokens": 0, "ttft": None, "gaps": [], "text": "", "finish": None, "error": None}
     conn = http.client.HTTPConnection(host, port, timeout=600)
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     t0 = time.perf_counter()
     try:
-        conn.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
+        conn.request("POST", path, json.dumps(body), {"content-type": "application/json"})
         reply = conn.getresponse()
         if reply.status != 200:
             res["error"] = f"HTTP {reply.status}: {reply.read()[:300]!r}"
@@ -334,8 +338,10 @@ def _stream(host: str, port: int, body: dict, streaming: threading.Event | None 
             if chunk.get("usage"):
                 res["tokens"] = chunk["usage"]["completion_tokens"]
             for choice in chunk.get("choices", ()):
-                if choice.get("text"):
-                    parts.append(choice["text"])
+                delta = choice.get("delta") or {}
+                text = choice.get("text") or delta.get("content")
+                if text or delta.get("tool_calls"):
+                    parts.append(text or "")
                     if last is None:
                         res["ttft"] = now - t0
                         if streaming is not None:
