@@ -60,7 +60,10 @@ class MaskClient(ClientCore):
     def _retry_placement(self, suspects: set[str]) -> bool:
         return False   # one server: nowhere else to go
 
-    def register(self, spec: Any, *, wait: bool = True, timeout_s: float | None = None) -> str:
+    def register(self, spec: Any, *, wait: bool = True, timeout_s: float | None = None,
+                 require_ready: bool = False) -> str:
         """Registers a grammar and returns its id; raises MaskClientError with the compile error
-        (DEADLINE_EXCEEDED when waiting outlasts ``timeout_s``: the compile goes on)."""
-        return self._connection(self.target).register(spec, wait=wait, timeout_s=timeout_s)
+        (DEADLINE_EXCEEDED when waiting outlasts ``timeout_s``: the compile goes on).
+        ``require_ready``: an id only of a compiled grammar (``Connection.register``)."""
+        return self._connection(self.target).register(spec, wait=wait, timeout_s=timeout_s,
+                                                      require_ready=require_ready)

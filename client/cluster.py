@@ -76,8 +76,10 @@ class ClusterClient(ClientCore):
         except DirectoryError as exc:
             raise MaskClientError(str(exc), exc.code) from exc
 
-    def register(self, spec: Any, *, wait: bool = True, timeout_s: float | None = None) -> str:
-        """Registers (compiles) a grammar on the worker that owns its id; the cluster cache shares it."""
+    def register(self, spec: Any, *, wait: bool = True, timeout_s: float | None = None,
+                 require_ready: bool = False) -> str:
+        """Registers (compiles) a grammar on the worker that owns its id; the cluster cache shares it.
+        ``require_ready``: an id only of a compiled grammar (``Connection.register``)."""
         spec_pb = spec_proto(spec)
         info = self.info()
         try:
@@ -90,7 +92,8 @@ class ClusterClient(ClientCore):
         address = self._directory_router.place(key)
         for attempt in range(self.retries + 1):
             try:
-                return self._connect(address).register(spec_pb, wait=wait, timeout_s=timeout_s)
+                return self._connect(address).register(spec_pb, wait=wait, timeout_s=timeout_s,
+                                                       require_ready=require_ready)
             except MaskClientError as exc:
                 unreachable = isinstance(exc, Unreachable) or exc.code is _UNAVAILABLE
                 if not unreachable or attempt == self.retries:

@@ -10,7 +10,7 @@ import grpc
 from maskd.specs import GrammarSpec, SpecError
 from maskd.v1 import maskd_pb2 as pb
 from maskd.v1 import maskd_pb2_grpc as pb_grpc
-from maskd.v1.contract import AUTH_METADATA_KEY, AUTH_SCHEME, SESSION_METADATA_KEY, ServerInfo
+from maskd.v1.contract import AUTH_METADATA_KEY, AUTH_SCHEME, SESSION_METADATA_KEY, GrammarState, ServerInfo
 from maskd_client.types import MaskClientError
 
 
@@ -92,16 +92,30 @@ class Connection:
             self._info = info
         return self._info
 
-    def register(self, spec: Any, *, wait: bool = True, timeout_s: float | None = None) -> str:
+    def register(self, spec: Any, *, wait: bool = True, timeout_s: float | None = None,
+                 require_ready: bool = False) -> str:
         """Registers a grammar; returns its id. MaskClientError with the compile error (or
-        DEADLINE_EXCEEDED when ``wait`` outlasts ``timeout_s``; the compile goes on)."""
+        DEADLINE_EXCEEDED when ``wait`` outlasts ``timeout_s``; the compile goes on).
+
+        A server may answer a waiting register before the compile ends (its wait ends just ahead
+        of the call's deadline, or it has no thread free to wait on it): the id comes back with
+        the grammar still compiling, and a sequence opened on it answers WAITING until it is done.
+        ``require_ready``: such an answer raises DEADLINE_EXCEEDED instead, whichever end's clock
+        ran out first, so the id returned is always of a compiled grammar."""
         request = pb.RegisterGrammarRequest(spec=spec_proto(spec), wait=wait,
                                             tokenizer_fingerprint=self.settings.expected_fingerprint or "")
         try:
-            return self.stub.RegisterGrammar(request, timeout=timeout_s or self.settings.timeout_s,
-                                             metadata=self._auth).grammar_id
+            reply = self.stub.RegisterGrammar(request, timeout=timeout_s or self.settings.timeout_s,
+                                              metadata=self._auth)
         except grpc.RpcError as exc:
             raise MaskClientError(exc.details() or exc.code().name, exc.code()) from exc
+        if require_ready and reply.state != GrammarState.READY:
+            if reply.state == GrammarState.FAILED:
+                raise MaskClientError(f"grammar {reply.grammar_id} does not compile: {reply.error}",
+                                      grpc.StatusCode.INVALID_ARGUMENT)
+            raise MaskClientError(f"grammar {reply.grammar_id} is still compiling on {self.target}",
+                                  grpc.StatusCode.DEADLINE_EXCEEDED)
+        return reply.grammar_id
 
     def close(self) -> None:
         self.channel.close()

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from maskd_client.client import MaskClient
-from maskd_client.types import SeqResult, SeqStatus, StepResult
+from maskd_client.types import MaskClientError, SeqResult, SeqStatus, StepResult
 
 K = TypeVar("K")
 
@@ -95,6 +95,28 @@ def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
     if not value > 0:
         raise EngineConfigError(f"{name}={raw!r} must be positive")
     return value
+
+
+def register_compiled(client: Any, spec: Any, wait_timeout_s: float, timeout_s: float) -> str:
+    """(an engine's compile thread) The id of ``spec``'s grammar once the server has compiled it,
+    waiting up to ``wait_timeout_s`` in all: an engine schedules a request whose grammar is ready,
+    and its step must never wait on a compile (every request of the engine would wait with it).
+    The server may answer a waiting register still compiling (no thread free to wait on it: a
+    burst of new grammars): asked again after a pause. MaskClientError with the compile error, or
+    DEADLINE_EXCEEDED past ``wait_timeout_s``."""
+    deadline = time.monotonic() + wait_timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        wait_s = max(0.1, min(left, timeout_s))
+        asked = time.monotonic()
+        try:
+            return client.register(spec, wait=True, timeout_s=wait_s, require_ready=True)
+        except MaskClientError as exc:
+            if getattr(exc.code, "name", "") != "DEADLINE_EXCEEDED" or left <= 0:
+                raise
+            early = wait_s - (time.monotonic() - asked)
+            if early > 0.05:
+                time.sleep(0.05)
 
 
 def settle(result: StepResult, keys: Mapping[str, K], step: Callable[[dict[str, Any]], StepResult],

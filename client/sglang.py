@@ -56,7 +56,7 @@ from sglang.srt.constrained.base_grammar_backend import (
 
 from maskd.specs import GrammarSpec, SpecError
 from maskd_client.apply import apply_token_bitmask_inplace
-from maskd_client.engine_env import EngineSettings, settle
+from maskd_client.engine_env import EngineSettings, register_compiled, settle
 from maskd_client.types import MaskClientError, SeqResult, SeqStatus, StepInput, StepResult
 
 __all__ = ["BACKEND_NAME", "MaskdGrammar", "MaskdGrammarBackend", "register"]
@@ -201,7 +201,7 @@ class MaskdGrammarBackend(BaseGrammarBackend):
         try:
             spec = GrammarSpec.from_request(request)
             assert spec is not None
-            grammar_id = self.client.register(spec, wait=True)
+            grammar_id = register_compiled(self.client, spec, self.settings.wait_timeout_s, self.settings.timeout_s)
         except (SpecError, MaskClientError) as exc:
             return InvalidGrammarObject(str(exc))
         return MaskdGrammar(self, spec, grammar_id)

@@ -23,7 +23,7 @@ requests and leave every other request to vLLM:
   vocabulary width is HTTP 400 with the reason. A compile still running then is left to the engine.
   Admission holds the API server's event loop (every stream it serves) for that round trip, so a
   spec the server compiled before for this process is admitted without one (``KnownSpecs``).
-  A request whose grammar the server holds is marked with its grammar id
+  A request whose grammar the server holds compiled is marked with its grammar id
   (``extra_args["maskd_registered"]``);
 * the engine core's ``StructuredOutputManager``: ``grammar_init`` of a request admission marked
   registered (or of a spec compiled before) is ready at once, with no round trip from the engine
@@ -94,7 +94,7 @@ from typing import Any
 import numpy as np
 
 from maskd.specs import GrammarSpec, SpecError
-from maskd_client.engine_env import EngineConfigError, EngineSettings
+from maskd_client.engine_env import EngineConfigError, EngineSettings, register_compiled
 from maskd_client.types import MaskClientError, SeqStatus, StepInput
 
 __all__ = ["BACKEND", "EXTRA_ARGS_KEY", "GrammarDrafts", "MaskdGrammar", "MaskdStructuredOutputs", "register",
@@ -212,9 +212,11 @@ class _Admission:
 
     def check(self, spec: GrammarSpec, vocab_size: int) -> str | None:
         """Raises ValueError (HTTP 400) with the reason where maskd cannot serve this request; the
-        grammar id where the server holds its grammar (compiled, or compiling past the wait when
-        the server had no thread to wait on it: the step reports it waiting), None where the
-        compile outlasted the wait or was not waited for."""
+        grammar id where the server holds its grammar compiled, None where the compile outlasted
+        the wait (the server answered it still compiling, or the wait's deadline came first) or
+        was not waited for. Only a compiled grammar is marked: the engine core takes a marked
+        request's grammar as ready and schedules it, and a grammar still compiling there would
+        hold the engine core's step (and every other request) until its compile ends."""
         try:
             if self.checked_width != vocab_size:
                 info = self.client.info()
@@ -229,7 +231,7 @@ class _Admission:
             if known:
                 return known
             if self.wait_s > 0:
-                grammar_id = self.client.register(spec, wait=True, timeout_s=self.wait_s)
+                grammar_id = self.client.register(spec, wait=True, timeout_s=self.wait_s, require_ready=True)
                 self.known.add(spec, grammar_id)
                 return grammar_id
             self.client.register(spec, wait=False)
@@ -447,18 +449,15 @@ class MaskdStructuredOutputs:
         return self.compiles.submit(self._compile, request.request_id, spec)
 
     def _compile(self, seq_id: str, spec: GrammarSpec) -> MaskdGrammar:
-        deadline = time.monotonic() + self.settings.wait_timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                grammar_id = self.client.register(spec, wait=True,
-                                                  timeout_s=max(0.1, min(left, self.settings.timeout_s)))
-                self.known.add(spec, grammar_id)
-                return _grammar_class()(self, seq_id, spec, grammar_id)
-            except MaskClientError as exc:
-                if getattr(exc.code, "name", "") != "DEADLINE_EXCEEDED" or left <= 0:
-                    log.error("maskd grammar for request %s: %s", seq_id, exc)
-                    raise
+        """(a compile thread) The request's grammar once the server has compiled it: vLLM holds the
+        request (WAITING_FOR_FSM) until then, and the engine core's step never waits on a compile."""
+        try:
+            grammar_id = register_compiled(self.client, spec, self.settings.wait_timeout_s, self.settings.timeout_s)
+        except MaskClientError as exc:
+            log.error("maskd grammar for request %s: %s", seq_id, exc)
+            raise
+        self.known.add(spec, grammar_id)
+        return _grammar_class()(self, seq_id, spec, grammar_id)
 
     # -- the step -------------------------------------------------------------------------------
     def rows(self, manager: Any, requests: dict, req_ids: Sequence[str],

@@ -3,14 +3,16 @@ server, TLS and auth."""
 import json
 import shutil
 import subprocess
+import threading
 import time
 
 import grpc
 import numpy as np
 import pytest
 
-from conftest import allowed_ids
+from conftest import allowed_ids, hold_compiles
 from maskd.server import MaskServer, ServerConfig
+from maskd.specs import GrammarSpec
 from maskd_client import MaskClient, MaskClientError, SeqStatus, StepInput
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999},
@@ -321,3 +323,42 @@ def test_an_empty_step_is_answered_at_once_with_no_rows(server):
         mc.open("e", {"regex": "[ab]"})
         assert mc.step({"e": []}).seqs["e"].status in (SeqStatus.READY, SeqStatus.WAITING)
         assert mc.step_async({}).result(5).ids == []          # with a sequence open too
+
+
+def test_register_require_ready_gives_only_ids_of_compiled_grammars(server):
+    """A waiting register may be answered with the grammar still compiling (the server's wait ends
+    just before the call's deadline, or it has no thread free to wait): with ``require_ready`` that
+    is DEADLINE_EXCEEDED, never an id; a grammar that does not compile is INVALID_ARGUMENT."""
+    gate = threading.Event()
+    hold_compiles(server.cache, gate)
+    slots = server.service._blocking_registers
+    taken = 0
+    with MaskClient(server.address) as mc:
+        try:
+            held = {"regex": "[0-9]{3}-require-ready"}
+            assert mc.register(held, wait=False)                 # queued: an id, not ready
+            with pytest.raises(MaskClientError) as waited:       # the wait (or its deadline) ends first
+                mc.register(held, wait=True, timeout_s=0.5, require_ready=True)
+            assert waited.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
+            while slots.acquire(blocking=False):                 # no thread left to wait on it
+                taken += 1
+            t0 = time.monotonic()
+            assert mc.register(held, wait=True, timeout_s=5)     # without require_ready: the id, at once
+            with pytest.raises(MaskClientError) as answered:
+                mc.register(held, wait=True, timeout_s=5, require_ready=True)
+            assert answered.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
+            assert "still compiling" in str(answered.value) and time.monotonic() - t0 < 4
+        finally:
+            for _ in range(taken):
+                slots.release()
+            gate.set()
+        grammar_id = mc.register(held, wait=True, timeout_s=30, require_ready=True)
+        assert grammar_id == server.cache.grammar_id(GrammarSpec.from_request(held))
+        deadline = time.monotonic() + 30
+        while True:   # without waiting: still compiling at first, then the refusal the server cached
+            with pytest.raises(MaskClientError) as failed:
+                mc.register({"regex": "[a-"}, wait=False, require_ready=True)
+            if failed.value.code is not grpc.StatusCode.DEADLINE_EXCEEDED or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert failed.value.code is grpc.StatusCode.INVALID_ARGUMENT and "does not compile" in str(failed.value)

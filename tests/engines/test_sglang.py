@@ -1,4 +1,5 @@
 """maskd as SGLang's grammar backend, driven through SGLang's own classes against a real server."""
+import concurrent.futures
 import json
 import threading
 import time
@@ -169,6 +170,34 @@ def test_a_sequence_whose_grammar_is_compiling_waits_and_never_gets_all_allowed(
     assert backend.polls > polls
     assert allowed(row, tok.encode("w")[0]) and not allowed(row, tok.encode("x")[0])
     assert allowed(other, tok.encode("r")[0]) and not allowed(other, tok.encode("w")[0])   # its row, at once
+
+
+def test_a_grammar_is_handed_to_sglang_only_once_compiled(backend, server, tok):
+    # Under a burst of new grammars the server answers a waiting register at once, still compiling
+    # (no thread free to wait on it): SGLang gets the grammar only once it is compiled, so its
+    # scheduler's step never polls a compile (every request of the batch would wait with it).
+    gate = threading.Event()
+    hold_compiles(server.cache, gate)
+    slots = server.service._blocking_registers
+    taken = 0
+    try:
+        while slots.acquire(blocking=False):
+            taken += 1
+        future, hit = backend.get_cached_or_future_value(("regex", "burst[0-9]{3}"), False)
+        assert not hit
+        with pytest.raises(concurrent.futures.TimeoutError):
+            future.result(timeout=1.0)
+    finally:
+        for _ in range(taken):
+            slots.release()
+        gate.set()
+    g = future.result(timeout=30)
+    backend.set_cache(("regex", "burst[0-9]{3}"), g.copy())
+    assert not isinstance(g, InvalidGrammarObject)
+    polls = backend.polls
+    row = masks([g], tok.ll.vocab_size)[0]
+    assert backend.polls == polls
+    assert allowed(row, tok.encode("burst")[0]) and not allowed(row, tok.encode("x")[0])
 
 
 def test_a_copy_opens_by_the_grammar_id_its_register_gave(backend, server_opens, tok):

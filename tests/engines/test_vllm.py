@@ -3,9 +3,13 @@ tests/vllm_engine): the entry point, the patch points it wraps, admission throug
 SamplingParams and StructuredOutputsParams against a real maskd server, and the step's bitmask under
 speculative decoding as 0.33's own StructuredOutputManager.grammar_bitmask and apply_grammar_bitmask
 lay it out and read it."""
+import concurrent.futures
 import importlib.metadata
 import inspect
+import itertools
 import os
+import threading
+import time
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")   # vLLM's platform on a machine without a GPU
 
@@ -20,6 +24,7 @@ from vllm.v1.structured_output.backend_types import StructuredOutputGrammar
 from maskd.server import MaskServer, ServerConfig
 from maskd.specs import GrammarSpec
 from maskd_client import vllm as plugin
+from conftest import hold_compiles
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
           "additionalProperties": False}
@@ -142,6 +147,59 @@ def test_admission_marks_a_request_whose_grammar_the_server_holds(target, server
     unwaited._validate_structured_outputs(vocab(server), CONFIG, tokenizer=object())
     assert unwaited.structured_outputs._backend == plugin.BACKEND
     assert plugin.REGISTERED_KEY not in unwaited.extra_args
+
+
+_NEW = itertools.count()
+
+
+class _BusyRegisters:
+    """Every thread the server has to wait on compiles for registers taken: a waiting register is
+    answered at once with the grammar still compiling (as under a burst of new grammars)."""
+
+    def __init__(self, server) -> None:
+        self.slots = server.service._blocking_registers
+        self.taken = 0
+
+    def __enter__(self):
+        while self.slots.acquire(blocking=False):
+            self.taken += 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for _ in range(self.taken):
+            self.slots.release()
+
+
+def test_admission_never_marks_a_grammar_still_compiling(target, server, monkeypatch):
+    # A marked request's grammar is ready at once in the engine core, which schedules it: a grammar
+    # still compiling there held the engine core's step (every request of the engine) until its
+    # compile ended. The server answers a waiting register still compiling when its own wait ends
+    # just before the caller's deadline, or when it has no thread free to wait: neither is marked.
+    monkeypatch.setenv("MASKD_ADMISSION_WAIT_S", "0.5")
+    plugin._admission.cache_clear()
+    gate = threading.Event()
+    hold_compiles(server.cache, gate)
+    try:
+        waited = SamplingParams(structured_outputs=StructuredOutputsParams(regex="[0-9]{4}-held-waited"))
+        waited._validate_structured_outputs(vocab(server), CONFIG, tokenizer=object())
+        with _BusyRegisters(server) as busy:
+            assert busy.taken
+            t0 = time.monotonic()
+            answered = SamplingParams(structured_outputs=StructuredOutputsParams(regex="[0-9]{4}-held-answered"))
+            answered._validate_structured_outputs(vocab(server), CONFIG, tokenizer=object())
+            assert time.monotonic() - t0 < 0.5          # the server answered at once: still compiling
+        for params in (waited, answered):
+            assert params.structured_outputs._backend == plugin.BACKEND
+            assert plugin.SPEC_KEY in params.extra_args
+            assert plugin.REGISTERED_KEY not in params.extra_args
+    finally:
+        gate.set()
+    compiled = SamplingParams(structured_outputs=StructuredOutputsParams(regex="[0-9]{4}-held-answered"))
+    deadline = time.monotonic() + 30
+    while plugin.REGISTERED_KEY not in (compiled.extra_args or {}) and time.monotonic() < deadline:
+        compiled = SamplingParams(structured_outputs=StructuredOutputsParams(regex="[0-9]{4}-held-answered"))
+        compiled._validate_structured_outputs(vocab(server), CONFIG, tokenizer=object())
+    assert compiled.extra_args[plugin.REGISTERED_KEY] == server.cache.grammar_id(plugin.spec_of(compiled))
 
 
 @pytest.mark.parametrize(("params", "words"), [
@@ -377,6 +435,35 @@ def test_the_engine_core_opens_an_admitted_grammar_without_a_register(engine, se
     for request in (admitted, unwaited):      # opened on the stream, a row each, no failure
         assert request.structured_output_request.grammar.failure is None
         assert request.structured_output_request.grammar.opened
+
+
+def test_the_engine_cores_grammar_is_ready_only_once_compiled(engine, server, monkeypatch):
+    # The server answers a waiting register at once, still compiling, when it has no thread free
+    # to wait on it: the request's grammar future stays pending (vLLM holds the request, its other
+    # requests go on) until the compile is done, and its first rows need no wait in the step.
+    monkeypatch.setenv("MASKD_ADMISSION_WAIT_S", "0")
+    plugin._admission.cache_clear()
+    regex = f"[0-9]{{4}}-held-in-the-core-{next(_NEW)}"      # new to the server in each run
+    gate = threading.Event()
+    hold_compiles(server.cache, gate)
+    try:
+        request = _maskd_request(server, "held", regex)
+        assert plugin.REGISTERED_KEY not in (request.sampling_params.extra_args or {})
+        with _BusyRegisters(server):
+            engine.grammar_init(request)
+            future = request.structured_output_request._grammar
+            with pytest.raises(concurrent.futures.TimeoutError):
+                future.result(timeout=1.0)
+            assert not request.structured_output_request.is_grammar_ready
+        gate.set()
+        future.result(timeout=30)
+    finally:
+        gate.set()
+    assert request.structured_output_request.is_grammar_ready
+    rows = engine.grammar_bitmask({"held": request}, ["held"], {})
+    grammar = request.structured_output_request.grammar
+    assert grammar.failure is None and engine._maskd.polls == 0
+    assert (rows[0] == _server_rows(server, regex, [])[0]).all()
 
 
 def test_the_engine_core_opens_an_admitted_grammar_by_its_id(engine, server, server_opens):
