@@ -20,6 +20,7 @@ half lives in ``maskd_client.recovery``.
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import logging
 import threading
 import time
@@ -34,6 +35,7 @@ from maskd.v1 import maskd_pb2 as pb
 from maskd.v1.contract import ServerInfo
 from maskd_client.connection import Connection, ConnectionSettings, spec_proto
 from maskd_client.ledger import Advance, SequenceLedger, Undo
+from maskd_client.ledger import SequenceState as LedgerRecord
 from maskd_client.merge import gather
 from maskd_client.recovery import LostServer, Recovery, Unreachable
 from maskd_client.routing import DirectoryError, NoOwner, Router
@@ -277,16 +279,18 @@ class ClientCore(Recovery):
         with self._cond:
             if self._closed:
                 raise MaskClientError("client is shut down")
-            self._ledger.check(advances)
+            records = self._ledger.checked(advances)     # raises before anything changes
             parts: dict[str, _Part] = {}
             ledger, owner = self._ledger, self._owner
-            for a in advances:
-                part = parts.get(owner[a.seq_id])
+            for a, seq in zip(advances, records):
+                address = owner[a.seq_id]
+                part = parts.get(address)
                 if part is None:
-                    part = parts[owner[a.seq_id]] = _Part()
-                if (not a.drafts and not a.rollback and not a.propose and ledger.plain(a.seq_id)
+                    part = parts[address] = _Part()
+                if (not a.drafts and not a.rollback and not a.propose and seq.opened and seq.handle > 0
                         and (not part.plain_ids or a.unmasked == part.plain_unmasked)):
                     part.plain_ids.append(a.seq_id)     # a columnar entry: a handle, a step, tokens
+                    part.plain_seqs.append(seq)
                     part.plain_tokens.append(a.tokens)
                     part.plain_unmasked = a.unmasked    # one form per request: sampled unmasked or not
                 else:
@@ -299,22 +303,20 @@ class ClientCore(Recovery):
     def _request(self, address: str, part: _Part) -> InFlight:
         """(under the lock) One server's part of a step as a request: closes waiting for it first,
         then SeqStep entries, then the columnar ones."""
-        ids = {e.seq_id for e in part.entries} | set(part.plain_ids)
-        reopened = ids & {c.seq_id for c, _ in self._closes.get(address, [])}
-        if reopened:   # a closed id opened again: its close goes first, on its own
-            self._send_closes(address, reopened)
+        waiting = self._closes.get(address)
+        if waiting:
+            reopened = ({e.seq_id for e in part.entries} | set(part.plain_ids)) & {c.seq_id for c, _ in waiting}
+            if reopened:   # a closed id opened again: its close goes first, on its own
+                self._send_closes(address, reopened)
         closes = self._closes.pop(address, [])
         request = pb.StepRequest(seqs=[c for c, _ in closes] + part.entries, want_forced_tokens=self.want_forced_tokens)
         if part.plain_ids:
-            handles, steps, undo = self._ledger.advance_plain(part.plain_ids, part.plain_tokens)
+            handles, steps, undo = self._ledger.advance_plain(part.plain_ids, part.plain_seqs, part.plain_tokens)
             part.undo.append(undo)
-            counts = [len(t) for t in part.plain_tokens]
             request.handles = np.array(handles, dtype="<u4").tobytes()
             request.steps = np.array(steps, dtype="<u4").tobytes()
-            request.token_counts = np.array(counts, dtype="<u4").tobytes()
-            flat = part.plain_tokens[0] if len(part.plain_tokens) == 1 else \
-                [t for toks in part.plain_tokens for t in toks]
-            request.tokens = np.array(flat, dtype="<i4").tobytes()
+            request.token_counts = np.array(undo.counts, dtype="<u4").tobytes()
+            request.tokens = np.array(list(itertools.chain.from_iterable(part.plain_tokens)), dtype="<i4").tobytes()
             request.columnar_sampled_unmasked = part.plain_unmasked
         return InFlight(request, concurrent.futures.Future(), part.undo, closes=[(c.seq_id, f) for c, f in closes],
                         plain_ids=part.plain_ids)
@@ -379,12 +381,13 @@ class ClientCore(Recovery):
 # -- helpers ---------------------------------------------------------------------------------------
 class _Part:
     """One server's share of a step while it is built."""
-    __slots__ = ("entries", "plain_ids", "plain_tokens", "plain_unmasked", "undo")
+    __slots__ = ("entries", "plain_ids", "plain_seqs", "plain_tokens", "plain_unmasked", "undo")
 
     def __init__(self) -> None:
         self.entries: list[pb.SeqStep] = []
         self.undo: list[Undo] = []
         self.plain_ids: list[str] = []
+        self.plain_seqs: list[LedgerRecord] = []
         self.plain_tokens: list[list[int]] = []
         self.plain_unmasked = False
 
@@ -394,12 +397,15 @@ _NO_DRAFTS: tuple[int, ...] = ()
 
 def _parse(tokens_by_seq: Mapping[str, Any]) -> list[Advance]:
     """Each sequence's input as an Advance with int tokens. A plain token list (the decode step's
-    common case) takes the short way: no StepInput, one list of ints, no drafts."""
+    common case) takes the short way: no StepInput, one list of ints, no drafts; a list of one
+    int (a decode step's sampled token) is taken as it is."""
     advances: list[Advance] = []
     append = advances.append
     try:
         for seq_id, value in tokens_by_seq.items():
-            if isinstance(value, StepInput):
+            if type(value) is list and len(value) == 1 and type(value[0]) is int:
+                append(Advance(seq_id, value, _NO_DRAFTS, 0))
+            elif isinstance(value, StepInput):
                 append(Advance(seq_id, [int(t) for t in value.tokens], [int(t) for t in value.drafts],
                                int(value.rollback), int(value.propose), bool(value.sampled_unmasked)))
             else:

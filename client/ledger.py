@@ -113,18 +113,24 @@ class SequenceLedger:
         return pb.SeqStep(seq_id=seq_id, step=seq.step, close=True)
 
     # -- steps ------------------------------------------------------------------------------------
-    def check(self, advances: Sequence[Advance]) -> None:
-        """Raises MaskClientError (nothing changed) for an unknown sequence or a bad rollback."""
+    def checked(self, advances: Sequence[Advance]) -> list[SequenceState]:
+        """Each input's record, every input checked first: MaskClientError (nothing changed) for an
+        unknown sequence, a negative propose or a rollback past its history."""
+        seqs = self._seqs
+        records: list[SequenceState] = []
+        append = records.append
         for a in advances:
-            seq = self._seqs.get(a.seq_id)
+            seq = seqs.get(a.seq_id)
             if seq is None:
                 raise MaskClientError(f"sequence {a.seq_id!r} is not open on this client", grpc.StatusCode.NOT_FOUND)
-            if a.propose < 0:
+            if a.propose and a.propose < 0:
                 raise MaskClientError(f"sequence {a.seq_id!r}: propose must be >= 0, not {a.propose}",
                                       grpc.StatusCode.INVALID_ARGUMENT)
-            if a.rollback < 0 or a.rollback > len(seq.history):
+            if a.rollback and (a.rollback < 0 or a.rollback > len(seq.history)):
                 raise MaskClientError(f"cannot roll back {a.rollback} tokens of {a.seq_id!r}: it has "
                                       f"{len(seq.history)}", grpc.StatusCode.OUT_OF_RANGE)
+            append(seq)
+        return records
 
     def advance(self, a: Advance) -> tuple[pb.SeqStep, UndoRecord]:
         """Applies one checked input to its record; returns its wire entry and its undo record."""
@@ -147,17 +153,13 @@ class SequenceLedger:
         seq.history.extend(a.tokens)
         return entry, UndoRecord(a.seq_id, seq.step, len(a.tokens), popped, opened_here)
 
-    def plain(self, seq_id: str) -> bool:
-        """Whether the sequence can take a columnar step (open on its server, handle known)."""
-        seq = self._seqs[seq_id]
-        return seq.opened and seq.handle > 0
-
-    def advance_plain(self, seq_ids: list[str], tokens: list[list[int]]) -> tuple[list[int], list[int], PlainUndo]:
-        """Columnar steps of sequences that can take them: (handles, steps, undo)."""
+    @staticmethod
+    def advance_plain(seq_ids: list[str], seqs: list[SequenceState],
+                      tokens: list[list[int]]) -> tuple[list[int], list[int], PlainUndo]:
+        """Columnar steps of sequences that can take them (open on their server, handle known; their
+        records as ``checked`` gave them): (handles, steps, undo)."""
         handles, steps, counts = [], [], []
-        seqs = self._seqs
-        for sid, toks in zip(seq_ids, tokens):
-            seq = seqs[sid]
+        for seq, toks in zip(seqs, tokens):
             seq.step += 1
             seq.history.extend(toks)
             handles.append(seq.handle)
