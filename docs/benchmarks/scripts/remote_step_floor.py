@@ -17,10 +17,15 @@
 * **maskd**: `maskd serve --threads 1 --json-schema-mode strict` pinned to CPU 0 (as `maskd bench
   serve` runs it), stepped by MaskClient with columnar steps, the rows copied into the worker's
   buffer.
+* **maskd's server, a bare client**: the same server, another session of the same sequences,
+  stepped with the floor's client (prebuilt columnar requests, rows decoded into the buffer): what
+  maskd's server costs above the floor, apart from MaskClient.
 
-This process runs on CPU 1. The three go in turn each step, the order rotating; the rows of all
-three are compared bit for bit. Paired differences are per step (the same tokens, the same
-moment). Needs ../shared/maskbench-dev (MaskBench valid instances replayed token by token).
+This process runs on CPU 1. The four go in turn each step, in an order drawn afresh each step
+(what ran just before decides which caches are warm: a fixed rotation favours the arm that
+follows the same server's other arm); the rows of all are compared bit for bit. Paired
+differences are per step (the same tokens, the same moment). Needs ../shared/maskbench-dev
+(MaskBench valid instances replayed token by token).
 """
 from __future__ import annotations
 
@@ -147,12 +152,56 @@ def serve(batch: int, steps: int, port_file: str, aio: bool = False) -> None:
     server.wait_for_termination()
 
 
+class Bare:
+    """A bare stream client (the floor's pattern) on a maskd Session stream: one request at a time,
+    the reply's rows decoded by a reader thread into ``out``."""
+
+    def __init__(self, call, q: queue.SimpleQueue, words: int, width: int) -> None:
+        from maskd.rowcodec import RowBlockDecoder
+
+        self.call, self.q = call, q
+        self.decoder = RowBlockDecoder(words, width)
+        self.out = np.empty((0, words), dtype=np.int32)
+        self.words = words
+        self.pending: list = []
+        self.lock = threading.Lock()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def ask(self, request, decode: bool = True):
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self.lock:
+            self.pending.append((fut, decode))
+        self.q.put(request)
+        return fut.result(60)
+
+    def _read(self) -> None:
+        import grpc
+
+        try:
+            for reply in self.call:
+                with self.lock:
+                    fut, decode = self.pending.pop(0)
+                if len(self.out) < reply.num_rows:
+                    self.out = np.empty((reply.num_rows, self.words), dtype=np.int32)
+                self.decoder.decode(reply.row_block, reply.num_rows, self.out)   # every reply: the stream's dictionary
+                fut.set_result(reply)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.CANCELLED:
+                raise
+
+    def close(self) -> None:
+        self.q.put(None)
+        self.call.cancel()
+
+
 def drive(args) -> None:
     import grpc
 
     from maskd.rowcodec import RowBlockDecoder, RowBlockEncoder
     from maskd.tools.bench import common
     from maskd.v1 import maskd_pb2 as pb
+    from maskd.v1 import maskd_pb2_grpc as pb_grpc
+    from maskd.v1.contract import SESSION_METADATA_KEY
     from maskd_client import MaskClient
 
     port_file = f"/tmp/remote_step_floor.{os.getpid()}.port"
@@ -180,6 +229,16 @@ def drive(args) -> None:
         for sid, inst in zip(ids, insts):
             mc.open(sid, inst.spec_pb)
         maskd_out = np.empty((args.batch, local.words), dtype=np.int32)
+        bare_q: queue.SimpleQueue = queue.SimpleQueue()
+
+        # maskd's server again, through a bare stream client (another session: sequences b0..)
+        bare_channel = grpc.insecure_channel(maskd_server.address)
+        bare_stream = Bare(pb_grpc.MaskServiceStub(bare_channel).Session(
+            iter(bare_q.get, None), metadata=((SESSION_METADATA_KEY, "bare-client"),)), bare_q, local.words,
+            tok.logits_width)
+        opened = bare_stream.ask(pb.StepRequest(seqs=[pb.SeqStep(seq_id=f"b{i}", step=0, spec=inst.spec_pb)
+                                                      for i, inst in enumerate(insts)]), decode=False)
+        bare_handles = np.array([r.handle for r in opened.results], "<u4").tobytes()
 
         channel = grpc.insecure_channel(f"127.0.0.1:{port}")
         grpc.channel_ready_future(channel).result(timeout=60)
@@ -207,7 +266,8 @@ def drive(args) -> None:
         handles = np.arange(args.batch, dtype="<u4").tobytes()
         local_encoder = RowBlockEncoder(local.words, tok.logits_width)   # the server's encode, timed here
         times: dict[str, list[float]] = {k: [] for k in ("floor", "inproc", "maskd", "floor_server", "maskd_server",
-                                                          "encode")}
+                                                          "encode", "bare", "bare_server")}
+        rng = np.random.default_rng(0)
         differ = 0
         for k in range(args.steps):
             tokens = None if k == 0 else [inst.tokens[k - 1] for inst in insts]
@@ -235,23 +295,34 @@ def drive(args) -> None:
                 maskd_out[:] = res.bitmask     # into the worker's buffer, where the floor decodes its rows
                 return time.perf_counter() - t0, maskd_out, res.server_seconds
 
-            arms = [floor, in_process, maskd]
-            done = {arm: None for arm in arms}
-            for j in range(3):   # in turn, the order rotating every step
-                arm = arms[(k + j) % 3]
-                done[arm] = arm(k, tokens)
-            (f_s, f_rows, f_srv), (i_s, i_rows, _), (m_s, m_rows, m_srv) = done[floor], done[in_process], done[maskd]
-            differ += int((f_rows != i_rows).any(axis=1).sum()) + int((m_rows != i_rows).any(axis=1).sum())
+            def bare(k: int, tokens: list | None):
+                t0 = time.perf_counter()
+                counts = np.full(args.batch, 0 if tokens is None else 1, "<u4")   # step 0 repeats the open's
+                reply = bare_stream.ask(pb.StepRequest(
+                    handles=bare_handles, steps=np.full(args.batch, k, "<u4").tobytes(), token_counts=counts.tobytes(),
+                    tokens=np.array(tokens or [], "<i4").tobytes()))
+                return time.perf_counter() - t0, bare_stream.out, reply.server_seconds
+
+            arms = [floor, in_process, maskd, bare]
+            done = {}
+            for arm in rng.permutation(len(arms)).tolist():   # in turn, in an order drawn each step
+                done[arms[arm]] = arms[arm](k, tokens)
+            (f_s, f_rows, f_srv), (i_s, i_rows, _) = done[floor], done[in_process]
+            (m_s, m_rows, m_srv), (b_s, b_rows, b_srv) = done[maskd], done[bare]
+            differ += sum(int((rows != i_rows).any(axis=1).sum()) for rows in (f_rows, m_rows, b_rows))
             t0 = time.perf_counter()
             local_encoder.encode(i_rows)      # every step: the encoder's dictionary follows the server's
             encode_s = time.perf_counter() - t0
             if k >= 5:
                 for key, value in (("floor", f_s), ("inproc", i_s), ("maskd", m_s), ("floor_server", f_srv),
-                                   ("maskd_server", m_srv), ("encode", encode_s)):
+                                   ("maskd_server", m_srv), ("encode", encode_s), ("bare", b_s),
+                                   ("bare_server", b_srv)):
                     times[key].append(value)
         q.put(None)
         call.cancel()
         channel.close()
+        bare_stream.close()
+        bare_channel.close()
     finally:
         if mc is not None:
             mc.shutdown()
@@ -274,6 +345,8 @@ def drive(args) -> None:
           f"Paired: floor - in process {paired('floor', 'inproc'):+.3f}, maskd - in process "
           f"{paired('maskd', 'inproc'):+.3f}, maskd - floor {paired('maskd', 'floor'):+.3f}; "
           f"rows differing {differ}")
+    print(f"  maskd's server through a bare client: {p50('bare'):.3f} (server_seconds {p50('bare_server'):.3f}); "
+          f"paired: bare - floor {paired('bare', 'floor'):+.3f}, maskd - bare {paired('maskd', 'bare'):+.3f}")
 
 
 def main() -> None:
