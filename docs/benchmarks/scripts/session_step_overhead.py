@@ -81,7 +81,8 @@ def main() -> None:
     gc.freeze()
     for k in range(1, args.steps):
         tokens = [inst.tokens[k - 1] for inst in insts]
-        request = pb.StepRequest(handles=np.array(handles, "<u4").tobytes(), steps=np.full(args.batch, k, "<u4").tobytes(),
+        request = pb.StepRequest(handles=np.array(handles, "<u4").tobytes(),
+                                 steps=np.full(args.batch, k, "<u4").tobytes(),
                                  token_counts=np.ones(args.batch, "<u4").tobytes(),
                                  tokens=np.array(tokens, "<i4").tobytes())
 
