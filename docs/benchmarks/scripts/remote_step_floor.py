@@ -98,16 +98,19 @@ def serve(batch: int, steps: int, port_file: str, aio: bool = False) -> None:
     m = Matchers(tok, insts)
     ready = bytes([1]) * batch   # READY, as maskd's packed statuses
 
+    def answer(req, enc: RowBlockEncoder):
+        """One step: the tokens consumed, the rows filled and encoded, the packed statuses."""
+        t0 = time.perf_counter()
+        tokens = np.frombuffer(req.tokens, dtype="<i4").tolist() if req.tokens else None
+        rows = m.step(tokens)
+        reply = pb.StepResponse(num_rows=len(rows), words_per_row=m.words, statuses=ready, row_block=enc.encode(rows))
+        reply.server_seconds = time.perf_counter() - t0
+        return reply
+
     def handler(requests, context):
         enc = RowBlockEncoder(m.words, tok.logits_width)
         for req in requests:
-            t0 = time.perf_counter()
-            tokens = np.frombuffer(req.tokens, dtype="<i4").tolist() if req.tokens else None
-            rows = m.step(tokens)
-            reply = pb.StepResponse(num_rows=len(rows), words_per_row=m.words, statuses=ready,
-                                    row_block=enc.encode(rows))
-            reply.server_seconds = time.perf_counter() - t0
-            yield reply
+            yield answer(req, enc)
 
     def publish(port: int) -> None:
         with open(port_file + ".tmp", "w") as f:
@@ -131,13 +134,7 @@ def serve(batch: int, steps: int, port_file: str, aio: bool = False) -> None:
         async def aio_step(requests, context):
             enc = RowBlockEncoder(m.words, tok.logits_width)
             async for req in requests:
-                t0 = time.perf_counter()
-                tokens = np.frombuffer(req.tokens, dtype="<i4").tolist() if req.tokens else None
-                rows = m.step(tokens)
-                reply = pb.StepResponse(num_rows=len(rows), words_per_row=m.words, statuses=ready,
-                                        row_block=enc.encode(rows))
-                reply.server_seconds = time.perf_counter() - t0
-                yield reply
+                yield answer(req, enc)
 
         asyncio.run(main())
         return
@@ -167,10 +164,10 @@ class Bare:
         self.lock = threading.Lock()
         threading.Thread(target=self._read, daemon=True).start()
 
-    def ask(self, request, decode: bool = True):
+    def ask(self, request):
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self.lock:
-            self.pending.append((fut, decode))
+            self.pending.append(fut)
         self.q.put(request)
         return fut.result(60)
 
@@ -180,7 +177,7 @@ class Bare:
         try:
             for reply in self.call:
                 with self.lock:
-                    fut, decode = self.pending.pop(0)
+                    fut = self.pending.pop(0)
                 if len(self.out) < reply.num_rows:
                     self.out = np.empty((reply.num_rows, self.words), dtype=np.int32)
                 self.decoder.decode(reply.row_block, reply.num_rows, self.out)   # every reply: the stream's dictionary
@@ -237,7 +234,7 @@ def drive(args) -> None:
             iter(bare_q.get, None), metadata=((SESSION_METADATA_KEY, "bare-client"),)), bare_q, local.words,
             tok.logits_width)
         opened = bare_stream.ask(pb.StepRequest(seqs=[pb.SeqStep(seq_id=f"b{i}", step=0, spec=inst.spec_pb)
-                                                      for i, inst in enumerate(insts)]), decode=False)
+                                                      for i, inst in enumerate(insts)]))
         bare_handles = np.array([r.handle for r in opened.results], "<u4").tobytes()
 
         channel = grpc.insecure_channel(f"127.0.0.1:{port}")
