@@ -91,11 +91,13 @@ def refuse(res: Result, refusals, code: Code, message: str, kind: str | None = N
     refusals[kind or code.name.lower()] += 1
 
 
-def parse(request: pb.StepRequest, by_handle: dict[int, Any]) -> tuple[list[tuple[Entry, Result]], int, str]:
+def parse(request: pb.StepRequest, by_handle: dict[int, Any],
+          columnar: bool = True) -> tuple[list[tuple[Entry, Result]], int, str]:
     """Every entry of a request with its result: (entries, columnar entries whose handle is
-    unknown (answered NOT_FOUND already), why the columnar part is refused whole or "")."""
+    unknown (answered NOT_FOUND already), why the columnar part is refused whole or "").
+    ``columnar`` False: the SeqStep entries only (the columnar part is a plain block)."""
     pairs = [(Entry.of_message(m), Result(i, m.seq_id, m.step, False)) for i, m in enumerate(request.seqs)]
-    raw = request.handles
+    raw = request.handles if columnar else b""
     if not raw:
         return pairs, 0, ""
     n = len(raw) // 4
@@ -136,8 +138,11 @@ def parse(request: pb.StepRequest, by_handle: dict[int, Any]) -> tuple[list[tupl
     return pairs, unknown, ""
 
 
-def answer(results: list[Result], reply: pb.StepResponse, want_forced: bool) -> None:
-    """Each result into the reply in its entry's form: a SeqResult, or the packed columnar fields."""
+def answer(results: list[Result], reply: pb.StepResponse, want_forced: bool, block: Any = None) -> None:
+    """Each result into the reply in its entry's form: a SeqResult, or the packed columnar fields
+    (from ``block``, a plain block (plain_block.py), when the columnar part was one)."""
+    if block is not None:
+        block.write(reply, want_forced)
     columnar = []
     add = reply.results.add
     for r in results:

@@ -74,8 +74,9 @@ class SequenceState:
         # Opening parts received at the current step: history offset -> hash of their tokens.
         self.parts: dict[int, int] | None = None
         # The answers of the last RECENT_STEPS steps and of every step answered WAITING, so that a
-        # rank that lags behind the others, or retries, gets the answer every rank got.
-        self.recent: dict[int, Answer] = {}
+        # rank that lags behind the others, or retries, gets the answer every rank got. A plain
+        # columnar step keeps (its block, the entry's index) instead: read them with ``kept``.
+        self.recent: dict[int, Answer | tuple] = {}
         self.closed = False
         # Grammar drafts (drafts.py): the last tokens accepted (what a guess is conditioned on), and
         # the drafts proposed at step ``proposal_step`` (a repeat of that step gets them again).
@@ -90,6 +91,14 @@ class SequenceState:
     @property
     def waiting(self) -> bool:
         return self.entry.state is GrammarState.COMPILING
+
+    def kept(self, step: int) -> Answer | None:
+        """The answer kept for a step (a plain block's entry made an ``Answer`` at its first read)."""
+        answer = self.recent.get(step)
+        if isinstance(answer, tuple):
+            block, i = answer
+            answer = self.recent[step] = block.answer(i)
+        return answer
 
 
 class Answer:
@@ -126,7 +135,7 @@ def record_step(seq: SequenceState, msg: Entry, res: Result) -> None:
     recent = seq.recent
     recent[msg.step] = Answer(seq.last_tokens, seq.last_drafts, msg.rollback, res, msg.propose, msg.unmasked)
     old = recent.get(msg.step - RECENT_STEPS)
-    if old is not None and old.result.status != SeqStatus.WAITING:
+    if old is not None and (isinstance(old, tuple) or old.result.status != SeqStatus.WAITING):
         del recent[msg.step - RECENT_STEPS]
     if len(recent) > MAX_KEPT_ANSWERS:
         del recent[next(iter(recent))]

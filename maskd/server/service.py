@@ -147,7 +147,7 @@ class MaskService(pb_grpc.MaskServiceServicer):
         """The one reply path: results, columnar answers and the encoded rows into a StepResponse,
         timed and recorded."""
         reply = pb.StepResponse(words_per_row=self.engine.words_per_row, num_rows=len(outcome.rows))
-        entries.answer(outcome.results, reply, want_forced)
+        entries.answer(outcome.results, reply, want_forced, outcome.block)
         try:
             reply.row_block = encoder.encode(outcome.rows)
         finally:
@@ -155,13 +155,13 @@ class MaskService(pb_grpc.MaskServiceServicer):
                 outcome.release()     # the rows may sit in a buffer the session reuses
         seconds = time.perf_counter() - t0
         reply.server_seconds = seconds
-        self.metrics.observe_step(seconds=seconds, batch=len(outcome.results),
+        self.metrics.observe_step(seconds=seconds, batch=outcome.batch,
                                   fill_seconds=outcome.fill_seconds, row_sizes=encoder.last_sizes,
                                   row_encodings=encoder.last_kinds, refusals=outcome.refusals)
         for outcome_kind, n in outcome.unmasked.items():
             self.metrics.opportunistic_steps.labels(outcome_kind).inc(n)
         if outcome.refusals and log.isEnabledFor(logging.DEBUG):
-            log.debug("step of %d entries: refused or failed %s", len(outcome.results), dict(outcome.refusals))
+            log.debug("step of %d entries: refused or failed %s", outcome.batch, dict(outcome.refusals))
         return reply
 
     # -- gauges -----------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ from maskd.server.engines import Engine
 from maskd.server.entries import Result, refuse
 from maskd.server.grammar_cache import GrammarCache
 from maskd.server.json_schema import DocumentChecks
+from maskd.server.plain_block import PlainBlock
 from maskd.server.quotas import Quotas
 from maskd.server.row_buffers import RowBuffers
 from maskd.server.sequence import Answer, SequenceState, fail, record_step
@@ -57,7 +58,8 @@ READY, WAITING, FAILED, FINISHED = SeqStatus.READY, SeqStatus.WAITING, SeqStatus
 @dataclasses.dataclass
 class StepOutcome:
     """What one step produced: a result per entry (SeqStep entries in request order, then the
-    columnar ones: entries.parse's order) and the rows they point into, in the same order.
+    columnar ones: entries.parse's order) and the rows they point into, in the same order; where
+    the columnar part was a plain block, ``block`` answers it (its rows come last).
     ``release`` is called once the rows are encoded (they may sit in a buffer the session reuses)."""
     results: list[Result]
     rows: np.ndarray
@@ -65,6 +67,11 @@ class StepOutcome:
     fill_seconds: float = 0.0
     release: Callable[[], None] | None = None
     unmasked: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # allowed / resample
+    block: PlainBlock | None = None
+
+    @property
+    def batch(self) -> int:
+        return len(self.results) + (len(self.block) if self.block is not None else 0)
 
 
 class Session(StepRouting):
@@ -96,7 +103,9 @@ class Session(StepRouting):
         back as ERROR (the sequence unchanged), dead sequences as FAILED."""
         with self.lock:
             refusals: collections.Counter = collections.Counter()
-            pairs, unknown, problem = entries.parse(request, self.by_handle)
+            # The decode step's common case as arrays; anything else entry by entry (plain_block.py).
+            block = PlainBlock.of(request, self) if request.handles else None
+            pairs, unknown, problem = entries.parse(request, self.by_handle, columnar=block is None)
             if problem:
                 for _, res in pairs:
                     if res.columnar:
@@ -111,11 +120,11 @@ class Session(StepRouting):
             unmasked: collections.Counter = collections.Counter()
             if check:
                 self._check(check, consume, fill, unmasked, refusals)
-            self._consume(consume, fill, refusals)
+            self._consume(consume, fill, refusals, block)
             t0 = time.perf_counter()
-            rows, release = self._fill(fill, replays, request.want_forced_tokens, refusals)
+            rows, release = self._fill(fill, replays, request.want_forced_tokens, refusals, block)
             return StepOutcome([res for _, res in pairs], rows, refusals, time.perf_counter() - t0, release,
-                               unmasked)
+                               unmasked, block)
 
     def refuse_all(self, request: pb.StepRequest, reason: str) -> StepOutcome:
         """Every entry refused with INTERNAL: the answer when a step failed in a way no phase caught."""
@@ -283,18 +292,29 @@ class Session(StepRouting):
         return allowed
 
     # -- phase 5: consuming -----------------------------------------------------------------------
-    def _consume(self, consume: list[Fill], fill: list[Fill], refusals) -> None:
-        if not consume:
+    def _consume(self, consume: list[Fill], fill: list[Fill], refusals, block: PlainBlock | None = None) -> None:
+        """Every entry's tokens in one engine call (a plain block's after the others')."""
+        if not consume and block is None:
             return
+        matchers = [a.matcher for a in consume]
+        tokens = [a.tokens for a in consume]
+        if block is not None:
+            matchers += block.matchers
+            tokens += [[t] for t in block.tokens]
         try:
-            reasons: list = self.engine.consume_batch([a.matcher for a in consume], [a.tokens for a in consume])
+            reasons: list = self.engine.consume_batch(matchers, tokens)
         except Exception:   # find the sequence the engine chokes on; the others carry on
             reasons = []
-            for adv in consume:
+            for m, t in zip(matchers, tokens):
                 try:
-                    reasons.append(adv.matcher.consume(adv.tokens))
+                    reasons.append(m.consume(t))
                 except Exception as exc:
                     reasons.append(exc)
+        if block is not None:
+            block.consumed(reasons[len(consume):], refusals, self.checks)
+            if not consume:
+                return
+            reasons = reasons[:len(consume)]
         if self.checks.live:
             reasons = self.checks.consumed(consume, reasons)
         for adv, reason in zip(consume, reasons):
@@ -349,17 +369,20 @@ class Session(StepRouting):
         return kept
 
     # -- phase 6: filling -------------------------------------------------------------------------
-    def _fill(self, fill: list[Fill], replays: list[Replay], want_forced: bool,
-              refusals) -> tuple[np.ndarray, Callable[[], None] | None]:
-        """Rows in entry order (SeqStep entries first, then columnar ones by index): filled by the
-        engine, or copied from the kept answer of a repeat. Entries that ask for drafts get them
-        proposed first (drafts.py)."""
+    def _fill(self, fill: list[Fill], replays: list[Replay], want_forced: bool, refusals,
+              block: PlainBlock | None = None) -> tuple[np.ndarray, Callable[[], None] | None]:
+        """Rows in entry order (SeqStep entries first, then columnar ones by index; a plain block's
+        last): filled by the engine in one call, or copied from the kept answer of a repeat.
+        Entries that ask for drafts get them proposed first (drafts.py)."""
         fill = self._propose(fill, refusals)
         jobs: list[Fill | Replay] = [*fill, *replays]
         jobs.sort(key=_row_order)
         n_rows = sum(j.answer.result.num_rows if isinstance(j, Replay) else (not j.unmasked) + len(j.drafts)
                      for j in jobs)
-        buffer, generation, out = self.buffers.take(n_rows) if fill else (-1, 0, self.engine.allocate(n_rows))
+        if block is not None:
+            n_rows += len(block)
+        buffer, generation, out = (self.buffers.take(n_rows) if fill or block is not None
+                                   else (-1, 0, self.engine.allocate(n_rows)))
         handles: list[int] = []                     # whose rows this step fills: (handle, step)
         steps: list[int] = []
         filled: list[Fill] = []
@@ -391,7 +414,7 @@ class Session(StepRouting):
             if forced:
                 res.forced_tokens.extend(forced)
             if job.unmasked:                        # its sampled token passed the check: no row
-                answer = seq.recent.get(seq.step)
+                answer = seq.kept(seq.step)
                 if answer is not None:
                     answer.result, answer.buffer, answer.rows, answer.packed = res, -1, None, None
                 continue
@@ -400,7 +423,7 @@ class Session(StepRouting):
             if d:
                 any_drafts = True
                 res.drafts_valid = drafts_valid
-            answer = seq.recent.get(seq.step)
+            answer = seq.kept(seq.step)
             if answer is not None:                  # its rows are these (a re-filled repeat too)
                 answer.result, answer.buffer, answer.generation = res, buffer, generation
                 answer.rows = answer.packed = None
@@ -413,10 +436,22 @@ class Session(StepRouting):
             first_rows.append(row)
             drafts.append(d)
             row += 1 + len(d)
-        if filled:
-            checking = self.checks.start(filled) if self.checks.live else None
+        block_matchers: list = []
+        if block is not None:
+            block.buffer, block.generation = buffer, generation
+            if buffer < 0:
+                block.rows = out
+            block_matchers, block_rows = block.read_states(row, want_forced, refusals)
+            row += len(block_rows)
+            first_rows += block_rows
+            if any_drafts:
+                drafts += [()] * len(block_rows)
+        if filled or block_matchers:
+            probes = block.probes() if block is not None else []
+            checking = self.checks.start(filled + probes) if self.checks.live and (filled or probes) else None
             try:
-                self.engine.fill_batch([a.matcher for a in filled], first_rows, drafts if any_drafts else None, out)
+                self.engine.fill_batch([a.matcher for a in filled] + block_matchers, first_rows,
+                                       drafts if any_drafts else None, out)
             except Exception:   # fill them one by one: only the sequences the engine chokes on fail
                 failed = np.zeros(row, dtype=bool)
                 for adv, r, d in zip(filled, first_rows, drafts):
@@ -427,8 +462,16 @@ class Session(StepRouting):
                         adv.res.forced_tokens = []
                         adv.res.first_row = adv.res.num_rows = 0
                         self._internal(adv.res, adv.seq, "filling its mask", exc, refusals)
+                if block is not None:
+                    for i, r in enumerate(block.row):
+                        if r >= 0:
+                            try:
+                                self.engine.fill_batch([block.matchers[i]], [r], None, out)
+                            except Exception as exc:
+                                failed[r] = True
+                                block.fault(i, "filling its mask", exc, refusals)
                 if failed.any():   # the failed entries' rows go: the columnar rows must stay dense
-                    row = _drop_rows(out, failed, jobs)
+                    row = _drop_rows(out, failed, jobs, block)
             if checking is not None:
                 had_rows = [(adv.res, adv.res.first_row, adv.res.num_rows) for adv in filled if adv.res.num_rows]
                 self.checks.finish(checking, out, refusals)
@@ -436,18 +479,23 @@ class Session(StepRouting):
                 for res, r, n in had_rows:
                     if res.status == FAILED:         # the document cannot pass: its rows go too
                         failed[r: r + n] = True
+                if block is not None and probes:
+                    block.checked(failed)
                 if failed.any():
-                    row = _drop_rows(out, failed, jobs)
+                    row = _drop_rows(out, failed, jobs, block)
         out = out[:row]
         if buffer < 0:
             return out, None
+        if block is not None:
+            block_handles, block_steps = block.kept_rows()
+            handles, steps = (handles + block_handles, steps + block_steps) if handles else (block_handles, block_steps)
         self.buffers.record(buffer, handles, steps)
         return out, self.buffers.encoding(buffer)
 
     def _kept_answer(self, handle: int, step: int) -> Answer | None:
         """The answer a live sequence keeps for a step (the ring must not lose its rows)."""
         seq = self.by_handle.get(handle)
-        return None if seq is None or seq.closed else seq.recent.get(step)
+        return None if seq is None or seq.closed else seq.kept(step)
 
     @staticmethod
     def _internal(res: Result, seq: SequenceState, doing: str, exc: BaseException, refusals) -> None:
@@ -459,7 +507,7 @@ class Session(StepRouting):
         fail(res, seq, seq.dead_reason, Code.INTERNAL)
 
 # -- rows ----------------------------------------------------------------------------------------
-def _drop_rows(out: np.ndarray, dropped: np.ndarray, jobs: list[Fill | Replay]) -> int:
+def _drop_rows(out: np.ndarray, dropped: np.ndarray, jobs: list[Fill | Replay], block: PlainBlock | None) -> int:
     """Removes rows from the front of ``out`` (moving the others up, first_row fixed); returns how
     many rows are left."""
     before = np.cumsum(dropped) - dropped          # rows dropped before each row
@@ -467,6 +515,8 @@ def _drop_rows(out: np.ndarray, dropped: np.ndarray, jobs: list[Fill | Replay]) 
         res = job.res
         if res.num_rows:
             res.first_row -= int(before[res.first_row])
+    if block is not None:
+        block.drop_rows(before)
     kept = out[:len(dropped)][~dropped]
     out[:len(kept)] = kept
     return len(kept)

@@ -301,7 +301,7 @@ class StepRouting:
     def _replay(self, msg, res, seq: SequenceState, replays: list, refusals) -> bool:
         """A repeat of an older step (a rank that lags, a retry, a step of a closed sequence): the
         answer it had, or a divergence when its inputs differ. False when that answer is gone."""
-        answer = seq.recent.get(msg.step)
+        answer = seq.kept(msg.step)
         if answer is None or not self.buffers.holds(answer):
             return False
         if msg.opens is not None and seq.entry.grammar_id != self._open_grammar_id(msg):
@@ -318,7 +318,7 @@ class StepRouting:
         """A repeat is answered from the unchanged state; readiness is the one decided before. The
         rows come from the kept answer when they are still there (no second fill)."""
         status = seq.last_status
-        answer = seq.recent.get(seq.step)
+        answer = seq.kept(seq.step)
         if status in (READY, FINISHED) and answer is not None and (answer.result.num_rows or answer.unmasked) \
                 and self.buffers.holds(answer):
             replays.append(Replay(res, answer))

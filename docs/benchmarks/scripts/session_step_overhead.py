@@ -89,7 +89,7 @@ def main() -> None:
         def step_protocol(request=request):
             t0 = time.perf_counter()
             outcome = session.step(request)
-            answer(outcome.results, pb.StepResponse(), False)
+            answer(outcome.results, pb.StepResponse(), False, outcome.block)
             stepped.append(time.perf_counter() - t0)
             return outcome
 

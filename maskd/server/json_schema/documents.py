@@ -68,10 +68,11 @@ def _lead(lead: str, problem: str | Problem) -> str | Problem:
 class DocumentBuffer:
     """One sequence's output as its grammar's checker sees it."""
 
-    __slots__ = ("__weakref__", "checker", "data", "decoded", "doomed", "ends", "state", "tokens", "verdict")
+    __slots__ = ("__weakref__", "checker", "data", "decoded", "doomed", "ends", "scans", "state", "tokens", "verdict")
 
     def __init__(self, checker: DocumentChecker) -> None:
         self.checker = checker
+        self.scans = checker.scans      # checked as the output grows, not only when it ends
         self.tokens: list[int] = []     # accepted tokens (an EOS among them adds no bytes)
         self.decoded = 0                # how many of them are in ``data``
         self.data = bytearray()
@@ -82,6 +83,9 @@ class DocumentBuffer:
 
     def extend(self, tokens) -> None:
         self.tokens.extend(int(t) for t in tokens)
+
+    def append(self, token: int) -> None:
+        self.tokens.append(token)
 
     def rollback(self, n: int) -> None:
         if n <= 0:

@@ -82,23 +82,26 @@ class DocumentChecks:
     def consumed(self, consume: Sequence[Any], reasons: list) -> list:
         """Buffers take the accepted tokens; an EOS on a document that does not pass is refused."""
         for i, adv in enumerate(consume):
-            doc = adv.seq.doc
-            if doc is None or reasons[i] is not None:
-                continue
-            tokens = adv.tokens
-            if self.eos.isdisjoint(tokens):   # the common case, without a Python loop
-                doc.extend(tokens)
-                continue
-            eos_at = next(k for k, t in enumerate(tokens) if int(t) in self.eos)
-            doc.extend(tokens[:eos_at])
-            problem = self._timed(doc.final)
-            if problem is not None:
-                self._count("eos")
-                reasons[i] = f"EOS on a document that does not pass: {problem}"
-                adv.seq.doc = None
-            else:
-                doc.extend(tokens[eos_at:])   # kept so that a rollback takes back the same tokens
+            if adv.seq.doc is not None and reasons[i] is None:
+                reasons[i] = self.take(adv.seq, adv.tokens)
         return reasons
+
+    def take(self, seq: Any, tokens: Sequence[int]) -> str | None:
+        """A sequence's document takes the tokens its matcher accepted; the reason to refuse them
+        when they end (EOS) a document that does not pass, else None."""
+        doc = seq.doc
+        if self.eos.isdisjoint(tokens):   # the common case, without a Python loop
+            doc.extend(tokens)
+            return None
+        eos_at = next(k for k, t in enumerate(tokens) if int(t) in self.eos)
+        doc.extend(tokens[:eos_at])
+        problem = self._timed(doc.final)
+        if problem is not None:
+            self._count("eos")
+            seq.doc = None
+            return f"EOS on a document that does not pass: {problem}"
+        doc.extend(tokens[eos_at:])   # kept so that a rollback takes back the same tokens
+        return None
 
     def start(self, fill: Sequence[Any]) -> tuple[concurrent.futures.Future, list[_Job]] | None:
         jobs = []

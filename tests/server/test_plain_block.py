@@ -1,0 +1,195 @@
+"""The decode step's common case as arrays (maskd/server/plain_block.py), through a real server: a
+columnar part whose every entry is its sequence's next step with one token is answered without
+per-entry objects, and answers exactly what the same steps get entry by entry (SeqStep entries,
+the per-entry phases): statuses, accepting bits, forced tokens, failures with their reasons and
+every row; an engine fault, a rejected token or a document the validator ends costs that entry
+alone; a rank that repeats such a step gets the same answer."""
+import grpc
+import numpy as np
+import pytest
+from test_columnar import columnar, open_ready, plain_rows, statuses
+from test_server import Stream, step
+
+from maskd.server import Limits, MaskServer, ServerConfig
+from maskd.server import plain_block as plain_block_module
+from maskd.v1 import maskd_pb2 as pb
+
+C = grpc.StatusCode
+SCHEMA = {"json_schema": {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}},
+                          "required": ["ok", "n"], "additionalProperties": False}}
+DIGITS = {"regex": "[0-9]{1,6}"}
+LETTERS = {"regex": "[a-z]{1,12}"}
+UNIQUE = {"json_schema": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}}
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = MaskServer(ServerConfig(port=0, tokenizer="cl100k", threads=2, compile_threads=1,
+                                  limits=Limits(max_message_bytes=1 << 22))).start()
+    yield srv
+    srv.stop(grace=1.0)
+
+
+@pytest.fixture
+def blocks(monkeypatch):
+    """How many steps the server answered as a plain block (its own ``PlainBlock.of``, watched)."""
+    seen = []
+    of = plain_block_module.PlainBlock.of.__func__
+
+    def watched(cls, request, session):
+        block = of(cls, request, session)
+        seen.append(block is not None)
+        return block
+
+    monkeypatch.setattr(plain_block_module.PlainBlock, "of", classmethod(watched))
+    return seen
+
+
+def one_by_one(stream, seq_id, spec, tokens, forced=False):
+    """The reference: a sequence stepped with SeqStep entries, one token a step (the per-entry
+    phases). Returns [(status, accepting, forced tokens, reason, row)] after each token."""
+    r = stream.send(step(seq_id, 0, spec=spec))
+    n = 0
+    while r.results[0].status == pb.SEQ_STATUS_WAITING:
+        n += 1
+        r = stream.send(step(seq_id, n))
+    out = []
+    for k, t in enumerate(tokens):
+        r = stream.send(step(seq_id, n + 1 + k, [t]), forced=forced)
+        res = r.results[0]
+        out.append((res.status, res.accepting, list(res.forced_tokens), res.reason,
+                    r.dense[res.first_row] if res.num_rows else None))
+    return out
+
+
+def block_answers(reply, index, forced=False):
+    """Entry ``index`` of a columnar reply, in the form ``one_by_one`` gives."""
+    st, acc = statuses(reply)
+    problems = {p.index: p.reason for p in reply.problems}
+    got_forced = []
+    if forced:
+        counts = np.frombuffer(reply.forced_counts, "<u4")
+        flat = np.frombuffer(reply.forced_tokens, "<i4").tolist()
+        start = int(counts[:index].sum())
+        got_forced = flat[start:start + int(counts[index])]
+    return st[index], acc[index], got_forced, problems.get(index, ""), plain_rows(reply)[index]
+
+
+def same(a, b):
+    assert a[:4] == b[:4]
+    assert (a[4] is None) == (b[4] is None)
+    if a[4] is not None:
+        assert np.array_equal(a[4], b[4])
+
+
+def test_a_plain_block_answers_what_the_entries_get_one_by_one(stub, cl100k, blocks):
+    """Four grammars stepped together as columns, beside each stepped alone as SeqStep entries:
+    every answer equal at every step, a rejected token FAILED in its step (its row gone, the rows
+    after it in place), a finished document FINISHED, forced tokens where the grammar forces them;
+    a SeqStep open in the same request keeps its row first."""
+    eos = cl100k.eos_token_ids[0]
+
+    def chars(text):
+        return [cl100k.encode(c)[0] for c in text]
+
+    texts = {"d": (DIGITS, chars("123456")), "l": (LETTERS, chars("abcdefgh")),
+             "j": (SCHEMA, cl100k.encode('{"ok":true,"n":7}') + [eos]), "x": (DIGITS, chars("12a3"))}
+    ref_stream = Stream(stub)
+    reference = {sid: one_by_one(ref_stream, "ref-" + sid, spec, toks, forced=True)
+                 for sid, (spec, toks) in texts.items()}
+    s = Stream(stub)
+    opened = {sid: open_ready(s, sid, spec) for sid, (spec, _) in texts.items()}
+    order = list(texts)
+    length = max(len(t) for _, t in texts.values())
+    for k in range(length):
+        live = [sid for sid in order if k < len(texts[sid][1]) and (
+            k == 0 or reference[sid][k - 1][0] in (pb.SEQ_STATUS_READY, pb.SEQ_STATUS_FINISHED))]
+        entries = [(opened[sid][0], opened[sid][1] + 1 + k, [texts[sid][1][k]]) for sid in live]
+        seqs = [step(f"new-{k}", 0, spec=LETTERS)] if k == 1 else []
+        r = s.send_request(columnar(entries, forced=True, seqs=seqs))
+        for i, sid in enumerate(live):
+            same(block_answers(r, i, forced=True), reference[sid][k])
+        if seqs:
+            assert r.results[0].seq_id == "new-1" and (r.results[0].first_row == 0 or r.results[0].num_rows == 0)
+    assert reference["x"][2][0] == pb.SEQ_STATUS_FAILED and "token rejected" in reference["x"][2][3]
+    assert reference["d"][5][0] == reference["j"][-1][0] == pb.SEQ_STATUS_FINISHED
+    assert any(ref[2] for ref in reference["j"])          # the schema forced tokens somewhere
+    assert blocks.count(True) >= length                   # the steps went as blocks (not the per-entry path)
+    s.close()
+    ref_stream.close()
+
+
+def test_an_engine_fault_in_a_blocks_fill_costs_that_entry_only(server, stub, cl100k, blocks, monkeypatch):
+    """The engine raises on one matcher of the block's fill: that sequence fails with INTERNAL,
+    the others get their rows (dense, in order; a rank repeating the step gets the same) and step on."""
+    s, lagging = Stream(stub, session="block-fault"), Stream(stub, session="block-fault")
+    opened = [open_ready(s, sid, LETTERS) for sid in ("a", "b", "c")]
+    session = next(x for x in server.service.sessions.sessions() if "b" in x.seqs)
+    victim = session.seqs["b"].matcher
+    engine = server.service.engine
+    real = type(engine).fill_batch
+
+    def faulty(self, matchers, rows, drafts, out):
+        if any(m is victim for m in matchers):
+            raise RuntimeError("engine fault")
+        return real(self, matchers, rows, drafts, out)
+
+    monkeypatch.setattr(type(engine), "fill_batch", faulty)
+    tok = cl100k.encode("q")
+    r = s.send_request(columnar([(h, n + 1, tok) for h, n, _ in opened]))
+    st, _ = statuses(r)
+    assert st == [pb.SEQ_STATUS_READY, pb.SEQ_STATUS_FAILED, pb.SEQ_STATUS_READY]
+    assert r.problems[0].index == 1 and r.problems[0].code == C.INTERNAL.value[0]
+    assert "engine fault" in r.problems[0].reason
+    assert r.num_rows == 2
+    rows = plain_rows(r)
+    assert np.array_equal(rows[0], rows[2]) and rows[0].any()
+    monkeypatch.setattr(type(engine), "fill_batch", real)
+    again = lagging.send_request(columnar([(h, n + 1, tok) for h, n, _ in opened][::-1]))
+    assert statuses(again)[0] == st[::-1] and again.problems[0].index == 1
+    assert [x is None for x in plain_rows(again)] == [False, True, False]
+    assert all(np.array_equal(x, rows[0]) for x in plain_rows(again) if x is not None)
+    r = s.send_request(columnar([(opened[0][0], opened[0][1] + 2, tok), (opened[2][0], opened[2][1] + 2, tok)]))
+    assert statuses(r)[0] == [pb.SEQ_STATUS_READY, pb.SEQ_STATUS_READY]
+    assert blocks.count(True) == 2
+    s.close()
+    lagging.close()
+
+
+def test_a_lagging_rank_gets_a_blocks_answers_failures_included(stub, cl100k, blocks):
+    """Rank b repeats rank a's block steps (one token rejected in the second): the same statuses,
+    problems and rows, from the answers the block kept."""
+    a, b = Stream(stub, session="block-tp"), Stream(stub, session="block-tp")
+    hd, nd, _ = open_ready(a, "d", DIGITS)
+    hl, nl, _ = open_ready(a, "l", LETTERS)
+    steps = [[(hd, nd + 1, cl100k.encode("1")), (hl, nl + 1, cl100k.encode("a"))],
+             [(hd, nd + 2, cl100k.encode("z")), (hl, nl + 2, cl100k.encode("b"))]]
+    got_a = [a.send_request(columnar(e)) for e in steps]
+    assert statuses(got_a[1])[0] == [pb.SEQ_STATUS_FAILED, pb.SEQ_STATUS_READY]
+    assert blocks == [True, True]
+    for e, ra in zip(steps, got_a):
+        rb = b.send_request(columnar(e))
+        assert statuses(rb) == statuses(ra)
+        assert [(p.index, p.code, p.reason) for p in rb.problems] == [(p.index, p.code, p.reason) for p in ra.problems]
+        for x, y in zip(plain_rows(rb), plain_rows(ra)):
+            assert (x is None and y is None) or np.array_equal(x, y)
+    a.close()
+    b.close()
+
+
+def test_a_document_the_validator_ends_in_a_block_loses_its_row_alone(stub, cl100k, blocks):
+    """Complete mode: uniqueItems is the validator's. The array closes with a repeat in a block
+    step: that entry FAILS with the validator's reason, the entry after it keeps its row."""
+    s = Stream(stub)
+    hu, nu, _ = open_ready(s, "u", UNIQUE)
+    hl, nl, _ = open_ready(s, "l", LETTERS)
+    tokens = [cl100k.encode(c)[0] for c in "[1,1]"]
+    letters = [cl100k.encode(c)[0] for c in "abcde"]
+    for k, t in enumerate(tokens):
+        r = s.send_request(columnar([(hu, nu + 1 + k, [t]), (hl, nl + 1 + k, [letters[k]])]))
+    st, _ = statuses(r)
+    assert st == [pb.SEQ_STATUS_FAILED, pb.SEQ_STATUS_READY]
+    assert r.problems[0].index == 0 and "does not match the JSON schema" in r.problems[0].reason
+    assert r.num_rows == 1 and plain_rows(r)[1].any()
+    assert all(blocks)
+    s.close()
