@@ -11,8 +11,8 @@ Every method is called with the owning client's lock held; the ledger itself doe
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator, Sequence
-from typing import NamedTuple
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import grpc
 
@@ -131,6 +131,22 @@ class SequenceLedger:
                                       f"{len(seq.history)}", grpc.StatusCode.OUT_OF_RANGE)
             append(seq)
         return records
+
+    def plain(self, tokens_by_seq: Mapping[str, Any]) -> tuple[list[str], list[SequenceState], list[list[int]]] | None:
+        """The decode step's common case checked in one pass, with no Advance per input: every input
+        a list of one int, every sequence open on its server with its handle known. (ids, records,
+        tokens) for ``advance_plain``; None where any input needs ``checked`` (nothing changed)."""
+        seqs = self._seqs
+        records: list[SequenceState] = []
+        tokens: list[list[int]] = []
+        for sid, value in tokens_by_seq.items():
+            seq = seqs.get(sid)
+            if (seq is None or seq.handle <= 0 or not seq.opened or type(value) is not list or len(value) != 1
+                    or type(value[0]) is not int):
+                return None
+            records.append(seq)
+            tokens.append(value)
+        return list(tokens_by_seq), records, tokens
 
     def advance(self, a: Advance) -> tuple[pb.SeqStep, UndoRecord]:
         """Applies one checked input to its record; returns its wire entry and its undo record."""
