@@ -21,6 +21,8 @@ of the same door, and answer every entry exactly as this one would.
 Each sequence keeps ``(block, index)`` as its step's answer (``seq.recent[step]``); a repeat of that
 step (a tensor-parallel rank that lags, a retry) or the ring of row buffers turns it into the
 ``Answer`` the per-entry path keeps (``SequenceState.kept``), so repeats are answered as before.
+A repeat of the whole request (the same columnar bytes: what lockstep ranks send) is answered from
+the block itself while every answer it gave is still kept (``Session._repeated_block``).
 """
 from __future__ import annotations
 
@@ -39,6 +41,12 @@ log = logging.getLogger("maskd.server.session")
 READY, WAITING, FAILED, FINISHED = SeqStatus.READY, SeqStatus.WAITING, SeqStatus.FAILED, SeqStatus.FINISHED
 _NO_TOKENS: tuple[int, ...] = ()
 _ONE = np.array([1], dtype="<u4").tobytes()
+
+
+def request_key(request: pb.StepRequest) -> tuple:
+    """What a repeat of a columnar request is recognised by: its columns and flags, byte for byte."""
+    return (request.handles, request.steps, request.token_counts, request.tokens, request.want_forced_tokens,
+            request.columnar_sampled_unmasked)
 
 
 class PlainBlock:
@@ -171,6 +179,19 @@ class PlainBlock:
             del recent[step - RECENT_STEPS]
         if len(recent) > MAX_KEPT_ANSWERS:
             del recent[next(iter(recent))]
+
+    def rows_filled(self) -> int:
+        """How many rows the block's entries have (an entry without one has a problem)."""
+        return len(self.seqs) - len(self.problems)
+
+    def still_kept(self, by_handle: dict) -> bool:
+        """Whether every entry's answer is still what its sequence keeps for that step (the
+        sequence, closed or not, still reached by its handle, the step within its window)."""
+        get = by_handle.get
+        for h, seq, step in zip(self.handles, self.seqs, self.steps):
+            if get(h) is not seq or step not in seq.recent:
+                return False
+        return True
 
     def kept_rows(self) -> tuple[list[int], list[int]]:
         """(handles, steps) of the entries whose rows this step filled: the ring's record of them."""

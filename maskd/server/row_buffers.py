@@ -13,6 +13,7 @@ reused. A kept answer never loses its rows; memory or CPU is the operator's choi
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -38,7 +39,8 @@ class RowBuffers:
         self._codec: tuple[RowBlockEncoder, RowBlockDecoder] | None = None   # stateless: no dictionary
         self._buffers: list[np.ndarray | None] = [None] * count
         self._generations = [0] * count
-        self._encoding = [False] * count    # a reply is still encoding rows of this buffer
+        self._encoding = [0] * count        # replies still encoding rows of this buffer
+        self._encoding_lock = threading.Lock()
         # Whose rows each buffer's last step filled: (sequence handles, steps). Plain ints, not the
         # answers: holding those would keep them past their window and feed the garbage collector.
         self._answers: list[tuple[list[int], list[int]] | None] = [None] * count
@@ -74,12 +76,15 @@ class RowBuffers:
         self._answers[buffer] = (handles, steps)
 
     def encoding(self, buffer: int) -> Callable[[], None]:
-        """Marks ``buffer`` as read by a reply being encoded; the returned call ends that."""
-        encoding = self._encoding
-        encoding[buffer] = True
+        """Marks ``buffer`` as read by a reply being encoded (a repeat of a whole step may read it
+        beside the step's own reply); the returned call ends that."""
+        encoding, lock = self._encoding, self._encoding_lock
+        with lock:
+            encoding[buffer] += 1
 
-        def release() -> None:
-            encoding[buffer] = False
+        def release() -> None:     # on the reply's thread, outside the session's lock
+            with lock:
+                encoding[buffer] -= 1
         return release
 
     def holds(self, answer: Answer) -> bool:
@@ -88,6 +93,14 @@ class RowBuffers:
             return True
         b = answer.buffer
         return b >= 0 and self._generations[b] == answer.generation
+
+    def step_rows(self, buffer: int, generation: int, n_rows: int) -> np.ndarray | None:
+        """The first rows a step filled into ``buffer`` at ``generation``, while the buffer still
+        holds them (None once it was taken again)."""
+        buf = self._buffers[buffer]
+        if buf is None or self._generations[buffer] != generation:
+            return None
+        return buf[:n_rows]
 
     def rows_of(self, answer: Answer) -> np.ndarray:
         """A kept answer's rows (``holds`` said they are still there)."""
@@ -123,7 +136,7 @@ class RowBuffers:
     def _grow(self) -> int:
         self._buffers.append(None)
         self._generations.append(0)
-        self._encoding.append(False)
+        self._encoding.append(0)
         self._answers.append(None)
         return len(self._buffers) - 1
 

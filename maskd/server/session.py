@@ -43,10 +43,10 @@ from maskd.server.engines import Engine
 from maskd.server.entries import Result, refuse
 from maskd.server.grammar_cache import GrammarCache
 from maskd.server.json_schema import DocumentChecks
-from maskd.server.plain_block import PlainBlock
+from maskd.server.plain_block import PlainBlock, request_key
 from maskd.server.quotas import Quotas
 from maskd.server.row_buffers import RowBuffers
-from maskd.server.sequence import Answer, SequenceState, fail, record_step
+from maskd.server.sequence import RECENT_STEPS, Answer, SequenceState, fail, record_step
 from maskd.server.step_routing import Fill, Replay, StepRouting
 from maskd.v1 import maskd_pb2 as pb
 from maskd.v1.contract import Code, GrammarState, SeqStatus
@@ -96,6 +96,9 @@ class Session(StepRouting):
         self.checks = DocumentChecks(engine, cache.metrics)   # complete-mode hooks (doc_checks.py)
         # Grammar drafts: the server's drafter (one per server: every session's sequences teach it).
         self.drafts = drafts if drafts is not None else DraftModel()
+        # The plain blocks of the last steps by their requests' bytes (plain_block.py): a rank
+        # that repeats one whole gets its answer without a pass over its entries.
+        self.blocks: collections.OrderedDict[tuple, PlainBlock] = collections.OrderedDict()
 
     # -- public -----------------------------------------------------------------------------------
     def step(self, request: pb.StepRequest) -> StepOutcome:
@@ -103,8 +106,17 @@ class Session(StepRouting):
         back as ERROR (the sequence unchanged), dead sequences as FAILED."""
         with self.lock:
             refusals: collections.Counter = collections.Counter()
+            key = request_key(request) if request.handles and not request.seqs else None
+            if key is not None:
+                repeated = self._repeated_block(key)
+                if repeated is not None:
+                    return repeated
             # The decode step's common case as arrays; anything else entry by entry (plain_block.py).
             block = PlainBlock.of(request, self) if request.handles else None
+            if block is not None and key is not None:
+                self.blocks[key] = block
+                if len(self.blocks) > RECENT_STEPS:
+                    self.blocks.popitem(last=False)
             pairs, unknown, problem = entries.parse(request, self.by_handle, columnar=block is None)
             if problem:
                 for _, res in pairs:
@@ -125,6 +137,21 @@ class Session(StepRouting):
             rows, release = self._fill(fill, replays, request.want_forced_tokens, refusals, block)
             return StepOutcome([res for _, res in pairs], rows, refusals, time.perf_counter() - t0, release,
                                unmasked, block)
+
+    def _repeated_block(self, key: tuple) -> StepOutcome | None:
+        """A repeat of a plain block's whole request, answered from the block (the rows it filled,
+        while their buffer holds them); None where any of its answers is no longer kept."""
+        block = self.blocks.get(key)
+        if block is None or not block.still_kept(self.by_handle):
+            return None
+        n = block.rows_filled()
+        if block.buffer < 0:
+            assert block.rows is not None
+            return StepOutcome([], block.rows[:n], collections.Counter(), block=block)
+        rows = self.buffers.step_rows(block.buffer, block.generation, n)
+        if rows is None:
+            return None
+        return StepOutcome([], rows, collections.Counter(), release=self.buffers.encoding(block.buffer), block=block)
 
     def refuse_all(self, request: pb.StepRequest, reason: str) -> StepOutcome:
         """Every entry refused with INTERNAL: the answer when a step failed in a way no phase caught."""

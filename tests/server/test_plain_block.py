@@ -193,3 +193,46 @@ def test_a_document_the_validator_ends_in_a_block_loses_its_row_alone(stub, cl10
     assert r.num_rows == 1 and plain_rows(r)[1].any()
     assert all(blocks)
     s.close()
+
+
+def test_a_rank_repeating_a_whole_block_gets_it_without_a_pass_over_its_entries(server, stub, cl100k, monkeypatch):
+    """Lockstep ranks send the same columnar bytes: the second gets the first's answer from the
+    block (no parse of its entries, no fill), also after the sequences stepped on or closed; other
+    tokens at the same step are a divergence, as entry by entry."""
+    from maskd.server import entries
+
+    a, b = Stream(stub, session="block-repeat"), Stream(stub, session="block-repeat")
+    opened = [open_ready(a, sid, spec) for sid, spec in (("d", DIGITS), ("l", LETTERS), ("x", DIGITS))]
+    parsed, fills = [], []
+    parse, fill = entries.parse, type(server.service.engine).fill_batch
+
+    def watched_parse(request, by_handle, columnar=True):
+        parsed.append(request)
+        return parse(request, by_handle, columnar)
+
+    def counted_fill(self, *args):
+        fills.append(1)
+        return fill(self, *args)
+
+    monkeypatch.setattr(entries, "parse", watched_parse)
+    monkeypatch.setattr(type(server.service.engine), "fill_batch", counted_fill)
+    one, letter = cl100k.encode("1"), cl100k.encode("a")
+    first = columnar([(opened[0][0], opened[0][1] + 1, one), (opened[1][0], opened[1][1] + 1, letter),
+                      (opened[2][0], opened[2][1] + 1, letter)], forced=True)      # x rejects its token
+    second = columnar([(opened[0][0], opened[0][1] + 2, one), (opened[1][0], opened[1][1] + 2, letter)], forced=True)
+    got_a = [a.send_request(first), a.send_request(second)]
+    assert (len(parsed), len(fills)) == (2, 2)
+    assert statuses(got_a[0])[0] == [pb.SEQ_STATUS_READY, pb.SEQ_STATUS_READY, pb.SEQ_STATUS_FAILED]
+    for request, ra in zip((first, second), got_a):
+        rb = b.send_request(request)
+        assert (rb.statuses, rb.forced_counts, rb.forced_tokens) == (ra.statuses, ra.forced_counts, ra.forced_tokens)
+        assert [(p.index, p.code, p.reason) for p in rb.problems] == [(p.index, p.code, p.reason) for p in ra.problems]
+        assert np.array_equal(rb.dense, ra.dense) and rb.num_rows == ra.num_rows
+    assert (len(parsed), len(fills)) == (2, 2)          # both repeats answered from the blocks
+    assert a.send(pb.SeqStep(seq_id="l", step=opened[1][1] + 2, close=True)).results[0].status == pb.SEQ_STATUS_CLOSED
+    rb = b.send_request(second)                          # after the close: its last answers are kept
+    assert rb.statuses == got_a[1].statuses and np.array_equal(rb.dense, got_a[1].dense)
+    other = b.send_request(columnar([(opened[0][0], opened[0][1] + 2, cl100k.encode("2"))]))
+    assert other.problems[0].code == C.ABORTED.value[0]
+    a.close()
+    b.close()
