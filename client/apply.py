@@ -677,6 +677,8 @@ class BitmaskBuffers:
     ``upload(rows)`` copies (n, words) int32 rows into the host buffer, then non-blocking onto
     the device buffer, and returns the (n, words) device view to pass to
     :func:`apply_token_bitmask_inplace`. On a CPU device it returns the host view.
+    ``host_rows(n)`` gives the next slot's host buffer to decode a step's rows into (the ``out``
+    of ``MaskClient.step_async``); uploading rows that already lie there skips the host copy.
 
     Buffers are used round robin over ``num_slots`` slots (default 2), so the rows of step t+1
     can be uploaded while step t's rows are still being read. A returned view stays valid until
@@ -719,6 +721,7 @@ class BitmaskBuffers:
         self._slots = [_Slot() for _ in range(int(num_slots))]
         self._next = 0
         self._last: _Slot | None = None
+        self._reserved: _Slot | None = None     # the slot host_rows handed out for the next upload
         self._capacity = max(1, int(max_rows))
         for slot in self._slots:
             self._allocate(slot, self._capacity)
@@ -752,6 +755,18 @@ class BitmaskBuffers:
 
     # -- the hot path ------------------------------------------------------------------------
 
+    def host_rows(self, max_rows: int) -> np.ndarray:
+        """The host buffer of the slot the next upload uses, (>= max_rows, words) int32: a step's
+        rows decoded into it need no host copy when uploaded. Its previous copy is waited for first."""
+        if max_rows > self._capacity:
+            self._grow(max_rows)
+        slot = self._slots[self._next]
+        if slot.copied is not None:
+            slot.copied.synchronize()
+            slot.copied = None
+        self._reserved = slot
+        return slot.host_np
+
     def upload(self, rows_np: np.ndarray, stream: Any = None) -> torch.Tensor:
         """Copy ``rows_np`` ((n, words) int32; uint32 is taken bit for bit) onto the device.
 
@@ -769,6 +784,9 @@ class BitmaskBuffers:
         n, words = rows_np.shape
         if words != self.words:
             raise ValueError(f"rows have {words} words but the buffers were made for {self.words}")
+        reserved, self._reserved = self._reserved, None
+        in_place = (reserved is not None and reserved is self._slots[self._next] and n <= len(reserved.host_np)
+                    and rows_np.ctypes.data == reserved.host_np.ctypes.data and rows_np.flags["C_CONTIGUOUS"])
         if n > self._capacity:
             self._grow(n)
 
@@ -780,7 +798,8 @@ class BitmaskBuffers:
         if slot.copied is not None:
             slot.copied.synchronize()
             slot.copied = None
-        np.copyto(slot.host_np[:n], rows_np, casting="no")
+        if not in_place:     # rows decoded into host_rows() are there already
+            np.copyto(slot.host_np[:n], rows_np, casting="no")
         if not self._on_device:
             return slot.host[:n]
 

@@ -262,14 +262,23 @@ class ClientCore(Recovery):
                     self._send_closes(address)
 
     # -- steps ------------------------------------------------------------------------------------
-    def step(self, tokens_by_seq: Mapping[str, Any], timeout: float | None = None) -> StepResult:
-        return self.step_async(tokens_by_seq).result(timeout if timeout is not None else self.timeout_s)
+    def step(self, tokens_by_seq: Mapping[str, Any], timeout: float | None = None, *,
+             out: np.ndarray | None = None) -> StepResult:
+        return self.step_async(tokens_by_seq, out=out).result(timeout if timeout is not None else self.timeout_s)
 
-    def step_async(self, tokens_by_seq: Mapping[str, Any]) -> concurrent.futures.Future:
+    def step_async(self, tokens_by_seq: Mapping[str, Any], *,
+                   out: np.ndarray | None = None) -> concurrent.futures.Future:
         """Sends one step for the batch now; the future resolves to its StepResult.
+
+        ``out``: a buffer of the caller's (int32, C-contiguous, ``words_per_row`` columns; e.g. the
+        host side of ``BitmaskBuffers.host_rows``) that the reply's rows are decoded straight into
+        when the step goes to one server and they fit; the result's ``bitmask`` is then a view of
+        it (read ``bitmask`` either way). Leave it alone until the future resolves.
 
         Input is checked before anything changes: a bad entry raises MaskClientError and leaves
         every sequence (and the closes waiting for this step) as it was."""
+        if out is not None:
+            _check_out(out, self.info().words_per_row)
         with self._cond:
             # The decode step's common case: one token for each sequence, all on one server.
             plain = None if self._closed else self._ledger.plain(tokens_by_seq)
@@ -279,7 +288,7 @@ class ClientCore(Recovery):
                 if address is not None:
                     one = _Part()
                     one.plain_ids, one.plain_seqs, one.plain_tokens = plain
-                    return self._dispatch(address, self._request(address, one))
+                    return self._dispatch(address, self._request(address, one, out))
         advances = _parse(tokens_by_seq)
         info = self.info()
         if not advances:   # nothing to ask: answered here, with no rows
@@ -307,12 +316,14 @@ class ClientCore(Recovery):
                     entry, undo = ledger.advance(a)
                     part.entries.append(entry)
                     part.undo.append(undo)
-            futures = [self._dispatch(address, self._request(address, part)) for address, part in parts.items()]
             if len(parts) == 1 and not next(iter(parts.values())).entries:
-                return futures[0]   # all columnar, on one server: its answer is in the batch's order already
+                # all columnar, on one server: its answer is in the batch's order already
+                address, part = next(iter(parts.items()))
+                return self._dispatch(address, self._request(address, part, out))
+            futures = [self._dispatch(address, self._request(address, part)) for address, part in parts.items()]
             return gather([a.seq_id for a in advances], futures)
 
-    def _request(self, address: str, part: _Part) -> InFlight:
+    def _request(self, address: str, part: _Part, out: np.ndarray | None = None) -> InFlight:
         """(under the lock) One server's part of a step as a request: closes waiting for it first,
         then SeqStep entries, then the columnar ones."""
         waiting = self._closes.get(address)
@@ -331,7 +342,7 @@ class ClientCore(Recovery):
             request.tokens = np.array(list(itertools.chain.from_iterable(part.plain_tokens)), dtype="<i4").tobytes()
             request.columnar_sampled_unmasked = part.plain_unmasked
         return InFlight(request, concurrent.futures.Future(), part.undo, closes=[(c.seq_id, f) for c, f in closes],
-                        plain_ids=part.plain_ids)
+                        plain_ids=part.plain_ids, out=out)
 
     def _dispatch(self, address: str, item: InFlight) -> concurrent.futures.Future:
         """(under the lock) Sends on the address's stream, or hands the step to its recovery."""
@@ -405,6 +416,15 @@ class _Part:
 
 
 _NO_DRAFTS: tuple[int, ...] = ()
+
+
+def _check_out(out: Any, words: int) -> None:
+    """A step's ``out`` buffer is what the row decoder writes into, or MaskClientError (nothing sent)."""
+    if (not isinstance(out, np.ndarray) or out.dtype != np.int32 or out.ndim != 2 or out.shape[1] != words
+            or not out.flags["C_CONTIGUOUS"] or not out.flags["WRITEABLE"]):
+        what = f"{out.dtype} {out.shape}" if isinstance(out, np.ndarray) else type(out).__name__
+        raise MaskClientError(f"out must be a writeable C-contiguous int32 array of shape (rows, {words}), "
+                              f"not {what}", _C.INVALID_ARGUMENT)
 
 
 def _parse(tokens_by_seq: Mapping[str, Any]) -> list[Advance]:

@@ -41,6 +41,7 @@ class InFlight:
     closes: list[tuple[str, concurrent.futures.Future]] = dataclasses.field(default_factory=list)
     attempts: int = 1               # times sent (bounded by the client's retry budget)
     sent_at: float = 0.0
+    out: np.ndarray | None = None   # the caller's buffer the reply's rows decode into, when they fit
 
 
 class StreamLost(MaskClientError):
@@ -149,7 +150,9 @@ class StepStream:
         if self.decoder is None:
             return
         try:
-            bitmask = self.decoder.decode(reply.row_block, reply.num_rows)
+            out = item.out
+            bitmask = self.decoder.decode(reply.row_block, reply.num_rows,
+                                          out if out is not None and len(out) >= reply.num_rows else None)
             if reply.words_per_row and reply.words_per_row != self.decoder.words:
                 raise ValueError(f"{reply.words_per_row} words per row, this client expects {self.decoder.words}")
             result = result_of(reply, item, bitmask)

@@ -970,3 +970,24 @@ def test_cuda_apply_with_host_indices_never_waits_for_the_gpu(monkeypatch):
                 torch.cuda.set_sync_debug_mode("default")
             assert_bit_equal(packed.cpu(), ref)
             assert_bit_equal(whole.cpu(), ref)
+
+
+def test_buffers_take_rows_decoded_into_their_host_buffer_without_a_copy():
+    """``host_rows`` hands out the next slot's host buffer; rows written there are uploaded in
+    place (the same memory), and the slots go round as before."""
+    buf = BitmaskBuffers(2, 3, device="cpu", num_slots=2)
+    first = _rows(2, 3, 7)
+    host = buf.host_rows(2)
+    host[:2] = first
+    out = buf.upload(host[:2])
+    assert out.data_ptr() == torch.from_numpy(host).data_ptr()
+    np.testing.assert_array_equal(out.numpy(), first)
+    other = _rows(2, 3, 8)                      # an upload from elsewhere copies into the next slot
+    second = buf.upload(other)
+    np.testing.assert_array_equal(second.numpy(), other)
+    np.testing.assert_array_equal(out.numpy(), first)
+    grown = buf.host_rows(5)                    # grows every slot
+    assert grown.shape[0] >= 5 and buf.max_rows >= 5
+    big = _rows(5, 3, 9)
+    grown[:5] = big
+    np.testing.assert_array_equal(buf.upload(grown[:5]).numpy(), big)

@@ -362,3 +362,34 @@ def test_register_require_ready_gives_only_ids_of_compiled_grammars(server):
                 break
             time.sleep(0.05)
         assert failed.value.code is grpc.StatusCode.INVALID_ARGUMENT and "does not compile" in str(failed.value)
+
+
+def test_a_steps_rows_decode_into_the_callers_buffer(server, cl100k):
+    """``out``: the reply's rows are decoded straight into the caller's buffer (the result's bitmask
+    is a view of it) and equal the rows of the same step without it; a buffer too small gets a new
+    array; a buffer of the wrong form is refused before anything is sent."""
+    digits = {"regex": "[0-9]{1,8}"}
+    tokens = [cl100k.encode(c)[0] for c in "1234"]
+    with MaskClient(server.address) as mc:
+        words = mc.info().words_per_row
+        mc.register(digits, wait=True, timeout_s=30, require_ready=True)
+        for sid in ("into", "alone", "small"):
+            mc.open(sid, digits)
+        assert set(mc.step({"into": [], "alone": [], "small": []}).status.tolist()) == {SeqStatus.READY}
+        out = np.full((4, words), -1, dtype=np.int32)
+        for k, t in enumerate(tokens[:2]):
+            alone = mc.step({"alone": [t]})
+            got = mc.step({"into": [t]}, out=out)
+            assert np.shares_memory(got.bitmask, out) and got.row_index("into") == 0
+            assert np.array_equal(got.bitmask[0], alone.bitmask[alone.row_index("alone")])
+            assert (out[1:] == -1).all()                      # only the reply's rows were written
+        tiny = np.zeros((0, words), dtype=np.int32)
+        small = mc.step({"small": [tokens[0]]}, out=tiny)
+        assert not np.shares_memory(small.bitmask, tiny) and len(small.bitmask) == 1
+        for bad in (np.zeros((2, words), np.int64), np.zeros((2, words + 1), np.int32),
+                    np.zeros((2, 2 * words), np.int32)[:, ::2], [[0] * words]):
+            with pytest.raises(MaskClientError) as refused:
+                mc.step({"into": [tokens[2]]}, out=bad)
+            assert refused.value.code is grpc.StatusCode.INVALID_ARGUMENT
+        assert mc.history("into") == tokens[:2]               # nothing changed
+        assert mc.step({"into": [tokens[2]]}, out=out).seqs["into"].status is SeqStatus.READY

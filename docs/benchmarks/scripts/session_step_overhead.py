@@ -7,7 +7,8 @@ server's step protocol, its grammar cache and engine as ``maskd serve`` builds t
 thread) and stepped with columnar decode steps, a token each; beside them the same B grammars
 run as bare engine matchers (``consume_batch`` + ``fill_batch``). Each step times
 ``Session.step`` plus the reply's answers (``entries.answer``) against the bare consume + fill,
-alternating which goes first; rows are compared bit for bit. The difference is what the step
+alternating which goes first; rows are compared bit for bit. ``--repeat`` sends each step's request
+a second time right after (what a lockstep tensor-parallel rank sends) and times that apart. The difference is what the step
 protocol's Python (admission, routing, readiness, the answers kept for repeats, document checks
 in complete mode, the row ring) costs per step. ``--phases`` times each phase too.
 
@@ -29,6 +30,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--mode", choices=("strict", "complete"), default="strict", help="JSON-schema mode")
     p.add_argument("--phases", action="store_true", help="time each phase of Session.step too")
+    p.add_argument("--repeat", action="store_true",
+                   help="after each step, the same request again (a lockstep tensor-parallel rank's), timed apart")
     args = p.parse_args()
 
     from maskd.server import session as session_module
@@ -76,7 +79,7 @@ def main() -> None:
         for name in ("_admit", "_route", "_advance", "_consume", "_fill"):
             timed(Session, name, name.strip("_"))
 
-    stepped, alone = [], []
+    stepped, alone, repeated = [], [], []
     gc.collect()
     gc.freeze()
     for k in range(1, args.steps):
@@ -91,6 +94,18 @@ def main() -> None:
             outcome = session.step(request)
             answer(outcome.results, pb.StepResponse(), False, outcome.block)
             stepped.append(time.perf_counter() - t0)
+            if args.repeat:
+                if outcome.release:
+                    outcome.release()
+                t0 = time.perf_counter()
+                again = session.step(request)
+                answer(again.results, pb.StepResponse(), False, again.block)
+                repeated.append(time.perf_counter() - t0)
+                if not (again.rows == outcome.rows).all():
+                    raise SystemExit(f"step {k}: the repeat's rows differ")
+                if again.release:
+                    again.release()
+                outcome.release = None
             return outcome
 
         def engine_alone(tokens=tokens):
@@ -113,6 +128,9 @@ def main() -> None:
     print(f"batch {args.batch}, {args.mode} mode, {len(stepped)} steps: Session.step + answers p50 {s:.3f} ms, "
           f"engine consume + fill p50 {e:.3f} ms: the step protocol {s - e:+.3f} ms "
           f"({(s - e) / args.batch * 1e3:.1f} us a sequence)")
+    if repeated:
+        print(f"  the same request again (a lockstep rank's repeat): p50 {np.median(repeated) * 1e3:.3f} ms "
+              f"({np.median(repeated) / args.batch * 1e6:.1f} us a sequence)")
     for key, values in phases.items():
         print(f"  {key:8s} p50 {np.median(values) * 1e3:.3f} ms")
 

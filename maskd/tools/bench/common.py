@@ -472,6 +472,11 @@ class Materializer:
         except Exception:
             self._np = np.empty((max(1, max_rows), words), dtype=np.int32)
 
+    def out(self, max_rows: int) -> np.ndarray | None:
+        """Where the next step's rows may be decoded (MaskClient.step_async's ``out``): the host
+        buffer the next materialization uploads from, so that it needs no copy."""
+        return self._buffers.host_rows(max_rows) if self._buffers is not None else None
+
     def __call__(self, bitmask: np.ndarray) -> np.ndarray:
         """Materializes; returns a numpy view of the materialized rows (for the token checks)."""
         if self._buffers is not None:
