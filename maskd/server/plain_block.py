@@ -53,12 +53,13 @@ class PlainBlock:
     """The columnar part of one step, every entry plain (see the module's docstring). Entry ``i`` is
     the request's columnar entry ``i``; ``status`` holds each one's packed status byte (the reply's
     ``statuses``), ``row`` its row in the step's rows (-1: none)."""
-    __slots__ = ("buffer", "forced", "generation", "handles", "matchers", "probed", "problems", "row", "rows", "seqs",
-                 "status", "steps", "tokens")
+    __slots__ = ("buffer", "forced", "generation", "handles", "matchers", "probed", "problems", "row", "rows",
+                 "seq_ids", "seqs", "status", "steps", "tokens")
 
     def __init__(self, seqs: list[SequenceState], matchers: list, handles: list[int], steps: list[int],
                  tokens: list[int]) -> None:
         self.seqs, self.matchers, self.handles, self.steps, self.tokens = seqs, matchers, handles, steps, tokens
+        self.seq_ids: list[str] = []     # kept past the step, when ``seqs`` goes (see ``done``)
         n = len(seqs)
         self.status = bytearray(n)
         self.row = [-1] * n
@@ -69,7 +70,13 @@ class PlainBlock:
         self.probed: list[tuple[int, Fill]] = []  # entries whose documents the fill phase checks
 
     def __len__(self) -> int:
-        return len(self.seqs)
+        return len(self.handles)
+
+    def done(self) -> None:
+        """The step is over: the block keeps its answers, not its sequences or matchers (sequences
+        keep it in their answers: holding them back would make cycles for the garbage collector)."""
+        self.seq_ids = [seq.seq_id for seq in self.seqs]
+        self.seqs, self.matchers, self.probed = [], [], []
 
     @classmethod
     def of(cls, request: pb.StepRequest, session) -> PlainBlock | None:
@@ -182,14 +189,16 @@ class PlainBlock:
 
     def rows_filled(self) -> int:
         """How many rows the block's entries have (an entry without one has a problem)."""
-        return len(self.seqs) - len(self.problems)
+        return len(self.handles) - len(self.problems)
 
     def still_kept(self, by_handle: dict) -> bool:
         """Whether every entry's answer is still what its sequence keeps for that step (the
         sequence, closed or not, still reached by its handle, the step within its window)."""
         get = by_handle.get
-        for h, seq, step in zip(self.handles, self.seqs, self.steps):
-            if get(h) is not seq or step not in seq.recent:
+        for h, step in zip(self.handles, self.steps):
+            seq = get(h)
+            kept = seq.recent.get(step) if seq is not None else None
+            if kept is None or (kept[0] if isinstance(kept, tuple) else kept.block) is not self:
                 return False
         return True
 
@@ -260,7 +269,7 @@ class PlainBlock:
             code, reason = self.problems[i]
             reply.problems.add(index=i, code=int(code), reason=reason)
         if want_forced:
-            counts = np.zeros(len(self.seqs), dtype="<u4")
+            counts = np.zeros(len(self.handles), dtype="<u4")
             flat: list[int] = []
             for i in sorted(self.forced):
                 counts[i] = len(self.forced[i])
@@ -270,8 +279,7 @@ class PlainBlock:
 
     def answer(self, i: int) -> Answer:
         """Entry i's answer as the per-entry path keeps it (for a repeat of its step)."""
-        seq = self.seqs[i]
-        res = Result(i, seq.seq_id, self.steps[i], True)
+        res = Result(i, self.seq_ids[i], self.steps[i], True)
         packed = self.status[i]
         res.status = SeqStatus(packed & 0x0F)
         res.accepting = bool(packed & ACCEPTING_BIT)
@@ -280,6 +288,7 @@ class PlainBlock:
             res.code, res.reason = problem
         res.forced_tokens = list(self.forced.get(i, ()))
         answer = Answer((self.tokens[i],), _NO_TOKENS, 0, res)
+        answer.block = self
         if self.row[i] >= 0:
             res.first_row, res.num_rows = self.row[i], 1
             answer.buffer, answer.generation = self.buffer, self.generation

@@ -7,6 +7,8 @@ these; nothing here knows of requests or engines' batching.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from maskd.server.drafts import Proposal
@@ -105,7 +107,7 @@ class Answer:
     """What one (sequence, step) was answered: its inputs, the result, and where its rows are: a
     row buffer and its generation then, ``rows`` (that step's own array, when no buffer was free),
     or ``packed`` (the row codec's bytes, once the ring of buffers came round)."""
-    __slots__ = ("buffer", "drafts", "generation", "packed", "propose", "result", "rollback", "rows", "tokens",
+    __slots__ = ("block", "buffer", "drafts", "generation", "packed", "propose", "result", "rollback", "rows", "tokens",
                  "unmasked")
 
     def __init__(self, tokens: tuple, drafts: tuple, rollback: int, result: Result, propose: int = 0,
@@ -117,6 +119,7 @@ class Answer:
         self.generation = 0
         self.rows: np.ndarray | None = None
         self.packed: bytes | None = None
+        self.block: Any = None     # the plain block it was made from (plain_block.py), if any
 
 
 def record_step(seq: SequenceState, msg: Entry, res: Result) -> None:

@@ -113,10 +113,6 @@ class Session(StepRouting):
                     return repeated
             # The decode step's common case as arrays; anything else entry by entry (plain_block.py).
             block = PlainBlock.of(request, self) if request.handles else None
-            if block is not None and key is not None:
-                self.blocks[key] = block
-                if len(self.blocks) > RECENT_STEPS:
-                    self.blocks.popitem(last=False)
             pairs, unknown, problem = entries.parse(request, self.by_handle, columnar=block is None)
             if problem:
                 for _, res in pairs:
@@ -135,6 +131,12 @@ class Session(StepRouting):
             self._consume(consume, fill, refusals, block)
             t0 = time.perf_counter()
             rows, release = self._fill(fill, replays, request.want_forced_tokens, refusals, block)
+            if block is not None:
+                block.done()
+                if key is not None:      # kept for a rank that repeats the whole request
+                    self.blocks[key] = block
+                    if len(self.blocks) > RECENT_STEPS:
+                        self.blocks.popitem(last=False)
             return StepOutcome([res for _, res in pairs], rows, refusals, time.perf_counter() - t0, release,
                                unmasked, block)
 

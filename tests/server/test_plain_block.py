@@ -236,3 +236,50 @@ def test_a_rank_repeating_a_whole_block_gets_it_without_a_pass_over_its_entries(
     assert other.problems[0].code == C.ABORTED.value[0]
     a.close()
     b.close()
+
+
+def test_sequences_stepped_as_blocks_leave_no_cycles_for_the_collector(cl100k):
+    """A block keeps its answers and its sequences keep the block (their kept answers); once the
+    step is over the block lets its sequences go, so closed sequences and old blocks are freed by
+    reference counting, not left in cycles for the garbage collector's full passes."""
+    import gc
+
+    from maskd.server.config import Limits
+    from maskd.server.engines import create_engine
+    from maskd.server.grammar_cache import GrammarCache
+    from maskd.server.plain_block import PlainBlock
+    from maskd.server.sequence import SequenceState
+    from maskd.server.session import Session
+    from maskd.specs import GrammarSpec
+
+    engine = create_engine("llguidance", cl100k, threads=1)
+    cache = GrammarCache(engine, compile_threads=1)
+    spec = GrammarSpec.from_request({"regex": "[a-z]{1,100}"})
+    assert cache.wait(cache.lookup(spec, ""), 60).compiled is not None
+    session = Session("cycles", engine, cache, Limits())
+    a = cl100k.encode("a")[0]
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        for n in range(2):
+            opened = session.step(pb.StepRequest(seqs=[pb.SeqStep(seq_id=f"c{n}-{i}", step=0, spec=spec.to_proto())
+                                                       for i in range(8)]))
+            handles = np.array([r.handle for r in opened.results], "<u4").tobytes()
+            for k in range(1, 8):
+                outcome = session.step(pb.StepRequest(handles=handles, steps=np.full(8, k, "<u4").tobytes(),
+                                                      token_counts=np.ones(8, "<u4").tobytes(),
+                                                      tokens=np.full(8, a, "<i4").tobytes()))
+                assert outcome.block is not None and outcome.release is not None
+                outcome.release()
+            session.step(pb.StepRequest(seqs=[pb.SeqStep(seq_id=f"c{n}-{i}", step=7, close=True) for i in range(8)]))
+        session.closed.clear()
+        session.by_handle.clear()
+        session.blocks.clear()
+        del outcome
+        gc.collect()
+        assert not [x for x in gc.garbage if isinstance(x, (PlainBlock, SequenceState))]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
