@@ -15,8 +15,8 @@
   iterator, a reader thread that decodes the rows straight into the worker's buffer and resolves
   a future).
 * **maskd**: `maskd serve --threads 1 --json-schema-mode strict` pinned to CPU 0 (as `maskd bench
-  serve` runs it), stepped by MaskClient with columnar steps, the rows copied into the worker's
-  buffer.
+  serve` runs it), stepped by MaskClient with columnar steps, the rows decoded into the worker's
+  buffer (``step(..., out=)``).
 * **maskd's server, a bare client**: the same server, another session of the same sequences,
   stepped with the floor's client (prebuilt columnar requests, rows decoded into the buffer): what
   maskd's server costs above the floor, apart from MaskClient.
@@ -288,8 +288,10 @@ def drive(args) -> None:
 
             def maskd(k: int, tokens: list | None):
                 t0 = time.perf_counter()
-                res = mc.step({sid: [] if tokens is None else [t] for sid, t in zip(ids, tokens or ids)})
-                maskd_out[:] = res.bitmask     # into the worker's buffer, where the floor decodes its rows
+                res = mc.step({sid: [] if tokens is None else [t] for sid, t in zip(ids, tokens or ids)},
+                              out=maskd_out)   # decoded into the worker's buffer, as the floor decodes its rows
+                if not np.shares_memory(res.bitmask, maskd_out):
+                    maskd_out[:] = res.bitmask
                 return time.perf_counter() - t0, maskd_out, res.server_seconds
 
             def bare(k: int, tokens: list | None):
