@@ -445,7 +445,7 @@ class Session(StepRouting):
             if job.unmasked:                        # its sampled token passed the check: no row
                 answer = seq.kept(seq.step)
                 if answer is not None:
-                    answer.result, answer.buffer, answer.rows, answer.packed = res, -1, None, None
+                    answer.result, answer.buffer, answer.rows, answer.packed, answer.block = res, -1, None, None, None
                 continue
             res.first_row = row
             res.num_rows = 1 + len(d)
@@ -455,7 +455,7 @@ class Session(StepRouting):
             answer = seq.kept(seq.step)
             if answer is not None:                  # its rows are these (a re-filled repeat too)
                 answer.result, answer.buffer, answer.generation = res, buffer, generation
-                answer.rows = answer.packed = None
+                answer.rows = answer.packed = answer.block = None
                 if buffer < 0:
                     answer.rows = out
                 else:
