@@ -7,7 +7,7 @@ alone; a rank that repeats such a step gets the same answer."""
 import grpc
 import numpy as np
 import pytest
-from test_columnar import columnar, open_ready, plain_rows, statuses
+from test_columnar import DIGITS, LETTERS, columnar, open_ready, plain_rows, statuses
 from test_server import Stream, step
 
 from maskd.server import Limits, MaskServer, ServerConfig
@@ -17,8 +17,6 @@ from maskd.v1 import maskd_pb2 as pb
 C = grpc.StatusCode
 SCHEMA = {"json_schema": {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}},
                           "required": ["ok", "n"], "additionalProperties": False}}
-DIGITS = {"regex": "[0-9]{1,6}"}
-LETTERS = {"regex": "[a-z]{1,12}"}
 UNIQUE = {"json_schema": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}}
 
 
