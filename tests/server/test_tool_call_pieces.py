@@ -10,15 +10,19 @@ forced tokens and draft rows too. Through a real server: 200 tools registered, t
 but one and one new tool, in another order, ready from 199 cached pieces; a valid call of the new
 tool accepted token by token; a call naming a tool outside the set refused.
 """
+import collections
 import dataclasses
 import json
 import random
 import time
 
+import llguidance
 import numpy as np
 import pytest
+from conftest import MASKBENCH, needs_maskbench
 
 from maskd.server import MaskServer, ServerConfig
+from maskd.server.engines import GrammarCompileError
 from maskd.server.engines.llguidance_engine import LLGuidanceEngine
 from maskd.server.json_schema import CallArrayChecker, document_checker
 from maskd.specs import GrammarSpec
@@ -366,3 +370,47 @@ def test_a_tool_whose_parameters_do_not_compile_fails_the_request_as_compiled_wh
         assert entry.error == str(whole.value)
     finally:
         cache.close()
+
+
+# -- a piece's check ------------------------------------------------------------------------------
+def piece_outcomes(engine, spec: GrammarSpec) -> tuple[bool, bool]:
+    """(the piece's check passes, the piece's own grammar builds a matcher) for one tool's spec."""
+    try:
+        compiled = engine.compile(engine.piece_spec(spec, spec.text))
+    except GrammarCompileError:
+        return False, not llguidance.LLMatcher(
+            engine.ll, llguidance.LLMatcher.grammar_from_lark(
+                f"start: %json {engine._json_text(spec, json.loads(spec.text), lenient=False)} /(?s:.*)/\n"),
+            log_level=0).is_error()
+    matcher = llguidance.LLMatcher(engine.ll, compiled.handle, log_level=0)
+    return True, not matcher.is_error()
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": {"x": {"type": "string", "pattern": "(("}}},      # a bad pattern
+    {"type": "object", "properties": {"x": {"$ref": "#/$defs/missing"}}},               # a dangling $ref
+    {"type": "object", "properties": {"x": {"type": "string", "minLength": 5, "maxLength": 2}}},
+    {"type": "object", "properties": {"x": {"type": "integer", "minimum": 1, "maximum": 3}}},
+    {"type": "object", "properties": {"when": {"type": "string", "format": "date-time"}}},
+])
+def test_a_pieces_check_has_the_outcome_of_the_grammar_it_builds(deepseek, schema):
+    """A piece is checked as a JSON-schema grammar (half the time of its Lark form) and built later
+    from the Lark form: the check passes exactly where the built grammar compiles."""
+    for mode in ("strict", "complete"):
+        engine = LLGuidanceEngine(deepseek, threads=1, json_schema_mode=mode)
+        for whitespace in ("flexible", "compact"):
+            spec = GrammarSpec.from_dict({"json_schema": schema, "whitespace": whitespace})
+            checked, builds = piece_outcomes(engine, spec)
+            assert checked == builds, (mode, whitespace, schema)
+
+
+@needs_maskbench
+def test_a_pieces_check_has_the_outcome_of_the_grammar_it_builds_on_maskbench(deepseek):
+    engine = LLGuidanceEngine(deepseek, threads=1, json_schema_mode="strict")
+    outcomes = collections.Counter()
+    for path in sorted(MASKBENCH.glob("*.json")):
+        spec = GrammarSpec.from_dict({"json_schema": json.loads(path.read_text(encoding="utf-8"))["schema"]})
+        checked, builds = piece_outcomes(engine, spec)
+        assert checked == builds, path.name
+        outcomes[checked] += 1
+    assert outcomes[True] > 900 and outcomes[False] > 100, outcomes    # 949 and 171 (strict, 1,120 files)
