@@ -28,11 +28,6 @@ log = logging.getLogger("maskd.server.grammar_cache")
 _ENTRY_OVERHEAD = 1024   # bytes counted per entry beyond its serialized grammar
 _PIECE_IDS_KEPT = 1 << 16   # tool pieces' grammar ids kept by text (a hash of each every request is ms)
 _IDS_KEPT_FROM, _IDS_KEPT_CHARS = 4096, 32 << 20   # ids of specs this large kept, up to this much text
-# An array composes from its pieces when at most this share of its tools' pieces must be compiled;
-# else it compiles whole and the new pieces compile after it, for the next request. Per tool, a piece
-# through a compile worker costs about 1.6x a tool's share of one whole compile (200 tools, all new:
-# 349 ms composed, 202-220 whole; docs/benchmarks.md, "Per-tool pieces composed").
-_NEW_PIECES_COMPOSED = 0.5
 
 
 class QueueFull(RuntimeError):
@@ -248,15 +243,8 @@ class GrammarCache:
     # -- compiling (on a compile thread) ----------------------------------------------------------
     def _compile(self, entry: CacheEntry) -> None:
         t0 = time.perf_counter()
-        later: list[CacheEntry] = []
-        if self._composed(entry, t0, later):
-            return
-        try:
+        if not self._composed(entry, t0):
             self._compile_whole(entry, t0)
-        finally:
-            if later:   # an array of mostly new tools: their pieces, for the next request
-                threading.Thread(target=self._compile_pieces_later, args=(later,), daemon=True,
-                                 name="maskd-compile-pieces").start()
 
     def _compile_whole(self, entry: CacheEntry, t0: float) -> None:
         if self.shared is not None and self._from_shared(entry):
@@ -309,13 +297,14 @@ class GrammarCache:
                 self._count_error("shared_cache_put")
 
     # -- tool-call arrays composed from per-tool pieces (engines/tool_calls.py) ---------------------
-    def _composed(self, entry: CacheEntry, t0: float, later: list[CacheEntry]) -> bool:
+    def _composed(self, entry: CacheEntry, t0: float) -> bool:
         """A ``tool_choice: "required"`` array made of its tools' pieces, each a grammar of this cache
         (compiled once, here or by another replica through the shared store), and a router compiled
         here meanwhile. False where the engine does not compose, or a piece does not compile alone
-        or only as a relaxation: the array is then compiled whole (which names the error, if any);
-        also where most of its pieces are new (one whole compile is faster then), with those pieces
-        put in ``later``: the caller compiles them once the array is ready."""
+        or only as a relaxation: the array is then compiled whole (which names the error, if any).
+        An array of new tools composes too: its pieces, in the compile workers at once, are ready
+        sooner than one whole compile (200 tools 98-103 against 192-293 ms; docs/benchmarks.md,
+        "Tool pieces checked as JSON-schema grammars")."""
         parts = self.engine.tool_call_parts(entry.spec)
         if parts is None:
             return False
@@ -323,10 +312,8 @@ class GrammarCache:
         router = threading.Thread(target=self._route, args=(entry.spec, parts, routed), daemon=True,
                                   name="maskd-compile-router")
         router.start()
-        pieces = self._pieces(entry.spec, parts.pieces, entry.tenant, later)
+        pieces = self._pieces(entry.spec, parts.pieces, entry.tenant)
         router.join()
-        if pieces is None:
-            return False
         compiled = None
         grammars = [p.compiled for p in pieces if p.compiled is not None]
         if routed and not isinstance(routed[0], Exception) and len(grammars) == len(pieces):
@@ -363,13 +350,10 @@ class GrammarCache:
                     del self._piece_ids[next(iter(self._piece_ids))]
         return gid
 
-    def _pieces(self, spec: GrammarSpec, texts: tuple[str, ...], tenant: str,
-                later: list[CacheEntry]) -> list[CacheEntry] | None:
+    def _pieces(self, spec: GrammarSpec, texts: tuple[str, ...], tenant: str) -> list[CacheEntry]:
         """The pieces of ``spec``'s tools (their parameters ``texts``), in order: found in this
         cache or the shared store, else compiled on this thread now, together (not queued behind the
-        array that needs them), or waited for where another thread compiles them. None where more
-        than _NEW_PIECES_COMPOSED of them must be compiled: those are put in ``later`` (held in the
-        cache as compiling, so that a request needing them meanwhile waits for them)."""
+        array that needs them), or waited for where another thread compiles them."""
         ids = [self._piece_id(spec, t) for t in texts]
         entries: list[CacheEntry] = []
         mine: list[CacheEntry] = []
@@ -397,21 +381,17 @@ class GrammarCache:
         if self.metrics is not None:
             self.metrics.tool_pieces.labels("cached").inc(len(entries) - len(mine))
             self.metrics.tool_pieces.labels("compiled").inc(len(mine))
-        if len(mine) > _NEW_PIECES_COMPOSED * len(entries):
-            later.extend(mine)
-            return None
         if mine:
-            self._compile_pieces(mine)
+            self._compile_pieces_or_fail(mine)
         return [self.wait(e) if e.state is GrammarState.COMPILING else e for e in entries]
 
-    def _compile_pieces_later(self, entries: list[CacheEntry]) -> None:
-        """``_compile_pieces`` on a thread of its own: nothing waits for it but the requests that
-        need these pieces, so a failure here must still finish every entry (and let the next lookup
-        compile it again)."""
+    def _compile_pieces_or_fail(self, entries: list[CacheEntry]) -> None:
+        """``_compile_pieces``, where a failure must still finish every entry (other requests may
+        wait for them; the next lookup compiles them again) and the array then compiles whole."""
         try:
             self._compile_pieces(entries)
         except Exception as exc:
-            log.exception("compiling %d tool pieces after their array failed", len(entries))
+            log.exception("compiling %d tool pieces failed", len(entries))
             with self._lock:
                 for entry in entries:
                     if not entry.done.is_set():

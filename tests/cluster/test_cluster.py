@@ -237,7 +237,7 @@ def test_grammar_drafts_learned_on_one_worker_are_proposed_on_the_other(cluster,
 
 
 def test_tool_pieces_compiled_on_one_worker_serve_the_other(cluster):
-    """A tool set new to the cluster, opened on worker-0, compiles whole, then one piece per tool,
+    """A tool set new to the cluster, opened on worker-0, is composed from one piece per tool, each
     published to the cluster's store; the same tools but one, shuffled, plus a new one, opened on
     worker-1: its pieces come from the store, and only the new tool's is compiled there (issue 19)."""
     nonce = uuid.uuid4().hex[:8]
@@ -262,14 +262,10 @@ def test_tool_pieces_compiled_on_one_worker_serve_the_other(cluster):
                 res = mc.step({sid: []})
             assert res.seqs[sid].status is SeqStatus.READY, res.seqs[sid]
             mc.close(sid)
-            deadline = time.monotonic() + 120   # worker-0's pieces compile after its array
-            while sid == sid0 and status_by_worker()["worker-0"]["compiles"] - before["worker-0"]["compiles"] < 21:
-                assert time.monotonic() < deadline, "worker-0 never compiled the tools' pieces"
-                time.sleep(0.1)
     after = status_by_worker()
     delta = {w: {k: after[w][k] - before[w][k] for k in ("compiles", "shared_hits")} for w in after}
     print(f"\ntool pieces across the cluster: {delta}")
-    assert delta["worker-0"] == {"compiles": 21, "shared_hits": 0}     # the array whole, then its 20 pieces
+    assert delta["worker-0"] == {"compiles": 21, "shared_hits": 0}     # 20 pieces and the array composed
     assert delta["worker-1"] == {"compiles": 2, "shared_hits": 19}     # the new tool's piece and the array
 
 

@@ -186,9 +186,9 @@ def tool_pieces(server, outcome: str) -> float:
 def test_tool_calls_equal_vllms_own_backend_token_for_token(engine, reference, maskd_server):
     """tool_choice "required" (vLLM builds the call array and hands it to its backend) through maskd:
     greedy outputs equal vLLM's guidance backend token for token, and each call names a tool of its
-    request with arguments its schema takes. These engines write compact JSON: the first set (all
-    new) compiles whole, the second (39 of its tools and one new, in another order) is composed
-    from per-tool pieces, where the array forces bytes across the router and a piece
+    request with arguments its schema takes. These engines write compact JSON: both sets are
+    composed from per-tool pieces (the first all new, the second 39 of its tools and one new, in
+    another order), where the array forces bytes across the router and a piece
     (tests/server/test_tool_call_pieces.py)."""
     first = tools(40)
     later = first[1:] + tools(41)[40:]
@@ -208,5 +208,5 @@ def test_tool_calls_equal_vllms_own_backend_token_for_token(engine, reference, m
         check_tool_calls(sent, mine["message"])
         outputs[name] = [(c["function"]["name"], c["function"]["arguments"]) for c in mine["message"]["tool_calls"]]
     assert rows_sent(maskd_server) > rows_before, "maskd computed no rows for the tool calls"
-    assert tool_pieces(maskd_server, "composed") == composed + 1   # the first whole, the second composed
+    assert tool_pieces(maskd_server, "composed") == composed + 2
     print(f"\ntool calls, greedy: {outputs}")

@@ -65,8 +65,6 @@ def main() -> None:
             for r in range(args.rounds):
                 cold, shuffled = bench_tools.draw(pool, args.tools, f"breakdown{r}", random.Random(r))
                 for scenario, tools in (("cold", cold), ("same", cold), ("shuffled", shuffled)):
-                    if scenario == "shuffled":
-                        bench_tools._settle(mc, cold)
                     spent.clear()
                     took = bench_tools.first_row(mc, bench_tools.request(tools), f"{r}-{scenario}")
                     rows[scenario].append({**{f"client: {k}": v for k, v in took.items()},

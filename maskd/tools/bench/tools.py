@@ -14,17 +14,16 @@ set drawn afresh:
   ``MaskClient.register`` (waits for the compile), open and the first step, until its row is back,
   for three requests:
 
-  - ``cold``: tools the server has never seen (compiled whole; their pieces compile after it);
-  - ``same``: the same request again, once the cold set's pieces are compiled (a cache hit: nothing
-    to compile or compose; what any request of that size costs the client, the wire and the first
-    step, so the floor under ``shuffled``);
+  - ``cold``: tools the server has never seen (composed from their pieces, compiled at once in the
+    compile workers);
+  - ``same``: the same request again (a cache hit: nothing to compile or compose; what any request
+    of that size costs the client, the wire and the first step, so the floor under ``shuffled``);
   - ``shuffled``: all of the cold set's tools but one, in another order, plus one never seen: a
     new array, which the server composes from the pieces it has (one per tool's parameters) and
     the new tool's, with a router compiled for its names (issue 19's target: <= 5 ms at 200 tools).
 
-  ``same`` and ``shuffled`` are sent once the cold set's pieces are compiled (as an agent's next
-  turn finds them: the cold set in reverse order is registered first, which waits for them), so
-  no compile of the cold set's pieces runs beside them.
+  The cold set's register returns once its pieces are compiled, so no compile of them runs
+  beside ``same`` and ``shuffled``.
 
 Every tool of a set is new: its name and its parameters' description carry the set's tag, so no
 cache (of whole grammars, or of pieces later) has seen it before.
@@ -199,15 +198,6 @@ def _server(args) -> common.ServerHandle:
     return common.ServerHandle(server.address, "embedded", server=server)
 
 
-def _settle(mc, tools: list[dict]) -> None:
-    """A cold set's pieces compile after its array; the agent's next turn (seconds later) finds
-    them compiled. The same tools in reverse order are a new array of those pieces only: its
-    register composes it once every piece is compiled, so it returns when they are."""
-    from maskd.specs import GrammarSpec
-
-    mc.register(GrammarSpec.from_request(request(tools[::-1])).to_proto(), wait=True)
-
-
 def first_row(mc, req: dict, sid: str) -> dict[str, float]:
     """Seconds until the request's first row through the server: the spec built from the request,
     register (waits for the compile), open + the first step (again while it answers WAITING). The
@@ -278,8 +268,6 @@ def run(args, log: Callable[[str], None] = print) -> dict:
                         per[name].append({"compile": c, "first_row": f})
                     for scenario, tools in (("cold", cold), ("same", cold), ("shuffled", shuffled)):
                         try:
-                            if scenario == "same":
-                                _settle(mc, cold)
                             per[scenario].append(first_row(mc, request(tools), f"{tag}-{scenario}"))
                         except MaskClientError as exc:
                             errors.append(f"{n} tools, round {r}, {scenario}: {exc}")
