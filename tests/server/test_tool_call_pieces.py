@@ -80,9 +80,12 @@ def grammars(request, deepseek):
 
 
 def layouts(grammars, calls) -> list[str]:
-    """The texts of ``calls`` the grammar takes: compact JSON only, or three layouts."""
-    compact = json.dumps(calls, separators=(",", ":"))
-    return [compact] if grammars[3] == "compact" else [json.dumps(calls), compact, json.dumps(calls, indent=1)]
+    """The texts of ``calls`` the grammar takes: compact JSON only, or three layouts (names as they
+    are: a name's enum takes its characters, not their escapes)."""
+    compact = json.dumps(calls, separators=(",", ":"), ensure_ascii=False)
+    if grammars[3] == "compact":
+        return [compact]
+    return [json.dumps(calls, ensure_ascii=False), compact, json.dumps(calls, indent=1, ensure_ascii=False)]
 
 
 def rows(engine, matchers, drafts=None):
@@ -220,6 +223,87 @@ def test_the_final_check_validates_each_calls_parameters(deepseek):
     assert problem is not None and "tool call 1 (f)" in problem
     assert "not a finished JSON array" in checker.final(None, bytearray(b'[{"name": "f"'))
 
+
+# -- names that share their starts -----------------------------------------------------------------
+# Names that share their starts (one a whole prefix of another), with "." ":" "-" and characters
+# outside ASCII, and parameters that force their first key in compact JSON (so the forced bytes run
+# from inside a name through ``","parameters":{`` into the piece) or force nothing: the router's
+# names force bytes there, and the rows and forced tokens must still be the whole grammar's.
+KEYED = {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"], "additionalProperties": False}
+OPEN = {"type": "object", "properties": {"n": {"type": "integer"}}}
+PREFIXED = ["get", "get_weather", "get_weather_hourly", "get_time", "search", "search_web", "set_flags", "a",
+            "fs.read", "fs.read_file", "db:query", "db-query"]
+SPACED = ["naïve_lookup", "say hello", "say hello twice", "get_weather"]
+
+
+def named_tools(names):
+    return [{"type": "function", "function": {"name": n, "parameters": KEYED if i % 2 else OPEN}}
+            for i, n in enumerate(names)]
+
+
+def named_call(names, name) -> list:
+    return [{"name": name, "parameters": {"q": "x}y"} if names.index(name) % 2 else {"n": 3}}]
+
+
+@pytest.fixture(scope="module", params=[("prefixed", "flexible"), ("prefixed", "compact"), ("spaced", "compact")],
+                ids="-".join)
+def named(request, deepseek):
+    which, whitespace = request.param
+    names = PREFIXED if which == "prefixed" else SPACED
+    engine = LLGuidanceEngine(deepseek, threads=1, json_schema_mode="strict")
+    spec = GrammarSpec.from_request({"tools": named_tools(names), "tool_choice": "required", "whitespace": whitespace})
+    parts = engine.tool_call_parts(spec)
+    composed = engine.compose(spec, parts, [engine.compile(engine.piece_spec(spec, t)) for t in parts.pieces])
+    assert composed is not None
+    whole = engine.compile(dataclasses.replace(spec, parts=None))
+    return (engine, whole, composed, whitespace), names
+
+
+def test_names_that_share_their_starts_give_the_whole_grammars_rows_and_forced_tokens(named, deepseek):
+    grammars, names = named
+    rng = random.Random(5)
+    positions = 0
+    for name in names:
+        for text in layouts(grammars, named_call(names, name)):
+            for tokens in tokenizations(deepseek, text, rng):
+                pair = Pair(grammars)
+                for i, t in enumerate(tokens):
+                    pair.check((text, i))
+                    assert pair.composed.forced_tokens() == pair.whole.forced_tokens(), (text, i)
+                    assert pair.take(t, (text, i)), f"a valid call was refused: {text!r} at token {i}"
+                    positions += 1
+                pair.check((text, "end"))
+    assert positions > 80 * len(names), positions
+
+
+def test_names_that_share_their_starts_on_random_walks(named, deepseek):
+    """Walks that take the row's tokens at random: inside names most rows are small, so the walks
+    try the names' every split, and tokens that close a name or run on past it."""
+    grammars, _ = named
+    rng = random.Random(7)
+    ll = deepseek.ll
+    for walk in range(30):
+        pair = Pair(grammars)
+        for step in range(24):
+            row = pair.check(("walk", walk, step))
+            allowed = np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")[:ll.vocab_size])
+            if not len(allowed):
+                break
+            token = int(rng.choice(allowed))
+            assert pair.composed.forced_tokens() == pair.whole.forced_tokens(), ("walk", walk, step)
+            assert pair.take(token, ("walk", walk, step))
+            if pair.whole.is_stopped():
+                break
+
+
+def test_a_name_outside_the_set_is_refused_where_it_leaves_the_names(named, deepseek):
+    grammars, names = named
+    engine, _, composed, _ = grammars
+    for wrong in ('[{"name": "get_w"', '[{"name": "getx', '[{"name": "fs.reads', '[{"name": "b'):
+        tokens = [t for ch in wrong for t in deepseek.ll.tokenize_bytes(ch.encode())]
+        m = engine.new_matcher(composed)
+        refused = m.consume(tokens)
+        assert refused is not None and "tool-call array" in refused, (wrong, refused)
 
 # -- through a real server ------------------------------------------------------------------------
 SHAPES = [
