@@ -146,16 +146,26 @@ def test_composed_rows_equal_the_whole_grammars_on_random_walks(grammars, deepse
     ll = deepseek.ll
     structural = np.array([any(c in (ll.decode_bytes([t]) if not ll.is_special_token(t) else b"") for c in b'{}[]",:')
                            for t in range(ll.vocab_size)])
-    for walk in range(12):
+
+    def choose(allowed):
+        pick = allowed[structural[allowed]]
+        return int(rng.choice(pick if len(pick) and rng.random() < 0.67 else allowed))
+    random_walks(grammars, ll, walks=12, steps=70, choose=choose)
+
+
+def random_walks(grammars, ll, walks: int, steps: int, choose, forced: bool = False) -> None:
+    """Steps both grammars together on tokens ``choose`` picks from each row (compared at every
+    step, and the forced tokens too where ``forced``), until the grammar stops."""
+    for walk in range(walks):
         pair = Pair(grammars)
-        for step in range(70):
+        for step in range(steps):
             row = pair.check(("walk", walk, step))
             allowed = np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")[:ll.vocab_size])
             if not len(allowed):
                 break
-            pick = allowed[structural[allowed]]
-            token = int(rng.choice(pick if len(pick) and rng.random() < 0.67 else allowed))
-            assert pair.take(token, ("walk", walk, step))
+            if forced:
+                assert pair.composed.forced_tokens() == pair.whole.forced_tokens(), ("walk", walk, step)
+            assert pair.take(choose(allowed), ("walk", walk, step))
             if pair.whole.is_stopped():
                 break
 
@@ -281,19 +291,8 @@ def test_names_that_share_their_starts_on_random_walks(named, deepseek):
     try the names' every split, and tokens that close a name or run on past it."""
     grammars, _ = named
     rng = random.Random(7)
-    ll = deepseek.ll
-    for walk in range(30):
-        pair = Pair(grammars)
-        for step in range(24):
-            row = pair.check(("walk", walk, step))
-            allowed = np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")[:ll.vocab_size])
-            if not len(allowed):
-                break
-            token = int(rng.choice(allowed))
-            assert pair.composed.forced_tokens() == pair.whole.forced_tokens(), ("walk", walk, step)
-            assert pair.take(token, ("walk", walk, step))
-            if pair.whole.is_stopped():
-                break
+    random_walks(grammars, deepseek.ll, walks=30, steps=24, choose=lambda allowed: int(rng.choice(allowed)),
+                 forced=True)
 
 
 def test_a_name_outside_the_set_is_refused_where_it_leaves_the_names(named, deepseek):

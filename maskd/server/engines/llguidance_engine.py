@@ -399,7 +399,8 @@ class LLGuidanceEngine(Engine):
         """A JSON schema's text as an llguidance grammar (GrammarCompileError where it is refused).
         A tool piece is checked in this form: the same outcome as its Lark form on every
         MaskBench-dev schema (4,480 checks: both modes, both whitespace options) in about half the
-        time (0.93 against 1.73 ms on average; llguidance's Lark front end costs ~0.5 ms a grammar)."""
+        time (llguidance's Lark front end costs ~0.5 ms a grammar; docs/benchmarks.md, "Tool pieces
+        checked as JSON-schema grammars")."""
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(text)
         except ValueError as exc:
