@@ -21,8 +21,10 @@ requests and leave every other request to vLLM:
   the maskd server, waiting up to ``MASKD_ADMISSION_WAIT_S`` (2 s) for its compile: a malformed
   spec, a grammar that does not compile, a server that cannot be reached or serves another
   vocabulary width is HTTP 400 with the reason. A compile still running then is left to the engine.
-  Admission holds the API server's event loop (every stream it serves) for that round trip, so a
-  spec the server compiled before for this process is admitted without one (``KnownSpecs``).
+  vLLM validates on the API server's event loop (every stream it serves); a maskd request is
+  admitted before that on a thread of its own (``AsyncLLM.add_request``), so its register's wait
+  leaves the loop to the other requests, and a spec the server compiled before for this process is
+  admitted without a round trip (``KnownSpecs``).
   A request whose grammar the server holds compiled is marked with its grammar id
   (``extra_args["maskd_registered"]``);
 * the engine core's ``StructuredOutputManager``: ``grammar_init`` of a request admission marked
@@ -71,7 +73,7 @@ request's drafts. vLLM verifies them in the next forward pass like any drafts, a
 row at each position; requests that are not maskd's get no drafts under this config.
 
 Tested against vLLM 0.32.0 (the CPU build, a real engine in tests/engines/real) and 0.33.0
-(interfaces). What it patches: ``SamplingParams._validate_structured_outputs``,
+(interfaces). What it patches: ``AsyncLLM.add_request``, ``SamplingParams._validate_structured_outputs``,
 ``StructuredOutputManager.grammar_init`` / ``grammar_bitmask``, ``Scheduler._free_request``,
 ``Scheduler.update_from_output`` / ``get_grammar_bitmask`` / ``update_draft_token_ids`` and, in the
 worker, ``apply_grammar_bitmask``: a batch whose rows are all maskd's is applied with maskd's
@@ -79,6 +81,7 @@ kernel, on CPU and on CUDA (the same logits; any other batch keeps vLLM's functi
 """
 from __future__ import annotations
 
+import asyncio
 import collections
 import concurrent.futures
 import dataclasses
@@ -253,18 +256,26 @@ def _admission() -> _Admission:
 def _validate_structured_outputs(original: Callable, params: Any, model_config: Any, so_config: Any,
                                  tokenizer: Any) -> None:
     """SamplingParams._validate_structured_outputs with maskd's requests taken out of it."""
+    if not _admit(params, model_config, so_config, tokenizer):
+        return original(params, model_config, so_config, tokenizer)
+
+
+def _admit(params: Any, model_config: Any, so_config: Any, tokenizer: Any) -> bool:
+    """Admits a request that is maskd's (True): its spec parsed, registered and marked on
+    ``params``; VLLMValidationError (HTTP 400) with the reason where maskd cannot serve it. False
+    where the request is not maskd's (vLLM validates it)."""
     from vllm.exceptions import VLLMValidationError
     from vllm.sampling_params import StructuredOutputsParams
 
     so = params.structured_outputs
     if so is not None and getattr(so, "_backend", None) == BACKEND:
-        return                                          # admitted already (a copy validated again)
+        return True                                     # admitted already (a copy validated again)
     if params.extra_args and any(k in params.extra_args for k in ADMISSION_KEYS):   # a client's: dropped
         params.extra_args = {k: v for k, v in params.extra_args.items() if k not in ADMISSION_KEYS}
     xargs = (getattr(params, "extra_args", None) or {}).get(EXTRA_ARGS_KEY)
     has_so = so is not None and not so.all_constraints_none()
     if xargs is None and not (has_so and _configured() and _serves_all_or_400()):
-        return original(params, model_config, so_config, tokenizer)
+        return False
     if xargs is not None and has_so:
         raise VLLMValidationError(f'the request names its constraint twice (vllm_xargs["{EXTRA_ARGS_KEY}"] and '
                                   "structured outputs / response_format); send one")
@@ -299,6 +310,38 @@ def _validate_structured_outputs(original: Callable, params: Any, model_config: 
         if so is not None:
             so._backend = None
         raise VLLMValidationError(str(exc)) from None
+    return True
+
+
+async def _add_request(original: Callable, engine: Any, request_id: str, prompt: Any, params: Any,
+                       *args: Any, **kwargs: Any) -> Any:
+    """AsyncLLM.add_request, where a maskd request is admitted first on a thread of its own.
+    vLLM validates a request's SamplingParams on the API server's event loop, and admission waits
+    there for the server's register (the spec's compile: milliseconds for a 200-tool array, up to
+    ``MASKD_ADMISSION_WAIT_S``): every other request's admission, stream and response waited behind
+    it. Admitted here, the wait leaves the loop free; vLLM's own validation then finds the request
+    admitted. The same errors come from the same call (``add_request``)."""
+    if _may_be_maskds(params) and isinstance(prompt, (dict, str)):
+        processor = engine.input_processor
+        await asyncio.to_thread(_admit, params, processor.model_config, processor.structured_outputs_config,
+                                processor.tokenizer)
+    return await original(engine, request_id, prompt, params, *args, **kwargs)
+
+
+def _may_be_maskds(params: Any) -> bool:
+    """A cheap look: SamplingParams that ``_admit`` would take (or refuse), not admitted yet."""
+    so = getattr(params, "structured_outputs", None)
+    if so is not None and getattr(so, "_backend", None) == BACKEND:
+        return False
+    extra = getattr(params, "extra_args", None)
+    if extra and EXTRA_ARGS_KEY in extra:
+        return True
+    if so is None or not _configured() or so.all_constraints_none():
+        return False
+    try:
+        return _serves_all()
+    except EngineConfigError:
+        return True          # _admit refuses it with the reason
 
 
 def _serves_all_or_400() -> bool:
@@ -893,13 +936,28 @@ def _wrap(cls: type, name: str, hook: Callable) -> None:
     setattr(cls, name, wrapper)
 
 
+def _wrap_async(cls: type, name: str, hook: Callable) -> None:
+    original = getattr(cls, name)
+    if getattr(original, "__maskd__", False):
+        return
+
+    @functools.wraps(original)
+    async def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return await hook(original, self, *args, **kwargs)
+
+    wrapper.__maskd__ = True    # type: ignore[attr-defined]
+    setattr(cls, name, wrapper)
+
+
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: installs maskd's parts (idempotent)."""
     from vllm.sampling_params import SamplingParams
     from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.async_llm import AsyncLLM
     from vllm.v1.structured_output import StructuredOutputManager
 
     _wrap(SamplingParams, "_validate_structured_outputs", _validate_structured_outputs)
+    _wrap_async(AsyncLLM, "add_request", _add_request)
     _wrap(StructuredOutputManager, "grammar_init", _manager_grammar_init)
     _wrap(StructuredOutputManager, "grammar_bitmask", _manager_grammar_bitmask)
     _wrap(Scheduler, "_free_request", _free_request)

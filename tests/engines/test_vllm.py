@@ -18,6 +18,7 @@ from vllm.config import StructuredOutputsConfig
 from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.structured_output.backend_types import StructuredOutputGrammar
 
@@ -92,6 +93,11 @@ def test_the_patch_points_exist_with_the_signatures_it_wraps():
         if name != "_get_constraint_bounds":
             assert fn.__maskd__, name
         assert list(inspect.signature(inspect.unwrap(fn)).parameters) == params, name
+    # admission on a thread of its own: the wrapper passes everything after the params through
+    add_request = AsyncLLM.add_request
+    assert add_request.__maskd__ and inspect.iscoroutinefunction(add_request)
+    assert list(inspect.signature(inspect.unwrap(add_request)).parameters)[:4] == ["self", "request_id", "prompt",
+                                                                                   "params"]
 
 
 def test_maskds_grammar_implements_vllms_grammar_interface():

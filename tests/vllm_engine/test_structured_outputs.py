@@ -158,6 +158,46 @@ def test_a_grammar_still_compiling_holds_only_its_own_request(engine, maskd_serv
     jsonschema.validate(json.loads(reply["choices"][0]["text"]), schema)
 
 
+def test_an_admission_waiting_for_its_compile_leaves_the_api_server_to_other_requests(engine, maskd_server):
+    """vLLM validates a request on its API server's event loop, and maskd's admission waits there for
+    the register (MASKD_ADMISSION_WAIT_S, 1 s in this engine). Admitted on a thread of its own, that
+    wait holds nobody: a request sent while a register waits on a held compile is answered before
+    the register's wait ends (with the wait on the loop it could not be: the loop was the wait's)."""
+    gate, waiting, returned = threading.Event(), threading.Event(), threading.Event()
+    schema = {"type": "object", "properties": {"loop_free": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["loop_free"], "additionalProperties": False}
+    cache = maskd_server.cache
+    wait = cache.wait
+
+    def watched(entry, timeout_s=None):
+        held = "loop_free" in entry.spec.text
+        if held:
+            waiting.set()
+        try:
+            return wait(entry, timeout_s)
+        finally:
+            if held:
+                returned.set()
+
+    cache.wait = watched
+    hold_compiles(cache, gate)     # compiles wait for the gate
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            held = pool.submit(engine.post, {"prompt": "h", "max_tokens": 16, "temperature": 0,
+                                             "structured_outputs": {"json": schema, "disable_any_whitespace": True}})
+            assert waiting.wait(120), "the held request's register never reached the server"
+            status, reply = engine.post({"prompt": "o", "max_tokens": 2, "temperature": 0})
+            assert status == 200, reply
+            assert not returned.is_set(), "the other request was answered only after the register's wait ended"
+            gate.set()
+            status, reply = held.result(timeout=300)
+    finally:
+        gate.set()
+        del cache.wait
+    assert status == 200, reply
+    jsonschema.validate(json.loads(reply["choices"][0]["text"]), schema)
+
+
 def test_preemption_and_a_full_batch_keep_outputs_exact(engine, reference, maskd_server):
     requests = {}
     for i in range(32):
