@@ -104,6 +104,7 @@ __all__ = ["BACKEND", "EXTRA_ARGS_KEY", "GrammarDrafts", "MaskdGrammar", "MaskdS
            "spec_of"]
 
 EXTRA_ARGS_KEY = "maskd"
+ADMISSION_THREADS = 16                # admissions at once per API server (each mostly waits on its register)
 REGISTERED_KEY = "maskd_registered"   # set by admission: the id of this request's grammar, which the server holds
 SPEC_KEY = "maskd_spec"               # set by admission: the spec it admitted, as plain data
 ADMISSION_KEYS = (REGISTERED_KEY, SPEC_KEY)   # admission's words, never a client's
@@ -323,9 +324,17 @@ async def _add_request(original: Callable, engine: Any, request_id: str, prompt:
     admitted. The same errors come from the same call (``add_request``)."""
     if _may_be_maskds(params) and isinstance(prompt, (dict, str)):
         processor = engine.input_processor
-        await asyncio.to_thread(_admit, params, processor.model_config, processor.structured_outputs_config,
-                                processor.tokenizer)
+        await asyncio.get_running_loop().run_in_executor(
+            _admission_threads(), _admit, params, processor.model_config, processor.structured_outputs_config,
+            processor.tokenizer)
     return await original(engine, request_id, prompt, params, *args, **kwargs)
+
+
+@functools.cache
+def _admission_threads() -> concurrent.futures.ThreadPoolExecutor:
+    """Admission's own threads, not the loop's default executor (a few threads on a small machine,
+    which other parts of vLLM share): registers waiting on slow compiles hold only admissions."""
+    return concurrent.futures.ThreadPoolExecutor(ADMISSION_THREADS, thread_name_prefix="maskd-admission")
 
 
 def _may_be_maskds(params: Any) -> bool:
