@@ -86,6 +86,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import functools
+import inspect
 import json
 import logging
 import os
@@ -933,26 +934,19 @@ def _update_draft_token_ids(original: Callable, scheduler: Any, draft_token_ids:
 
 
 def _wrap(cls: type, name: str, hook: Callable) -> None:
+    """``cls.name`` replaced by ``hook(original, self, ...)`` (awaited where the original is a
+    coroutine function); idempotent."""
     original = getattr(cls, name)
     if getattr(original, "__maskd__", False):
         return
-
-    @functools.wraps(original)
-    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        return hook(original, self, *args, **kwargs)
-
-    wrapper.__maskd__ = True    # type: ignore[attr-defined]
-    setattr(cls, name, wrapper)
-
-
-def _wrap_async(cls: type, name: str, hook: Callable) -> None:
-    original = getattr(cls, name)
-    if getattr(original, "__maskd__", False):
-        return
-
-    @functools.wraps(original)
-    async def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        return await hook(original, self, *args, **kwargs)
+    if inspect.iscoroutinefunction(original):
+        @functools.wraps(original)
+        async def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return await hook(original, self, *args, **kwargs)
+    else:
+        @functools.wraps(original)
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return hook(original, self, *args, **kwargs)
 
     wrapper.__maskd__ = True    # type: ignore[attr-defined]
     setattr(cls, name, wrapper)
@@ -966,7 +960,7 @@ def register() -> None:
     from vllm.v1.structured_output import StructuredOutputManager
 
     _wrap(SamplingParams, "_validate_structured_outputs", _validate_structured_outputs)
-    _wrap_async(AsyncLLM, "add_request", _add_request)
+    _wrap(AsyncLLM, "add_request", _add_request)
     _wrap(StructuredOutputManager, "grammar_init", _manager_grammar_init)
     _wrap(StructuredOutputManager, "grammar_bitmask", _manager_grammar_bitmask)
     _wrap(Scheduler, "_free_request", _free_request)
