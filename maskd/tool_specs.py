@@ -311,10 +311,12 @@ class ToolCallParts:
 
     def router_schema(self) -> dict[str, Any]:
         """The same array with one item schema: a name of the set, parameters any object. Its rows
-        equal the whole grammar's outside the parameters; a piece gives them inside."""
+        equal the whole grammar's outside the parameters; a piece gives them inside. The names go
+        in sorted: an enum's order does not change what it takes, so one router serves the set in
+        any order."""
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {
             "type": "object",
-            "properties": {"name": {"type": "string", "enum": list(self.names)}, "parameters": {"type": "object"}},
+            "properties": {"name": {"type": "string", "enum": sorted(self.names)}, "parameters": {"type": "object"}},
             "required": ["name", "parameters"]}}
         if self.single:
             schema["maxItems"] = 1

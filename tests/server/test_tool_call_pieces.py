@@ -224,6 +224,35 @@ def test_a_call_naming_a_tool_outside_the_set_is_refused(grammars, deepseek):
     assert m.consume(tokens) is not None
 
 
+def test_the_same_tools_in_another_order_share_the_router_and_give_the_whole_grammars_rows(grammars, deepseek):
+    """A reordered set is a new array (its text, its grammar id) with the router its set already
+    has: built once per set of names, its rows are still the whole grammar's of either order."""
+    engine, _, _, whitespace = grammars
+    reordered = TOOLS[2:] + TOOLS[:2]
+    first = GrammarSpec.from_request({"tools": TOOLS, "tool_choice": "required", "whitespace": whitespace})
+    spec = GrammarSpec.from_request({"tools": reordered, "tool_choice": "required", "whitespace": whitespace})
+    parts = engine.tool_call_parts(spec)
+    assert spec.text != first.text and parts.names != engine.tool_call_parts(first).names
+    router = engine.router(spec, parts)
+    assert router is engine.router(first, engine.tool_call_parts(first))
+    composed = engine.compose(spec, parts, [engine.compile(engine.piece_spec(spec, t)) for t in parts.pieces], router)
+    whole = engine.compile(dataclasses.replace(spec, parts=None))
+    reordered_grammars = (engine, whole, composed, whitespace)
+    rng = random.Random(2)
+    for calls in CALLS:
+        for text in layouts(reordered_grammars, calls):
+            for tokens in tokenizations(deepseek, text, rng):
+                pair = Pair(reordered_grammars)
+                for i, t in enumerate(tokens):
+                    pair.check((text, i))
+                    assert pair.composed.forced_tokens() == pair.whole.forced_tokens(), (text, i)
+                    assert pair.take(t, (text, i)), f"a valid call was refused: {text!r} at token {i}"
+                pair.check((text, "end"))
+    m = engine.new_matcher(composed)
+    outside = deepseek.ll.tokenize_bytes(b'[{"name": "delete_everything"')
+    assert m.validate(outside) < len(outside)
+
+
 def test_the_final_check_validates_each_calls_parameters(deepseek):
     schema = {"type": "object", "properties": {"q": {"type": "string", "minLength": 3}}, "required": ["q"]}
     checker = CallArrayChecker({"f": document_checker(schema, deepseek).validator}, deepseek)

@@ -316,7 +316,7 @@ def test_tools(tmp_path, server, counts):
     assert [x["tools"] for x in report["results"]] == counts
     for x in report["results"]:
         assert set(x["in_process"]) == {"llguidance", "xgrammar"}
-        assert set(x["server"]) == {"cold", "same", "shuffled"}
+        assert set(x["server"]) == {"cold", "same", "reordered", "shuffled"}
         for engine in x["in_process"].values():
             assert set(engine) == {"compile_ms", "first_row_ms"}
         for scenario in x["server"].values():
@@ -327,6 +327,7 @@ def test_tools(tmp_path, server, counts):
     assert all(isinstance(v, float) and v > 0 for _, v in timings), [t for t in timings if not t[1] > 0]
     md = (out / "tools.md").read_text()
     assert md.startswith("# maskd bench tools") and "all but one known, shuffled" in md and "composed" in md
+    assert "same tools in another order" in md
     assert ("in a process of its own" in md) == (server == "subprocess")
     assert (out / "tools.png").stat().st_size > 1000
 

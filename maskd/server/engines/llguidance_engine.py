@@ -427,8 +427,10 @@ class LLGuidanceEngine(Engine):
         return CompiledGrammar(spec, handle, time.perf_counter() - t0, checker=checker)
 
     def router(self, spec: GrammarSpec, parts: ToolCallParts) -> tuple[str, _Prototype]:
-        """The array's router: its grammar and prototype (kept for the last arrays' name sets)."""
-        key = (parts.names, parts.single, spec.whitespace, spec.max_whitespace)
+        """The array's router: its grammar and prototype, kept for the last arrays' name sets (a set,
+        not a sequence: the same tools in another order are a new array, composed from the pieces
+        and the router it already has)."""
+        key = (frozenset(parts.names), parts.single, spec.whitespace, spec.max_whitespace)
         with self._routers_lock:
             found = self._routers.get(key)
             if found is not None:

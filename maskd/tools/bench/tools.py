@@ -18,6 +18,8 @@ set drawn afresh:
     compile workers);
   - ``same``: the same request again (a cache hit: nothing to compile or compose; what any request
     of that size costs the client, the wire and the first step, so the floor under ``shuffled``);
+  - ``reordered``: the same tools in another order: a new array (its text and grammar id are new),
+    composed from the pieces and the router (built per set of names) the server has;
   - ``shuffled``: all of the cold set's tools but one, in another order, plus one never seen: a
     new array, which the server composes from the pieces it has (one per tool's parameters) and
     the new tool's, with a router compiled for its names (issue 19's target: <= 5 ms at 200 tools).
@@ -42,8 +44,9 @@ from typing import Any
 from maskd.tools.bench import common
 
 PREFIXES = ("BFCL", "Glaiveai2K")
-SCENARIOS = ("cold", "same", "shuffled")
+SCENARIOS = ("cold", "same", "reordered", "shuffled")
 SCENARIO_TITLES = {"cold": "maskd, cold", "same": "maskd, same set (cache hit)",
+                   "reordered": "maskd, same tools in another order",
                    "shuffled": "maskd, all but one known, shuffled"}
 DEFAULT_TOOLS, QUICK_TOOLS = "10,50,200", "10,50"
 DEFAULT_ROUNDS, QUICK_ROUNDS = 5, 2
@@ -136,16 +139,20 @@ def request(tools: list[dict]) -> dict:
     return {"tools": tools, "tool_choice": "required"}
 
 
-def draw(pool: list[tuple[str, dict]], n: int, tag: str, rng: random.Random) -> tuple[list[dict], list[dict]]:
-    """A cold set of n new tools, and the shuffled set: all of it but one, in another order, plus
-    one more new tool."""
+def draw(pool: list[tuple[str, dict]], n: int, tag: str,
+         rng: random.Random) -> tuple[list[dict], list[dict], list[dict]]:
+    """A cold set of n new tools; the same tools in another order; and the shuffled set: all of it
+    but one, in another order, plus one more new tool."""
     picked = rng.sample(pool, n + 1)
     cold = [_tool(stem, schema, tag) for stem, schema in picked[:n]]
+    reordered = cold[:]
+    while n > 1 and reordered == cold:
+        rng.shuffle(reordered)
     known = cold[:]
     del known[rng.randrange(n)]
     shuffled = known + [_tool(*picked[n], tag + "x")]
     rng.shuffle(shuffled)
-    return cold, shuffled
+    return cold, reordered, shuffled
 
 
 # -- in process ------------------------------------------------------------------------------
@@ -256,7 +263,7 @@ def run(args, log: Callable[[str], None] = print) -> dict:
                 for r in range(args.rounds):
                     gc.collect()
                     tag = f"n{n}r{r}"
-                    cold, shuffled = draw(pool, n, tag, random.Random(f"{args.seed}-{n}-{r}"))
+                    cold, reordered, shuffled = draw(pool, n, tag, random.Random(f"{args.seed}-{n}-{r}"))
                     text = GrammarSpec.from_request(request(cold)).text
                     grammar_bytes.setdefault(n, []).append(len(text.encode()))
                     for name, engine in (("llguidance", llg), ("xgrammar", xg)):
@@ -266,7 +273,8 @@ def run(args, log: Callable[[str], None] = print) -> dict:
                             errors.append(f"{n} tools, round {r}, {name} in process: {exc}")
                             continue
                         per[name].append({"compile": c, "first_row": f})
-                    for scenario, tools in (("cold", cold), ("same", cold), ("shuffled", shuffled)):
+                    for scenario, tools in (("cold", cold), ("same", cold), ("reordered", reordered),
+                                            ("shuffled", shuffled)):
                         try:
                             per[scenario].append(first_row(mc, request(tools), f"{tag}-{scenario}"))
                         except MaskClientError as exc:
