@@ -12,7 +12,7 @@ set drawn afresh:
   ``--server``: embedded in this process, default, or ``maskd serve`` in a process of its own, as
   a vLLM API server and engine core meet it): the spec built from the request,
   ``MaskClient.register`` (waits for the compile), open and the first step, until its row is back,
-  for three requests:
+  for four requests:
 
   - ``cold``: tools the server has never seen (composed from their pieces, compiled at once in the
     compile workers);
