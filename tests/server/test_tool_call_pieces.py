@@ -123,19 +123,27 @@ def tokenizations(tok, text: str, rng: random.Random):
     yield [t for a, b in zip([0, *cuts], [*cuts, len(data)]) for t in tok.ll.tokenize_bytes(data[a:b])]
 
 
-def test_composed_rows_equal_the_whole_grammars_on_valid_calls(grammars, deepseek):
-    rng = random.Random(0)
+def valid_calls(grammars, tok, rng: random.Random, forced: bool = False) -> int:
+    """Steps both grammars over every valid call of CALLS, in each layout and tokenization,
+    comparing rows (and forced tokens where ``forced``) at every position; returns how many."""
     positions = 0
     for calls in CALLS:
         for text in layouts(grammars, calls):
-            for tokens in tokenizations(deepseek, text, rng):
+            for tokens in tokenizations(tok, text, rng):
                 pair = Pair(grammars)
                 for i, t in enumerate(tokens):
                     pair.check((text, i))
+                    if forced:
+                        assert pair.composed.forced_tokens() == pair.whole.forced_tokens(), (text, i)
                     assert pair.take(t, (text, i)), f"a valid call was refused: {text!r} at token {i}"
                     positions += 1
                 pair.check((text, "end"))
                 assert pair.composed.is_accepting()
+    return positions
+
+
+def test_composed_rows_equal_the_whole_grammars_on_valid_calls(grammars, deepseek):
+    positions = valid_calls(grammars, deepseek, random.Random(0))
     assert positions > (700 if grammars[3] == "compact" else 2000), positions
 
 
@@ -237,17 +245,7 @@ def test_the_same_tools_in_another_order_share_the_router_and_give_the_whole_gra
     assert router is engine.router(first, engine.tool_call_parts(first))
     composed = engine.compose(spec, parts, [engine.compile(engine.piece_spec(spec, t)) for t in parts.pieces], router)
     whole = engine.compile(dataclasses.replace(spec, parts=None))
-    reordered_grammars = (engine, whole, composed, whitespace)
-    rng = random.Random(2)
-    for calls in CALLS:
-        for text in layouts(reordered_grammars, calls):
-            for tokens in tokenizations(deepseek, text, rng):
-                pair = Pair(reordered_grammars)
-                for i, t in enumerate(tokens):
-                    pair.check((text, i))
-                    assert pair.composed.forced_tokens() == pair.whole.forced_tokens(), (text, i)
-                    assert pair.take(t, (text, i)), f"a valid call was refused: {text!r} at token {i}"
-                pair.check((text, "end"))
+    assert valid_calls((engine, whole, composed, whitespace), deepseek, random.Random(2), forced=True) > 700
     m = engine.new_matcher(composed)
     outside = deepseek.ll.tokenize_bytes(b'[{"name": "delete_everything"')
     assert m.validate(outside) < len(outside)
