@@ -181,9 +181,12 @@ class GrammarSpec:
                    json_schema_mode: str = "complete") -> str:
         """Content hash: the same grammar has the same id on every replica. The server's JSON
         schema mode is part of it for the kinds it changes (json_schema, structural_tag)."""
-        # The text goes in as its hash: json.dumps of a 134 KB tool set's text cost more than its sha256.
+        # The text goes in as its hash: json.dumps of a 134 KB tool set's text cost more than its sha256;
+        # a tool-call array's as the hash of its parts (each tool's parameters hashed once).
         payload = {
-            "kind": self.kind, "text_sha256": hashlib.sha256(self.text.encode()).hexdigest(),
+            "kind": self.kind,
+            **({"parts_sha256": self.parts.sha256()} if self.parts is not None
+               else {"text_sha256": hashlib.sha256(self.text.encode()).hexdigest()}),
             "whitespace": self.whitespace,
             "reasoning": [self.reasoning_start, self.reasoning_end], "max_whitespace": self.max_whitespace,
             "tokenizer": tokenizer_fingerprint, "backend": backend, "backend_version": backend_version,

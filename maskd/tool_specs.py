@@ -19,6 +19,7 @@ schema. Import-light like ``maskd.specs``: the client builds the same specs.
 from __future__ import annotations
 
 import collections
+import hashlib
 import json
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -297,6 +298,21 @@ class ToolCallParts:
         return tuple(p[:-1] + ("," if p != "{}" else "") + '"$defs":' + self.defs + "}" if '"$ref"' in p else p
                      for p in self.params)
 
+    def sha256(self) -> str:
+        """A sha256 of the array's content, for its grammar id: over the names, the sha256 of each
+        parameters text (kept per text: the same tools come again), the ``$defs`` and the bound,
+        not over the whole text (a new array of 200 known tools: 0.04 ms against 0.5 ms for its
+        134 KB text on a CPU without SHA instructions)."""
+        digest = self.__dict__.get("_sha256")
+        if digest is None:
+            h = hashlib.sha256()
+            for name, params in zip(self.names, self.params):
+                h.update(_json_string(name).encode())    # a JSON string: no NUL byte in it
+                h.update(b"\0" + _text_sha256(params))
+            h.update(b"\0" + _text_sha256(self.defs) + (b"\1" if self.single else b"\0"))
+            digest = self.__dict__["_sha256"] = h.hexdigest()
+        return digest
+
     def schema_text(self) -> str:
         text = self.__dict__.get("_text")
         if text is None:
@@ -321,6 +337,21 @@ class ToolCallParts:
         if self.single:
             schema["maxItems"] = 1
         return schema
+
+
+_TEXT_SHA256: dict[str, bytes] = {}
+_TEXT_SHA256_KEPT = 1 << 16
+
+
+def _text_sha256(text: str) -> bytes:
+    """A parameters (or $defs) text's sha256, kept for the last texts seen."""
+    digest = _TEXT_SHA256.get(text)
+    if digest is None:
+        digest = hashlib.sha256(text.encode()).digest()
+        if len(_TEXT_SHA256) >= _TEXT_SHA256_KEPT:
+            _TEXT_SHA256.clear()
+        _TEXT_SHA256[text] = digest
+    return digest
 
 
 def _json_writer() -> Callable[[Any], str]:
@@ -414,14 +445,14 @@ class _PieceTexts:
         self._chars = 0
         self._lock = threading.Lock()
 
-    def canonical(self, texts: list[str], where) -> list[str]:
-        """The canonical form of each text (``where(i)`` names the i-th in an error)."""
+    def canonical(self, texts: list[str], where) -> list[tuple[str, int]]:
+        """The canonical form and depth of each text (``where(i)`` names the i-th in an error)."""
         with self._lock:
             found = [self._items.get(t) for t in texts]
             for t, f in zip(texts, found):
                 if f is not None:
                     self._items.move_to_end(t)   # least recently used goes first, not the oldest
-        return [f[0] if f is not None else self.get(t, where(i))[0] for i, (t, f) in enumerate(zip(texts, found))]
+        return [f if f is not None else self.get(t, where(i)) for i, (t, f) in enumerate(zip(texts, found))]
 
     def get(self, text: str, where: str) -> tuple[str, int]:
         with self._lock:
@@ -462,13 +493,15 @@ def parts_from_wire(msg: Any) -> ToolCallParts:
     ``$defs`` (they go in ``defs``), ``defs`` empty or a JSON object. Texts are made canonical.
     The same set again (the open after its register, every request of an agent) is looked up."""
     tools = msg.tools
-    key = (tuple(t.name for t in tools), tuple(t.parameters for t in tools), msg.defs, bool(msg.single))
+    names = tuple(t.name for t in tools)
+    texts = tuple(t.parameters for t in tools)    # read once: the lookups below hash these strings once
+    key = (names, texts, msg.defs, bool(msg.single))
     with _WIRE_PARTS_LOCK:
         found = _WIRE_PARTS.get(key)
         if found is not None:
             _WIRE_PARTS.move_to_end(key)
             return found
-    found = _parts_from_wire(msg)
+    found = _parts_from_wire(names, texts, msg.defs, bool(msg.single))
     with _WIRE_PARTS_LOCK:
         _WIRE_PARTS[key] = found
         while len(_WIRE_PARTS) > _WIRE_PARTS_KEPT:
@@ -476,11 +509,9 @@ def parts_from_wire(msg: Any) -> ToolCallParts:
     return found
 
 
-def _parts_from_wire(msg: Any) -> ToolCallParts:
-    tools = msg.tools
-    if not tools:
+def _parts_from_wire(names: tuple[str, ...], texts: tuple[str, ...], wire_defs: str, single: bool) -> ToolCallParts:
+    if not names:
         raise SpecError("tool_calls names no tools: a call array needs at least one")
-    names = [t.name for t in tools]
     if not all(names) or len(set(names)) != len(names):
         seen: dict[str, int] = {}
         for i, name in enumerate(names):
@@ -489,22 +520,30 @@ def _parts_from_wire(msg: Any) -> ToolCallParts:
             if name in seen:
                 raise SpecError(f"tool_calls.tools[{seen[name]}] and [{i}] both name the function {name!r}")
             seen[name] = i
-    params = _PIECE_TEXTS.canonical([t.parameters or "{}" for t in tools],
-                                    lambda i: f"tool_calls.tools[{i}].parameters ({names[i]!r})")
+    checked = _PIECE_TEXTS.canonical([t or "{}" for t in texts],
+                                     lambda i: f"tool_calls.tools[{i}].parameters ({names[i]!r})")
+    params = [text for text, _ in checked]
     for i, text in enumerate(params):
         if '"$defs"' in text and "$defs" in json.loads(text):
             raise SpecError(f"tool_calls.tools[{i}].parameters ({names[i]!r}) has $defs: they go in "
                             "tool_calls.defs, shared by every tool of the array")
-    defs = _PIECE_TEXTS.get(msg.defs, "tool_calls.defs")[0] if msg.defs else ""
-    return ToolCallParts(tuple(names), tuple(params), "" if defs == "{}" else defs, bool(msg.single))
+    defs, defs_depth = _PIECE_TEXTS.get(wire_defs, "tool_calls.defs") if wire_defs else ("", 0)
+    parts = ToolCallParts(names, tuple(params), "" if defs == "{}" else defs, single)
+    parts.__dict__["_depth"] = _depth(max(depth for _, depth in checked), defs_depth if parts.defs else 0)
+    return parts
 
 
 def calls_depth(parts: ToolCallParts) -> int:
     """The nesting depth of the array's schema (as ``maskd.specs.json_depth`` of its JSON): the
-    name's enum list is at 7, a tool's parameters at 6, the $defs at 2."""
-    deepest = 7
-    for p in parts.params:
-        deepest = max(deepest, 5 + _PIECE_TEXTS.get(p, "parameters")[1])
-    if parts.defs:
-        deepest = max(deepest, 1 + _PIECE_TEXTS.get(parts.defs, "defs")[1])
+    name's enum list is at 7, a tool's parameters at 6, the $defs at 2. Kept with the parts (the
+    wire's parts are read with it: a server checks it on every register)."""
+    deepest = parts.__dict__.get("_depth")
+    if deepest is None:
+        deepest = _depth(max(_PIECE_TEXTS.get(p, "parameters")[1] for p in parts.params),
+                         _PIECE_TEXTS.get(parts.defs, "defs")[1] if parts.defs else 0)
+        parts.__dict__["_depth"] = deepest
     return deepest
+
+
+def _depth(deepest_parameters: int, defs_depth: int) -> int:
+    return max(7, 5 + deepest_parameters, 1 + defs_depth if defs_depth else 0)
