@@ -420,6 +420,39 @@ def test_the_memo_of_parameters_texts_keeps_the_tools_in_use(monkeypatch):
     assert memo._chars <= memo.MAX_CHARS
 
 
+def _call_array(names, params, *, parallel=None):
+    tools = [{"type": "function", "function": {"name": n, "parameters": p}} for n, p in zip(names, params)]
+    return GrammarSpec.from_request({"tools": tools, "tool_choice": "required", "parallel_tool_calls": parallel})
+
+
+def test_a_call_arrays_id_is_of_all_its_parts_and_only_of_them():
+    """A call array's id hashes its parts (names, each parameters text's hash, $defs, the bound),
+    not its whole text: any change of a part is another id, and the same parts by any path are one."""
+    from maskd.specs import json_depth
+
+    a = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    b = {"type": "object", "properties": {"y": {"type": "string"}}}
+
+    def gid(spec):
+        return spec.grammar_id("fp", "llguidance", "1")
+
+    base = _call_array(["ab", "c"], [a, b])
+    others = [_call_array(["a", "bc"], [a, b]),          # the same bytes, cut elsewhere
+              _call_array(["ab", "c"], [b, a]),          # the parameters of one tool given to the other
+              _call_array(["c", "ab"], [b, a]),          # the same tools, another order (another text)
+              _call_array(["ab", "c"], [a, b], parallel=False),
+              _call_array(["ab", "c"], [a, {**b, "$defs": {"P": {"type": "integer"}}}]),
+              _call_array(["ab"], [a])]
+    ids = [gid(base)] + [gid(o) for o in others]
+    assert len(set(ids)) == len(ids)
+    back = GrammarSpec.from_proto(base.to_proto())
+    assert gid(back) == gid(base) == gid(GrammarSpec.create("json_schema", base.text))
+    assert back.depth == base.depth == json_depth(json.loads(base.text))
+    deep = _call_array(["ab", "c"], [a, {"type": "object", "properties": {"y": {"type": "array", "items": {
+        "type": "array", "items": {"type": "array", "items": {"type": "integer"}}}}}}])
+    assert GrammarSpec.from_proto(deep.to_proto()).depth == deep.depth == json_depth(json.loads(deep.text))
+
+
 @pytest.mark.parametrize("spec", [
     GrammarSpec.from_request({"tools": DEFS_TOOLS, "tool_choice": "required", "max_whitespace": 3}),
     GrammarSpec.from_request({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}),
