@@ -37,6 +37,9 @@ class CompiledGrammar:
     checker: Any = None
     # Compiled by a server's fallback engine (engines/fallback.py): its matchers and bytes are that engine's.
     by_fallback: bool = False
+    # A tool-call piece's state in composed arrays (its start row, its forced head: engines/tool_calls.py),
+    # one for every array that uses the piece.
+    piece: Any = None
 
 
 class Matcher(abc.ABC):

@@ -420,7 +420,7 @@ class LLGuidanceEngine(Engine):
             if checker is not None:
                 validators[name] = checker.validator
         text, prototype = router or self.router(spec, parts)
-        handle = ToolCallGrammar(prototype, text, {n: Piece(p) for n, p in zip(parts.names, pieces)},
+        handle = ToolCallGrammar(prototype, text, {n: Piece.of(p) for n, p in zip(parts.names, pieces)},
                                  boundary_tables(self.tokenizer, self.words_per_row),
                                  compact=spec.whitespace == "compact")
         checker = CallArrayChecker(validators, self.tokenizer) if validators else None

@@ -275,6 +275,14 @@ class Piece:
     forced_head: tuple[bytes, int] | None = None
     entries: dict[bytes, list[int] | None] = dataclasses.field(default_factory=dict)
 
+    @classmethod
+    def of(cls, compiled: CompiledGrammar) -> Piece:
+        """The piece of a compiled grammar, shared by every array that uses it (what it keeps is
+        the piece's alone: its start row, its forced head, and its entry tokens by the bytes before)."""
+        if compiled.piece is None:
+            compiled.piece = cls(compiled)
+        return compiled.piece
+
     def forced_start(self, ll) -> tuple[bytes, int]:
         """The bytes the piece forces at its start (compact JSON: ``{"`` and its first key where it
         has one) and how many of the last of them llguidance chops off its forced tokens (they could
