@@ -301,7 +301,7 @@ class ToolCallParts:
     def sha256(self) -> str:
         """A sha256 of the array's content, for its grammar id: over the names, the sha256 of each
         parameters text (kept per text: the same tools come again), the ``$defs`` and the bound,
-        not over the whole text (a new array of 200 known tools: 0.04 ms against 0.5 ms for its
+        not over the whole text (a new array of 200 known tools: 0.22 ms against 0.52 ms for its
         134 KB text on a CPU without SHA instructions)."""
         digest = self.__dict__.get("_sha256")
         if digest is None:
