@@ -23,6 +23,9 @@ KINDS = ("json_schema", "regex", "lark", "ebnf", "choice", "structural_tag")
 #: tool-call array (a JSON schema whose document may be followed by anything, as in the array).
 PIECE_KIND = "tool_parameters"
 OPTION_KEYS = ("whitespace", "reasoning", "max_whitespace")
+#: A JSON schema template with named holes and their arguments (maskd.template_specs): a json_schema
+#: grammar sent as its parts.
+TEMPLATE = "template"
 #: Flexible JSON whitespace: at most this many whitespace characters in a row (0: no bound).
 DEFAULT_MAX_WHITESPACE = 8
 MAX_WHITESPACE_LIMIT = 1 << 16
@@ -47,8 +50,10 @@ class GrammarSpec:
     reasoning_start: str = ""     # optional: the prompt may already have opened the reasoning
     reasoning_end: str = ""       # free text up to this marker comes before the grammar
     max_whitespace: int = DEFAULT_MAX_WHITESPACE  # flexible JSON: longest whitespace run (0: no bound)
-    # A tool_choice "required" call array's parts (maskd.tool_specs.ToolCallParts), when the spec was
-    # built from them: ``text`` is then their array, and the wire carries the parts, not the text.
+    # The parts of a grammar a server may compose from pieces, when the spec was built from them: a
+    # tool_choice "required" call array (maskd.tool_specs.ToolCallParts) or a template and its
+    # arguments (maskd.template_specs.TemplateParts). ``text`` is then the whole schema they make,
+    # and the wire carries the parts, not the text.
     parts: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -80,18 +85,21 @@ class GrammarSpec:
 
     @classmethod
     def from_dict(cls, spec: Mapping[str, Any]) -> GrammarSpec:
-        """``{"json_schema": {...}}``, ``{"regex": "..."}``, ``{"choice": [...]}`` ... plus
-        optional ``whitespace``, ``reasoning`` (a ``[start, end]`` pair, or the end marker alone
-        when the prompt already opened the reasoning) and ``max_whitespace``."""
+        """``{"json_schema": {...}}``, ``{"regex": "..."}``, ``{"choice": [...]}`` ... or
+        ``{"template": {"schema": <a JSON schema with holes>, "arguments": {<hole>: <schema>}}}``
+        (``maskd.template_specs``), plus optional ``whitespace``, ``reasoning`` (a ``[start, end]``
+        pair, or the end marker alone when the prompt already opened the reasoning) and
+        ``max_whitespace``."""
         if not isinstance(spec, Mapping):
             raise SpecError(f"a grammar spec is a dict such as {{'regex': '[0-9]+'}}, not {type(spec).__name__}")
-        kinds = [k for k in spec if k in KINDS]
-        unknown = [k for k in spec if k not in KINDS and k not in OPTION_KEYS]
+        named = (*KINDS, TEMPLATE)
+        kinds = [k for k in spec if k in named]
+        unknown = [k for k in spec if k not in named and k not in OPTION_KEYS]
         if unknown:
-            raise SpecError(f"unknown grammar spec keys {unknown}; kinds are {', '.join(KINDS)}, "
+            raise SpecError(f"unknown grammar spec keys {unknown}; kinds are {', '.join(named)}, "
                             f"options {', '.join(OPTION_KEYS)}")
         if len(kinds) != 1:
-            raise SpecError(f"a grammar spec names exactly one kind of {', '.join(KINDS)}; got {kinds}")
+            raise SpecError(f"a grammar spec names exactly one kind of {', '.join(named)}; got {kinds}")
         return _from_keys(spec)
 
     @classmethod
@@ -107,16 +115,21 @@ class GrammarSpec:
     def from_proto(cls, msg: pb.GrammarSpec) -> GrammarSpec:
         kind = msg.WhichOneof("kind")
         if kind is None:
-            raise SpecError("grammar spec names no kind; set one of " + ", ".join(KINDS) + " or tool_calls")
+            raise SpecError("grammar spec names no kind; set one of " + ", ".join(KINDS) + ", tool_calls or template")
         opts = msg.options
         ws = _WHITESPACE_NAMES.get(opts.whitespace)
         if ws is None:
             raise SpecError(f"unknown whitespace option {opts.whitespace}")
         reasoning = (opts.reasoning_start, opts.reasoning_end) if (opts.reasoning_start or opts.reasoning_end) else None
         max_ws = opts.max_whitespace if opts.HasField("max_whitespace") else DEFAULT_MAX_WHITESPACE
+        parts: Any
         if kind == "tool_calls":
             from maskd.tool_specs import parts_from_wire  # here: maskd.tool_specs imports this module
             parts = parts_from_wire(msg.tool_calls)
+        elif kind == "template":
+            from maskd.template_specs import template_parts_from_wire  # here: it imports this module
+            parts = template_parts_from_wire(msg.template)
+        if kind in ("tool_calls", "template"):
             spec = cls.create("json_schema", True, whitespace=ws, reasoning=reasoning, max_whitespace=max_ws)
             return dataclasses.replace(spec, text=parts.schema_text(), parts=parts)
         source: Any = list(msg.choice.items) if kind == "choice" else getattr(msg, kind)
@@ -125,11 +138,7 @@ class GrammarSpec:
     def to_proto(self) -> pb.GrammarSpec:
         msg = pb.GrammarSpec()
         if self.parts is not None:
-            calls = msg.tool_calls
-            for name, params in zip(self.parts.names, self.parts.params):
-                calls.tools.add(name=name, parameters=params)
-            calls.defs = self.parts.defs
-            calls.single = self.parts.single
+            self.parts.write_proto(msg)
         elif self.kind == "choice":
             msg.choice.items.extend(json.loads(self.text))
         else:
@@ -148,8 +157,7 @@ class GrammarSpec:
                                  "reasoning": [self.reasoning_start, self.reasoning_end],
                                  "max_whitespace": self.max_whitespace}
         if self.parts is not None:
-            plain["tools"] = {"names": list(self.parts.names), "params": list(self.parts.params),
-                              "defs": self.parts.defs, "single": self.parts.single}
+            plain.update(self.parts.to_plain())
         return plain
 
     @classmethod
@@ -159,14 +167,17 @@ class GrammarSpec:
         try:
             start, end = plain["reasoning"]
             fields = (plain["kind"], plain["text"], plain["whitespace"], start, end)
-            tools = plain.get("tools")
-            parts = None
-            if tools is not None:
+            tools, template = plain.get("tools"), plain.get("template")
+            parts: Any = None
+            if template is not None:
+                from maskd.template_specs import template_parts_from_plain  # here: it imports this module
+                parts = template_parts_from_plain(template)
+            elif tools is not None:
                 from maskd.tool_specs import ToolCallParts  # here: maskd.tool_specs imports this module
                 names, params = tuple(tools["names"]), tuple(tools["params"])
-                parts = ToolCallParts(names, params, tools["defs"], tools["single"])
-                fields += (*names, *params, parts.defs)
-                if len(names) != len(params) or not names or not isinstance(parts.single, bool):
+                calls = parts = ToolCallParts(names, params, tools["defs"], tools["single"])
+                fields += (*names, *params, calls.defs)
+                if len(names) != len(params) or not names or not isinstance(calls.single, bool):
                     raise TypeError("names and params are non-empty lists of one length, single a bool")
             if not all(isinstance(f, str) for f in fields):
                 raise TypeError("texts must be strings")
@@ -211,8 +222,7 @@ class GrammarSpec:
         if self.kind not in ("json_schema", "structural_tag"):
             return 0
         if self.parts is not None:
-            from maskd.tool_specs import calls_depth  # here: maskd.tool_specs imports this module
-            return calls_depth(self.parts)
+            return self.parts.nesting()
         return _MEMO.get(("depth", self.text), lambda: json_depth(json.loads(self.text)))
 
 
@@ -365,7 +375,7 @@ def unwrap_openai_json_schema(schema: dict) -> Any:
 # (maskd).
 _CONSTRAINTS = {"json_schema": "json_schema", "json": "json_schema", "regex": "regex", "choice": "choice",
                 "lark": "lark", "ebnf": "ebnf", "grammar": "ebnf", "structural_tag": "structural_tag",
-                "json_object": "json_object"}
+                "json_object": "json_object", TEMPLATE: TEMPLATE}
 _OPTIONS = ("whitespace", "disable_any_whitespace", "disable_additional_properties", "whitespace_pattern",
             "reasoning", "max_whitespace")
 _WRAPPERS = ("structured_outputs", "response_format")
@@ -509,6 +519,8 @@ def _from_keys(request: Mapping[str, Any]) -> GrammarSpec:
         if source is not True:
             raise SpecError(f"json_object is true (any JSON object) or absent, not {source!r}")
         kind, source = "json_schema", {"type": "object"}
+    if kind == TEMPLATE:
+        return _from_template(source, request)
     if request.get("disable_additional_properties"):
         if kind != "json_schema":
             raise SpecError("disable_additional_properties applies to JSON schemas only")
@@ -524,6 +536,24 @@ def _from_keys(request: Mapping[str, Any]) -> GrammarSpec:
                               reasoning=reasoning if isinstance(reasoning, str) else
                               (tuple(reasoning) if reasoning else None),
                               max_whitespace=DEFAULT_MAX_WHITESPACE if max_whitespace is None else max_whitespace)
+
+
+def _from_template(source: Any, request: Mapping[str, Any]) -> GrammarSpec:
+    from maskd.template_specs import template_parts  # here: maskd.template_specs imports this module
+
+    if request.get("disable_additional_properties"):
+        raise SpecError("disable_additional_properties does not apply to a template; close its objects "
+                        "(and its arguments') with additionalProperties false")
+    if not isinstance(source, Mapping) or set(source) != {"schema", "arguments"}:
+        raise SpecError("template is {'schema': <a JSON schema with holes {'$hole': NAME}>, "
+                        f"'arguments': {{NAME: <a JSON schema of an object>}}}}; got {_keys_of(source)}")
+    parts = template_parts(source["schema"], source["arguments"])
+    spec = _from_keys({"json_schema": True, **{k: v for k, v in request.items() if k in _OPTIONS}})
+    return dataclasses.replace(spec, text=parts.schema_text(), parts=parts)
+
+
+def _keys_of(value: Any) -> str:
+    return f"keys {sorted(map(str, value))}" if isinstance(value, Mapping) else type(value).__name__
 
 
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")

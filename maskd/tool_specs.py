@@ -325,6 +325,26 @@ class ToolCallParts:
         return (ARRAY_HEAD + calls + "]}" + (',"maxItems":1' if self.single else "")
                 + (',"$defs":' + self.defs if self.defs else "") + "}")
 
+    def router_key(self) -> tuple:
+        """What the router depends on: the set of names (not their order) and the bound."""
+        return ("calls", frozenset(self.names), self.single)
+
+    def nesting(self) -> int:
+        """The nesting depth of the array's schema (``calls_depth``)."""
+        return calls_depth(self)
+
+    def write_proto(self, msg: Any) -> None:
+        """Fills a GrammarSpec message's ``tool_calls`` (contract revision 6)."""
+        calls = msg.tool_calls
+        for name, params in zip(self.names, self.params):
+            calls.tools.add(name=name, parameters=params)
+        calls.defs = self.defs
+        calls.single = self.single
+
+    def to_plain(self) -> dict[str, Any]:
+        return {"tools": {"names": list(self.names), "params": list(self.params), "defs": self.defs,
+                          "single": self.single}}
+
     def router_schema(self) -> dict[str, Any]:
         """The same array with one item schema: a name of the set, parameters any object. Its rows
         equal the whole grammar's outside the parameters; a piece gives them inside. The names go

@@ -16,7 +16,7 @@ AUTH_METADATA_KEY = "authorization"
 #: Scheme word before the token in auth_metadata_key's value.
 AUTH_SCHEME = "Bearer"
 #: Revision of this contract within v1; InfoResponse.contract_revision reports the server's.
-CONTRACT_REVISION = 6
+CONTRACT_REVISION = 7
 
 
 class Code(enum.IntEnum):

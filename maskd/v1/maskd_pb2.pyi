@@ -152,8 +152,23 @@ class ToolCalls(_message.Message):
     single: bool
     def __init__(self, tools: _Optional[_Iterable[_Union[ToolFunction, _Mapping]]] = ..., defs: _Optional[str] = ..., single: _Optional[bool] = ...) -> None: ...
 
+class Template(_message.Message):
+    __slots__ = ("schema", "arguments")
+    class ArgumentsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    schema: str
+    arguments: _containers.ScalarMap[str, str]
+    def __init__(self, schema: _Optional[str] = ..., arguments: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
 class GrammarSpec(_message.Message):
-    __slots__ = ("json_schema", "regex", "lark", "ebnf", "choice", "structural_tag", "tool_calls", "options")
+    __slots__ = ("json_schema", "regex", "lark", "ebnf", "choice", "structural_tag", "tool_calls", "template", "options")
     JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
     REGEX_FIELD_NUMBER: _ClassVar[int]
     LARK_FIELD_NUMBER: _ClassVar[int]
@@ -161,6 +176,7 @@ class GrammarSpec(_message.Message):
     CHOICE_FIELD_NUMBER: _ClassVar[int]
     STRUCTURAL_TAG_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
     json_schema: str
     regex: str
@@ -169,8 +185,9 @@ class GrammarSpec(_message.Message):
     choice: ChoiceList
     structural_tag: str
     tool_calls: ToolCalls
+    template: Template
     options: GrammarOptions
-    def __init__(self, json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., lark: _Optional[str] = ..., ebnf: _Optional[str] = ..., choice: _Optional[_Union[ChoiceList, _Mapping]] = ..., structural_tag: _Optional[str] = ..., tool_calls: _Optional[_Union[ToolCalls, _Mapping]] = ..., options: _Optional[_Union[GrammarOptions, _Mapping]] = ...) -> None: ...
+    def __init__(self, json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., lark: _Optional[str] = ..., ebnf: _Optional[str] = ..., choice: _Optional[_Union[ChoiceList, _Mapping]] = ..., structural_tag: _Optional[str] = ..., tool_calls: _Optional[_Union[ToolCalls, _Mapping]] = ..., template: _Optional[_Union[Template, _Mapping]] = ..., options: _Optional[_Union[GrammarOptions, _Mapping]] = ...) -> None: ...
 
 class RegisterGrammarRequest(_message.Message):
     __slots__ = ("spec", "wait", "backend", "tokenizer_fingerprint")
