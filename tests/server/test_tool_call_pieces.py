@@ -251,6 +251,20 @@ def test_the_same_tools_in_another_order_share_the_router_and_give_the_whole_gra
     assert m.validate(outside) < len(outside)
 
 
+def test_a_tool_whose_parameters_take_more_than_objects_makes_the_array_compile_whole(deepseek):
+    """A parameters schema without ``"type": "object"`` takes other values too (vLLM's array, and
+    so the whole grammar, takes ``"parameters": "x"``), where the router stands an object in for
+    the parameters: such an array is not composed, and the whole grammar serves it."""
+    engine = LLGuidanceEngine(deepseek, threads=1, json_schema_mode="strict")
+    for params in ({"properties": {"a": {"type": "integer"}}}, {"type": ["object", "string"]}):
+        spec = GrammarSpec.from_request({"tools": [TOOLS[0], {"type": "function", "function": {
+            "name": "loose", "parameters": params}}], "tool_choice": "required"})
+        parts = engine.tool_call_parts(spec)
+        assert engine.compose(spec, parts, [engine.compile(engine.piece_spec(spec, t)) for t in parts.pieces]) is None
+        whole = engine.new_matcher(engine.compile(dataclasses.replace(spec, parts=None)))
+        assert whole.consume(deepseek.ll.tokenize_bytes(b'[{"name": "loose", "parameters": "x"}]')) is None
+
+
 def test_the_final_check_validates_each_calls_parameters(deepseek):
     schema = {"type": "object", "properties": {"q": {"type": "string", "minLength": 3}}, "required": ["q"]}
     checker = CallArrayChecker({"f": document_checker(schema, deepseek).validator}, deepseek)

@@ -91,8 +91,8 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def new_matcher(self, grammar: CompiledGrammar) -> Matcher: ...
 
-    # Tool-call arrays composed from per-tool pieces (llguidance_engine, tool_calls.py); an engine
-    # that does not compose them compiles each array whole.
+    # Tool-call arrays and templates composed from pieces (llguidance_engine, tool_calls.py); an
+    # engine that does not compose them compiles each whole (the spec's text).
     def tool_call_parts(self, spec: GrammarSpec) -> Any:
         """The spec's parts where this engine composes its grammar from them, else None."""
         return None

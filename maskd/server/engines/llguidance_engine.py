@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import json
 import logging
 import threading
@@ -20,10 +21,11 @@ from llguidance.gbnf_to_lark import any_to_lark
 
 from maskd.server.engines.base import CompiledGrammar, Engine, GrammarCompileError, Matcher, UnsupportedSpec
 from maskd.server.engines.llguidance_lark import Specials, StructuralTagLark, TagInfo, reasoning_lark
+from maskd.server.engines.template_holes import HoleScanner, hole_tree
 from maskd.server.engines.tool_calls import (
+    ComposedGrammar,
+    ComposedMatcher,
     Piece,
-    ToolCallGrammar,
-    ToolCallMatcher,
     boundary_tables,
     fill_rows,
     fill_with_drafts,
@@ -33,6 +35,7 @@ from maskd.server.json_schema import (
     Relaxation,
     RelaxError,
     TagSpan,
+    TemplateChecker,
     ValidatorError,
     checker_from_description,
     describe_checker,
@@ -43,6 +46,7 @@ from maskd.server.json_schema import (
     tool_call_checker,
 )
 from maskd.specs import PIECE_KIND, GrammarSpec
+from maskd.template_specs import TemplateParts
 from maskd.tool_specs import ToolCallParts
 
 log = logging.getLogger("maskd.server.engines.llguidance")
@@ -370,10 +374,17 @@ class LLGuidanceEngine(Engine):
         boundary_tables(self.tokenizer, self.words_per_row)   # tool-call arrays' boundaries (~0.25 s)
 
     # -- tool-call arrays composed from per-tool pieces (tool_calls.py) ---------------------------
-    def tool_call_parts(self, spec: GrammarSpec) -> ToolCallParts | None:
-        """The parts of a spec that is a ``tool_choice: "required"`` call array, or None (compact
-        JSON too: tool_calls.py says how a forced span across the router and a piece is served)."""
+    def tool_call_parts(self, spec: GrammarSpec) -> ToolCallParts | TemplateParts | None:
+        """The parts of a spec that is a ``tool_choice: "required"`` call array or a template with
+        its arguments, or None (compact JSON too: tool_calls.py says how a forced span across the
+        router and a piece is served)."""
         if spec.kind != "json_schema" or spec.reasoning_end:
+            return None
+        if isinstance(spec.parts, TemplateParts) and spec.whitespace == "compact":
+            # Compact JSON forces bytes out of a hole where the template goes on with one key or
+            # item only (``},"next":`` after a closed object's hole): llguidance's row there is the
+            # first token of bytes that run from the piece through the router, which the composed
+            # rows do not follow (they do into a piece: _forced_into_parameters). Compiled whole.
             return None
         return spec.parts
 
@@ -406,31 +417,38 @@ class LLGuidanceEngine(Engine):
         except ValueError as exc:
             raise GrammarCompileError(_first_line(str(exc))) from exc
 
-    def compose(self, spec: GrammarSpec, parts: ToolCallParts, pieces: Sequence[CompiledGrammar],
+    def compose(self, spec: GrammarSpec, parts: ToolCallParts | TemplateParts, pieces: Sequence[CompiledGrammar],
                 router: tuple[str, _Prototype] | None = None) -> CompiledGrammar | None:
-        """The call array of ``spec`` from its router (compiled here: its shape is maskd's, only the
-        names are the request's) and its tools' compiled pieces; None where a piece is only a
-        relaxation (complete mode's early checks work on whole documents: the array compiles whole)."""
+        """The call array (or template) of ``spec`` from its router (compiled here: a call array's
+        shape is maskd's, only the names are the request's; a template's is the template with its
+        holes any object) and its compiled pieces; None where a piece is only a relaxation (complete
+        mode's early checks work on whole documents: the grammar compiles whole)."""
         t0 = time.perf_counter()
         validators = {}
         for name, piece in zip(parts.names, pieces):
+            if not Piece.of(piece).holds_an_object():
+                return None      # a tool's parameters that take more than objects: compiled whole
             checker = piece.checker
             if checker is not None and checker.scans:
                 return None
             if checker is not None:
                 validators[name] = checker.validator
         text, prototype = router or self.router(spec, parts)
-        handle = ToolCallGrammar(prototype, text, {n: Piece.of(p) for n, p in zip(parts.names, pieces)},
+        handle = ComposedGrammar(prototype, text, {n: Piece.of(p) for n, p in zip(parts.names, pieces)},
                                  boundary_tables(self.tokenizer, self.words_per_row),
                                  compact=spec.whitespace == "compact")
         checker = CallArrayChecker(validators, self.tokenizer) if validators else None
+        if isinstance(parts, TemplateParts):
+            handle.scanner = functools.partial(HoleScanner, hole_tree(parts.paths))
+            handle.whole, handle.inside = "the template", "the values of hole"
+            checker = TemplateChecker(validators, parts.paths, self.tokenizer) if validators else None
         return CompiledGrammar(spec, handle, time.perf_counter() - t0, checker=checker)
 
-    def router(self, spec: GrammarSpec, parts: ToolCallParts) -> tuple[str, _Prototype]:
-        """The array's router: its grammar and prototype, kept for the last arrays' name sets (a set,
-        not a sequence: the same tools in another order are a new array, composed from the pieces
-        and the router it already has)."""
-        key = (frozenset(parts.names), parts.single, spec.whitespace, spec.max_whitespace)
+    def router(self, spec: GrammarSpec, parts: ToolCallParts | TemplateParts) -> tuple[str, _Prototype]:
+        """The router: its grammar and prototype, kept for the last arrays' name sets (a set, not a
+        sequence: the same tools in another order are a new array, composed from the pieces and the
+        router it already has) and the last templates (one router for any arguments)."""
+        key = (parts.router_key(), spec.whitespace, spec.max_whitespace)
         with self._routers_lock:
             found = self._routers.get(key)
             if found is not None:
@@ -447,9 +465,9 @@ class LLGuidanceEngine(Engine):
                 self._routers.popitem(last=False)
         return found
 
-    def new_matcher(self, grammar: CompiledGrammar) -> LLGuidanceMatcher | ToolCallMatcher:
-        if isinstance(grammar.handle, ToolCallGrammar):
-            return ToolCallMatcher(grammar.handle)
+    def new_matcher(self, grammar: CompiledGrammar) -> LLGuidanceMatcher | ComposedMatcher:
+        if isinstance(grammar.handle, ComposedGrammar):
+            return ComposedMatcher(grammar.handle)
         # A fresh matcher is a copy of the grammar's untouched prototype (microseconds), not a
         # new parse of the grammar (milliseconds).
         proto = grammar.prototype
@@ -476,7 +494,7 @@ class LLGuidanceEngine(Engine):
 
     def fill_batch(self, matchers, rows, drafts, out: np.ndarray) -> None:
         assert out.dtype == np.int32 and out.flags["C_CONTIGUOUS"] and out.shape[1] == self.words_per_row
-        if any(type(m) is ToolCallMatcher for m in matchers):
+        if any(type(m) is ComposedMatcher for m in matchers):
             self._fill_composed(matchers, rows, drafts, out)
             return
         batch = out.shape[0]
@@ -500,19 +518,19 @@ class LLGuidanceEngine(Engine):
     def _fill_composed(self, matchers, rows, drafts, out: np.ndarray) -> None:
         """A batch with composed sequences: theirs filled apart (with drafts one by one), the rest as usual."""
         drafts = drafts or [()] * len(matchers)
-        composed = [(m, r) for m, r, d in zip(matchers, rows, drafts) if type(m) is ToolCallMatcher and not d]
+        composed = [(m, r) for m, r, d in zip(matchers, rows, drafts) if type(m) is ComposedMatcher and not d]
         if composed:
             fill_rows(self.executor, [m for m, _ in composed], [r for _, r in composed], out)
         for m, r, d in zip(matchers, rows, drafts):
-            if type(m) is ToolCallMatcher and d:
+            if type(m) is ComposedMatcher and d:
                 fill_with_drafts(self.executor, m, r, d, out)
-        rest = [(m, r, d) for m, r, d in zip(matchers, rows, drafts) if type(m) is not ToolCallMatcher]
+        rest = [(m, r, d) for m, r, d in zip(matchers, rows, drafts) if type(m) is not ComposedMatcher]
         if rest:
             self.fill_batch([m for m, _, _ in rest], [r for _, r, _ in rest],
                             [d for _, _, d in rest] if any(d for _, _, d in rest) else None, out)
 
     def serialize(self, grammar: CompiledGrammar) -> bytes:
-        if isinstance(grammar.handle, ToolCallGrammar):
+        if isinstance(grammar.handle, ComposedGrammar):
             raise NotImplementedError("a composed tool-call grammar is composed again from its pieces")
         if grammar.checker is None:
             return grammar.handle.encode()

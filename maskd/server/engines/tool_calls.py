@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import llguidance
@@ -75,6 +75,11 @@ class CallScanner:
     def mode(self) -> int:
         """0 outside a string, 1 inside one, 2 right after a backslash in one."""
         return 0 if not self.in_str else (2 if self.esc else 1)
+
+    @property
+    def entering(self) -> bool:
+        """Whether a token from here may open a call's parameters: inside a call's object."""
+        return self.depth == 2
 
     def feed(self, data: bytes, events: list | None = None) -> None:
         """Reads ``data``; appends ``("in", offset of the "{", name)`` where parameters open and
@@ -195,7 +200,10 @@ class BoundaryTables:
                 self.ids[b] = t
         braces = [t for t, b in enumerate(self.data) if b and 0x7B in b]
         self.braces = self._mask(braces)
+        # those with a '"' before a "{": the only ones that can open an object from inside a string
         self.brace_bytes = [self.data[t] or b"" for t in braces]   # the bytes of each token with a "{"
+        self.quoted_braces = self._mask(t for t, b in zip(braces, self.brace_bytes)
+                                        if 0 <= b.find(b'"') < b.rfind(b"{"))
         # (mode, closes needed) -> the tokens that leave the parameters there with bytes to spare
         self.leaving: dict[tuple[int, int], Leaving] = {}
         found: dict[tuple[int, int], list[tuple[int, bytes, bytes]]] = {}
@@ -283,6 +291,15 @@ class Piece:
             compiled.piece = cls(compiled)
         return compiled.piece
 
+    def holds_an_object(self) -> bool:
+        """Whether the schema says ``"type": "object"``: the router stands an object in for the
+        piece, so a schema that also takes other values (no type, or a list of types) would allow
+        more compiled whole than composed."""
+        typed = self.__dict__.get("_typed")
+        if typed is None:
+            typed = self.__dict__["_typed"] = json.loads(self.compiled.spec.text).get("type") == "object"
+        return typed
+
     def forced_start(self, ll) -> tuple[bytes, int]:
         """The bytes the piece forces at its start (compact JSON: ``{"`` and its first key where it
         has one) and how many of the last of them llguidance chops off its forced tokens (they could
@@ -304,16 +321,21 @@ class Piece:
 
 
 @dataclasses.dataclass
-class ToolCallGrammar:
-    """A composed grammar's handle: the router's prototype, the pieces by tool name, the tables."""
+class ComposedGrammar:
+    """A composed grammar's handle: the router's prototype, the pieces by tool name (a template's:
+    by hole), the tables, and what follows the output (a call array's ``CallScanner``, a template's
+    ``template_holes.HoleScanner``) with the words its refusals name the grammar and a piece by."""
     router: Any                      # the router's _Prototype (llguidance_engine)
     router_text: str
     pieces: dict[str, Piece]
     tables: BoundaryTables
     compact: bool = False            # compact JSON: forced spans cross into the parameters
+    scanner: Callable[[], Any] = CallScanner
+    whole: str = "the tool-call array"
+    inside: str = "the parameters of"
 
 
-class ToolCallMatcher(Matcher):
+class ComposedMatcher(Matcher):
     """A sequence of a composed grammar. The router reads everything outside the parameters and
     stands in ``{`` ... ``}`` for each call's parameters (its own any-object is not the pieces':
     llguidance's generic strings refuse some escapes that a schema's keys take); the open call's
@@ -321,10 +343,10 @@ class ToolCallMatcher(Matcher):
     it, and how many tokens it gave the piece and the router."""
     __slots__ = ("g", "history", "piece", "router", "scan")
 
-    def __init__(self, grammar: ToolCallGrammar) -> None:
+    def __init__(self, grammar: ComposedGrammar) -> None:
         self.g = grammar
         self.router: llguidance.LLMatcher = grammar.router.copy()
-        self.scan = CallScanner()
+        self.scan = grammar.scanner()
         self.piece: Any = None       # the open call's piece (an LLMatcher) inside its parameters
         self.history: list[tuple[CallScanner, Any, int, int]] = []
 
@@ -340,7 +362,7 @@ class ToolCallMatcher(Matcher):
             if token in self.g.tables.eos and self.router.is_accepting():
                 return scan0, self.piece, None, [token]     # (llguidance validates no EOS once stopped)
             if self.router.validate_tokens([token]) != 1:
-                return f"token {token} does not continue the tool-call array here"
+                return f"token {token} does not continue {self.g.whole} here"
             return scan0, self.piece, None, [token]
         scan = scan0.copy()
         events: list = []
@@ -348,10 +370,10 @@ class ToolCallMatcher(Matcher):
         if not events:
             if scan0.params:
                 if self.piece.validate_tokens([token]) != 1:
-                    return f"token {token} does not continue the parameters of {scan0.name!r}"
+                    return f"token {token} does not continue {self.g.inside} {scan0.name!r}"
                 return scan, self.piece, [token], None
             if self.router.validate_tokens([token]) != 1:
-                return f"token {token} does not continue the tool-call array here"
+                return f"token {token} does not continue {self.g.whole} here"
             return scan, self.piece, None, [token]
         tokenize = self.g.tables.ll.tokenize_bytes
         piece, pos, fed = self.piece, 0, None
@@ -366,26 +388,26 @@ class ToolCallMatcher(Matcher):
                 continue
             toks = tokenize(data[pos:at])
             if piece.validate_tokens(toks) != len(toks):
-                return f"the parameters of {scan0.name!r} cannot close here"
+                return f"{self.g.inside} {scan0.name!r} cannot close here"
             piece.consume_tokens(toks)
             done = piece.is_accepting()
             if piece is self.piece:
                 piece.rollback(len(toks))
                 fed = toks
             if not done:
-                return f"the parameters of {scan0.name!r} are not complete where they close"
+                return f"{self.g.inside} {scan0.name!r} are not complete where they close"
             routed += b"}"                             # ... and stands in "}" for them
             piece, pos = None, at
         if piece is not None:
             toks = tokenize(data[pos:])
             if piece.validate_tokens(toks) != len(toks):
-                return f"token {token} does not begin the parameters of {scan.name!r}"
+                return f"token {token} does not begin {self.g.inside} {scan.name!r}"
             piece.consume_tokens(toks)                 # a piece opened by this token: its own copy
         else:
             routed += data[pos:]
         routing = tokenize(bytes(routed)) if routed else []
         if self.router.validate_tokens(routing) != len(routing):
-            return f"token {token} does not continue the tool-call array here"
+            return f"token {token} does not continue {self.g.whole} here"
         return scan, piece, fed, routing
 
     def _take(self, plan) -> None:
@@ -510,7 +532,7 @@ class ToolCallMatcher(Matcher):
 
     def reset(self) -> None:
         self.router.reset()
-        self.scan, self.piece, self.history = CallScanner(), None, []
+        self.scan, self.piece, self.history = self.g.scanner(), None, []
 
     # -- rows ---------------------------------------------------------------------------------------
     def finish_row(self, row: np.ndarray, piece_row: np.ndarray | None) -> None:
@@ -526,7 +548,7 @@ class ToolCallMatcher(Matcher):
                 row[:] = 0
                 _set(row, forced[0])
                 return
-        if self.scan.depth == 2:
+        if self.scan.entering:
             self._entering(row)
 
     def _inside(self, row: np.ndarray, piece_row: np.ndarray) -> None:
@@ -543,9 +565,16 @@ class ToolCallMatcher(Matcher):
         simple = closes & (leaving.tails >= 0)
         if simple.any():        # the router's row after the close, for the one-token rests
             self.router.consume_token(tables.ids[b"}"])
-            after = np.frombuffer(self.router.compute_bitmask(), dtype=np.int32)
+            if self.router.compute_ff_bytes():
+                # Bytes forced after the close (a template's next key): the router's row is their
+                # first canonical token alone, and any token that writes their start is taken.
+                tails = np.unique(leaving.tails[simple])
+                taken = tails[[self.router.validate_tokens([int(t)]) == 1 for t in tails.tolist()]]
+                fits = np.isin(leaving.tails, taken)
+            else:
+                fits = _bits(np.frombuffer(self.router.compute_bitmask(), dtype=np.int32), leaving.tails)
             self.router.rollback(1)
-            for t in leaving.tokens[simple & _bits(after, leaving.tails)].tolist():
+            for t in leaving.tokens[simple & fits].tolist():
                 _set(row, t)
         rest = (closes & (leaving.tails < 0)) | ((leaving.heads < 0) & _bits(piece_row, leaving.firsts))
         for i in np.flatnonzero(rest).tolist():
@@ -564,7 +593,7 @@ class ToolCallMatcher(Matcher):
         """Inside a call's object: tokens that reach into the parameters are allowed where the
         router takes their bytes up to the "{" and the named tool's piece the bytes from it."""
         tables = self.g.tables
-        maybe = row & tables.braces
+        maybe = row & (tables.quoted_braces if self.scan.in_str else tables.braces)
         if not maybe.any():
             return
         router_row = row.copy()
@@ -586,7 +615,7 @@ class ToolCallMatcher(Matcher):
                 row[t >> 5] &= np.int32(np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF).view(np.int32))
 
 
-def fill_rows(executor, matchers: Sequence[ToolCallMatcher], rows: Sequence[int], out: np.ndarray) -> None:
+def fill_rows(executor, matchers: Sequence[ComposedMatcher], rows: Sequence[int], out: np.ndarray) -> None:
     """The rows of composed sequences: the routers' (outside the parameters) and the open pieces'
     (inside them) in one parallel fill, then each row made the whole grammar's."""
     stride = out.shape[1] * 4
@@ -604,7 +633,7 @@ def fill_rows(executor, matchers: Sequence[ToolCallMatcher], rows: Sequence[int]
         m.finish_row(out[r], pieces[at[i]] if pieces is not None and i in at else None)
 
 
-def fill_with_drafts(executor, m: ToolCallMatcher, row: int, draft: Sequence[int], out: np.ndarray) -> None:
+def fill_with_drafts(executor, m: ComposedMatcher, row: int, draft: Sequence[int], out: np.ndarray) -> None:
     """A composed sequence's row and the rows after each draft token it allows (zero past the first
     it refuses); the matcher ends where it began."""
     out[row: row + 1 + len(draft)] = 0

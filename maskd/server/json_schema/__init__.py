@@ -25,6 +25,7 @@ from maskd.server.json_schema.documents import (
     DocumentChecker,
     JsonDocumentChecker,
     TagSpan,
+    TemplateChecker,
     ToolCallChecker,
     checker_from_description,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "RelaxError",
     "Relaxation",
     "TagSpan",
+    "TemplateChecker",
     "ValidatorError",
     "checker_from_description",
     "describe_checker",

@@ -706,6 +706,42 @@ class CallArrayChecker(DocumentChecker):
         raise NotImplementedError("a composed grammar is composed again from its pieces, not serialized")
 
 
+class TemplateChecker(CallArrayChecker):
+    """The final check of a composed template: the value at each hole against its argument's schema
+    (the validator each piece was compiled with; ``paths``: each hole's path of property names,
+    None for every item of an array)."""
+
+    def __init__(self, validators: dict[Any, Any], paths: tuple, tokenizer) -> None:
+        super().__init__(validators, tokenizer)
+        self.paths = [(path, name) for path, name in paths if name in validators]
+
+    def final(self, state, data: bytearray) -> str | None:
+        try:
+            document = json.loads(bytes(data))
+        except ValueError as exc:
+            return f"the output is not a finished JSON document: {exc}"
+        for path, name in self.paths:
+            for where, value in _at(document, path):
+                problem = self.validators[name].check(value)
+                if problem is not None:
+                    return f"the value at {where or '/'} (hole {name!r}) does not match its JSON schema: {problem}"
+        return None
+
+
+def _at(document: Any, path: tuple) -> list[tuple[str, Any]]:
+    """The values at ``path`` in ``document`` with their JSON pointers (None: each item of an array)."""
+    found = [("", document)]
+    for step in path:
+        nxt: list[tuple[str, Any]] = []
+        for where, value in found:
+            if step is None and isinstance(value, list):
+                nxt.extend((f"{where}/{i}", v) for i, v in enumerate(value))
+            elif step is not None and isinstance(value, dict) and step in value:
+                nxt.append((f"{where}/{step.replace('~', '~0').replace('/', '~1')}", value[step]))
+        found = nxt
+    return found
+
+
 def checker_from_description(desc: dict, tokenizer) -> DocumentChecker:
     """The checker ``describe`` described (its validators built again: they do not serialize)."""
     markers = (bytes.fromhex(desc["markers"][0]), bytes.fromhex(desc["markers"][1]))
