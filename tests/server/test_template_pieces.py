@@ -88,9 +88,9 @@ def layouts(whitespace: str, document) -> list[str]:
     return [json.dumps(document, ensure_ascii=False), compact, json.dumps(document, indent=1, ensure_ascii=False)]
 
 
-def valid_documents(grammars, tok, rng: random.Random) -> int:
+def valid_documents(grammars, tok, rng: random.Random, documents=DOCUMENTS) -> int:
     positions = 0
-    for document in DOCUMENTS:
+    for document in documents:
         for text in layouts(grammars[3], document):
             for tokens in tokenizations(tok, text, rng):
                 pair = Pair(grammars)
@@ -120,6 +120,22 @@ def test_the_filled_in_schema_is_the_template_with_its_arguments():
 def test_composed_rows_equal_the_whole_grammars_on_valid_documents(grammars, deepseek):
     positions = valid_documents(grammars, deepseek, random.Random(0))
     assert positions > (400 if grammars[3] == "compact" else 1200), positions
+
+
+# Holes at the root's level: an array of arrays of the argument's objects.
+NESTED_LISTS = {"type": "array", "minItems": 1, "items": {"type": "array", "items": {"$hole": "call"}}}
+NESTED_DOCUMENTS = [[[{"city": "Oslo"}], [{"city": "Rome", "days": 2}, {"city": "A}b"}]], [[]], [[], [{"city": "{["}]]]
+
+
+def test_holes_in_nested_arrays_give_the_whole_grammars_rows(deepseek):
+    engine = LLGuidanceEngine(deepseek, threads=1, json_schema_mode="strict")
+    spec = GrammarSpec.from_dict({"template": {"schema": NESTED_LISTS, "arguments": {"call": ARGUMENTS["action"]}}})
+    parts = engine.tool_call_parts(spec)
+    composed = engine.compose(spec, parts, [engine.compile(engine.piece_spec(spec, t)) for t in parts.pieces])
+    grammars = (engine, engine.compile(dataclasses.replace(spec, parts=None)), composed, "flexible")
+    assert valid_documents(grammars, deepseek, random.Random(3), NESTED_DOCUMENTS) > 300
+    rng = random.Random(4)
+    random_walks(grammars, deepseek.ll, walks=8, steps=50, choose=lambda allowed: int(rng.choice(allowed)), forced=True)
 
 
 def test_composed_rows_equal_the_whole_grammars_on_random_walks(grammars, deepseek):
