@@ -200,8 +200,8 @@ class BoundaryTables:
                 self.ids[b] = t
         braces = [t for t, b in enumerate(self.data) if b and 0x7B in b]
         self.braces = self._mask(braces)
-        # those with a '"' before a "{": the only ones that can open an object from inside a string
         self.brace_bytes = [self.data[t] or b"" for t in braces]   # the bytes of each token with a "{"
+        # those with a '"' before a "{": the only ones that can open an object from inside a string
         self.quoted_braces = self._mask(t for t, b in zip(braces, self.brace_bytes)
                                         if 0 <= b.find(b'"') < b.rfind(b"{"))
         # (mode, closes needed) -> the tokens that leave the parameters there with bytes to spare
