@@ -12,11 +12,22 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
-_QUOTE, _BACKSLASH, _COLON, _COMMA, _BRACE = 0x22, 0x5C, 0x3A, 0x2C, 0x7B
-_OPENS, _CLOSES = frozenset(b"{["), frozenset(b"}]")
-_WS = frozenset(b" \t\r\n")
-# What an object container expects next (the value of ``expect`` in its frame).
-_KEY, _COLON_NEXT, _VALUE, _AFTER = 1, 2, 3, 4
+from maskd.server.engines.tool_calls import (
+    _AFTER,
+    _BACKSLASH,
+    _CLOSES,
+    _COLON,
+    _COLON_NEXT,
+    _COMMA,
+    _KEY,
+    _OPENS,
+    _QUOTE,
+    _VALUE,
+    _WS,
+    JsonScanner,
+)
+
+_BRACE = 0x7B
 # A frame's container: the root's place, an object, an array.
 _ROOT, _OBJECT, _ARRAY = 0, 1, 2
 _ITEM = None     # a path's step into an array's items (maskd.template_specs)
@@ -42,7 +53,7 @@ def hole_tree(paths: Iterable[tuple[tuple[str | None, ...], str]]) -> HoleNode:
     return root
 
 
-class HoleScanner:
+class HoleScanner(JsonScanner):
     """Depth, strings, the containers on the way to holes (each frame: its node or None where no
     hole lies below, its kind, what an object expects next, its current key), and whether (and
     which) hole's object is open: ``params``, the depth just inside it (0 outside one), ``name``."""
@@ -63,11 +74,6 @@ class HoleScanner:
         c.depth, c.in_str, c.esc, c.params, c.name = self.depth, self.in_str, self.esc, self.params, self.name
         c.buf = None if self.buf is None else bytearray(self.buf)
         return c
-
-    @property
-    def mode(self) -> int:
-        """0 outside a string, 1 inside one, 2 right after a backslash in one."""
-        return 0 if not self.in_str else (2 if self.esc else 1)
 
     @property
     def entering(self) -> bool:

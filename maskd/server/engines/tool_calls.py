@@ -44,11 +44,28 @@ from maskd.server.engines.base import CompiledGrammar, Matcher
 _QUOTE, _BACKSLASH, _COLON, _COMMA = 0x22, 0x5C, 0x3A, 0x2C
 _OPENS, _CLOSES = frozenset(b"{["), frozenset(b"}]")
 _WS = frozenset(b" \t\r\n")
-# Where a call's item object stands (depth 2): what comes next.
+# What an object expects next (a call's item object, depth 2; each object on the way to a template's hole).
 _KEY, _COLON_NEXT, _VALUE, _AFTER = 1, 2, 3, 4
 
 
-class CallScanner:
+class JsonScanner:
+    """What the scanners of composed grammars share (``CallScanner`` here, a template's
+    ``template_holes.HoleScanner``): whether the output is in a string, after a backslash in one,
+    and how deep it is; ``params`` the depth just inside the open piece (0 outside one), ``name``
+    its name, ``entering`` whether a token from here may open one."""
+    __slots__ = ()
+    in_str: bool
+    esc: bool
+    depth: int
+    params: int
+
+    @property
+    def mode(self) -> int:
+        """0 outside a string, 1 inside one, 2 right after a backslash in one."""
+        return 0 if not self.in_str else (2 if self.esc else 1)
+
+
+class CallScanner(JsonScanner):
     """Where the output stands in the call array, byte by byte: depth, strings, the current item's
     keys and name, and whether (and where) a call's parameters are open."""
     __slots__ = ("buf", "depth", "esc", "expect", "in_str", "key", "name", "params", "role")
@@ -70,11 +87,6 @@ class CallScanner:
         c.buf = None if self.buf is None else bytearray(self.buf)
         c.key, c.name, c.params = self.key, self.name, self.params
         return c
-
-    @property
-    def mode(self) -> int:
-        """0 outside a string, 1 inside one, 2 right after a backslash in one."""
-        return 0 if not self.in_str else (2 if self.esc else 1)
 
     @property
     def entering(self) -> bool:
