@@ -305,7 +305,7 @@ class GrammarCache:
         An array of new tools composes too: its pieces, in the compile workers at once, are ready
         sooner than one whole compile (200 tools 98-103 against 192-293 ms; docs/benchmarks.md,
         "Tool pieces checked as JSON-schema grammars")."""
-        parts = self.engine.tool_call_parts(entry.spec)
+        parts = self.engine.composed_parts(entry.spec)
         if parts is None:
             return False
         routed: list = []

@@ -18,7 +18,7 @@ import random
 import grpc
 import numpy as np
 import pytest
-from test_tool_call_pieces import Pair, allowed, first_row, pieces, random_walks, rows, tokenizations
+from test_tool_call_pieces import Pair, allowed, first_row, layouts, pieces, random_walks, rows, valid_outputs
 
 from maskd.server import MaskServer, ServerConfig
 from maskd.server.engines.llguidance_engine import LLGuidanceEngine
@@ -72,7 +72,7 @@ def grammars(request, deepseek):
     mode, whitespace = request.param
     engine = LLGuidanceEngine(deepseek, threads=1, json_schema_mode=mode)
     spec = template_spec(whitespace)
-    parts = engine.tool_call_parts(spec)
+    parts = engine.composed_parts(spec)
     assert parts is not None and parts.names == ("action", "extra", "step")
     pieces = [engine.compile(engine.piece_spec(spec, text)) for text in parts.pieces]
     composed = engine.compose(spec, parts, pieces)
@@ -81,27 +81,8 @@ def grammars(request, deepseek):
     return engine, whole, composed, whitespace
 
 
-def layouts(whitespace: str, document) -> list[str]:
-    compact = json.dumps(document, separators=(",", ":"), ensure_ascii=False)
-    if whitespace == "compact":
-        return [compact]
-    return [json.dumps(document, ensure_ascii=False), compact, json.dumps(document, indent=1, ensure_ascii=False)]
-
-
 def valid_documents(grammars, tok, rng: random.Random, documents=DOCUMENTS) -> int:
-    positions = 0
-    for document in documents:
-        for text in layouts(grammars[3], document):
-            for tokens in tokenizations(tok, text, rng):
-                pair = Pair(grammars)
-                for i, t in enumerate(tokens):
-                    pair.check((text, i))
-                    assert pair.composed.forced_tokens() == pair.whole.forced_tokens(), (text, i)
-                    assert pair.take(t, (text, i)), f"a valid document was refused: {text!r} at token {i}"
-                    positions += 1
-                pair.check((text, "end"))
-                assert pair.composed.is_accepting()
-    return positions
+    return valid_outputs(grammars, tok, rng, documents, forced=True)
 
 
 def test_the_filled_in_schema_is_the_template_with_its_arguments():
@@ -130,7 +111,7 @@ NESTED_DOCUMENTS = [[[{"city": "Oslo"}], [{"city": "Rome", "days": 2}, {"city": 
 def test_holes_in_nested_arrays_give_the_whole_grammars_rows(deepseek):
     engine = LLGuidanceEngine(deepseek, threads=1, json_schema_mode="strict")
     spec = GrammarSpec.from_dict({"template": {"schema": NESTED_LISTS, "arguments": {"call": ARGUMENTS["action"]}}})
-    parts = engine.tool_call_parts(spec)
+    parts = engine.composed_parts(spec)
     composed = engine.compose(spec, parts, [engine.compile(engine.piece_spec(spec, t)) for t in parts.pieces])
     grammars = (engine, engine.compile(dataclasses.replace(spec, parts=None)), composed, "flexible")
     assert valid_documents(grammars, deepseek, random.Random(3), NESTED_DOCUMENTS) > 300
@@ -152,7 +133,7 @@ def test_composed_rows_equal_the_whole_grammars_on_random_walks(grammars, deepse
 
 def test_rollback_validate_and_drafts_match_the_whole_grammar(grammars, deepseek):
     engine = grammars[0]
-    text = layouts(grammars[3], DOCUMENTS[1])[0]
+    text = layouts(grammars, DOCUMENTS[1])[0]
     tokens = deepseek.ll.tokenize_bytes(text.encode())
     pair = Pair(grammars)
     for i, t in enumerate(tokens):
@@ -179,7 +160,7 @@ def test_a_compact_template_is_compiled_whole(deepseek):
     compact template is compiled whole, not composed, and serves the same documents."""
     engine = LLGuidanceEngine(deepseek, threads=1, json_schema_mode="strict")
     spec = template_spec("compact")
-    assert spec.parts is not None and engine.tool_call_parts(spec) is None
+    assert spec.parts is not None and engine.composed_parts(spec) is None
     m = engine.new_matcher(engine.compile(spec))
     assert m.consume(deepseek.ll.tokenize_bytes(json.dumps(DOCUMENTS[1], separators=(",", ":")).encode())) is None
     assert m.is_accepting()

@@ -70,7 +70,7 @@ def grammars(request, deepseek):
     mode, whitespace = request.param
     engine = LLGuidanceEngine(deepseek, threads=1, json_schema_mode=mode)
     spec = GrammarSpec.from_request({"tools": TOOLS, "tool_choice": "required", "whitespace": whitespace})
-    parts = engine.tool_call_parts(spec)
+    parts = engine.composed_parts(spec)
     assert parts is not None and parts.names == tuple(t["function"]["name"] for t in TOOLS)
     pieces = [engine.compile(engine.piece_spec(spec, text)) for text in parts.pieces]
     composed = engine.compose(spec, parts, pieces)
@@ -124,18 +124,24 @@ def tokenizations(tok, text: str, rng: random.Random):
 
 
 def valid_calls(grammars, tok, rng: random.Random, forced: bool = False) -> int:
-    """Steps both grammars over every valid call of CALLS, in each layout and tokenization,
-    comparing rows (and forced tokens where ``forced``) at every position; returns how many."""
+    """Steps both grammars over every valid call of CALLS (``valid_outputs``)."""
+    return valid_outputs(grammars, tok, rng, CALLS, forced)
+
+
+def valid_outputs(grammars, tok, rng: random.Random, outputs, forced: bool = False) -> int:
+    """Steps both grammars over each of ``outputs`` (JSON values the grammar takes), in each layout
+    and tokenization, comparing rows (and forced tokens where ``forced``) at every position and
+    that each ends accepting; returns how many positions."""
     positions = 0
-    for calls in CALLS:
-        for text in layouts(grammars, calls):
+    for output in outputs:
+        for text in layouts(grammars, output):
             for tokens in tokenizations(tok, text, rng):
                 pair = Pair(grammars)
                 for i, t in enumerate(tokens):
                     pair.check((text, i))
                     if forced:
                         assert pair.composed.forced_tokens() == pair.whole.forced_tokens(), (text, i)
-                    assert pair.take(t, (text, i)), f"a valid call was refused: {text!r} at token {i}"
+                    assert pair.take(t, (text, i)), f"a valid output was refused: {text!r} at token {i}"
                     positions += 1
                 pair.check((text, "end"))
                 assert pair.composed.is_accepting()
@@ -239,10 +245,10 @@ def test_the_same_tools_in_another_order_share_the_router_and_give_the_whole_gra
     reordered = TOOLS[2:] + TOOLS[:2]
     first = GrammarSpec.from_request({"tools": TOOLS, "tool_choice": "required", "whitespace": whitespace})
     spec = GrammarSpec.from_request({"tools": reordered, "tool_choice": "required", "whitespace": whitespace})
-    parts = engine.tool_call_parts(spec)
-    assert spec.text != first.text and parts.names != engine.tool_call_parts(first).names
+    parts = engine.composed_parts(spec)
+    assert spec.text != first.text and parts.names != engine.composed_parts(first).names
     router = engine.router(spec, parts)
-    assert router is engine.router(first, engine.tool_call_parts(first))
+    assert router is engine.router(first, engine.composed_parts(first))
     composed = engine.compose(spec, parts, [engine.compile(engine.piece_spec(spec, t)) for t in parts.pieces], router)
     whole = engine.compile(dataclasses.replace(spec, parts=None))
     assert valid_calls((engine, whole, composed, whitespace), deepseek, random.Random(2), forced=True) > 700
@@ -259,7 +265,7 @@ def test_a_tool_whose_parameters_take_more_than_objects_makes_the_array_compile_
     for params in ({"properties": {"a": {"type": "integer"}}}, {"type": ["object", "string"]}):
         spec = GrammarSpec.from_request({"tools": [TOOLS[0], {"type": "function", "function": {
             "name": "loose", "parameters": params}}], "tool_choice": "required"})
-        parts = engine.tool_call_parts(spec)
+        parts = engine.composed_parts(spec)
         assert engine.compose(spec, parts, [engine.compile(engine.piece_spec(spec, t)) for t in parts.pieces]) is None
         whole = engine.new_matcher(engine.compile(dataclasses.replace(spec, parts=None)))
         assert whole.consume(deepseek.ll.tokenize_bytes(b'[{"name": "loose", "parameters": "x"}]')) is None
@@ -303,7 +309,7 @@ def named(request, deepseek):
     names = PREFIXED if which == "prefixed" else SPACED
     engine = LLGuidanceEngine(deepseek, threads=1, json_schema_mode="strict")
     spec = GrammarSpec.from_request({"tools": named_tools(names), "tool_choice": "required", "whitespace": whitespace})
-    parts = engine.tool_call_parts(spec)
+    parts = engine.composed_parts(spec)
     composed = engine.compose(spec, parts, [engine.compile(engine.piece_spec(spec, t)) for t in parts.pieces])
     assert composed is not None
     whole = engine.compile(dataclasses.replace(spec, parts=None))
@@ -312,18 +318,7 @@ def named(request, deepseek):
 
 def test_names_that_share_their_starts_give_the_whole_grammars_rows_and_forced_tokens(named, deepseek):
     grammars, names = named
-    rng = random.Random(5)
-    positions = 0
-    for name in names:
-        for text in layouts(grammars, named_call(names, name)):
-            for tokens in tokenizations(deepseek, text, rng):
-                pair = Pair(grammars)
-                for i, t in enumerate(tokens):
-                    pair.check((text, i))
-                    assert pair.composed.forced_tokens() == pair.whole.forced_tokens(), (text, i)
-                    assert pair.take(t, (text, i)), f"a valid call was refused: {text!r} at token {i}"
-                    positions += 1
-                pair.check((text, "end"))
+    positions = valid_outputs(grammars, deepseek, random.Random(5), [named_call(names, n) for n in names], forced=True)
     assert positions > 80 * len(names), positions
 
 

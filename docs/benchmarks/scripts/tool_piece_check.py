@@ -73,7 +73,7 @@ def main() -> None:
         for p in range(args.passes):
             tools = [bench_tools._tool(s, params, f"check{p}") for s, params in pool[:200]]
             spec = GrammarSpec.from_request(bench_tools.request(tools))
-            parts = engine.tool_call_parts(spec)
+            parts = engine.composed_parts(spec)
             specs = [engine.piece_spec(spec, text) for text in parts.pieces]
             t0 = time.perf_counter()
             workers.compile_many(specs, 60)

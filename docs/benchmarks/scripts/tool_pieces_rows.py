@@ -10,7 +10,7 @@ Tools: ``maskd bench tools``' pool (BFCL / Glaive parameter schemas), named for 
 llguidance's for the plain spec (flexible JSON unless ``--whitespace compact``), ``--mode``
 complete or strict, ``--single`` for ``parallel_tool_calls: false``; deepseek-v4.
 
-The server compiles compact arrays whole (``LLGuidanceEngine.tool_call_parts``); with
+The server compiles compact arrays whole (``LLGuidanceEngine.composed_parts``); with
 ``--whitespace compact`` this script composes them anyway, to show where the rows part: each of the
 first ``--show`` differing positions is printed with the forced bytes of the whole grammar, the
 router and the named tool's piece (llguidance's ``compute_ff_bytes``).
@@ -59,7 +59,7 @@ def main() -> None:
     spec = GrammarSpec.from_request({"tools": tools, "tool_choice": "required",
                                      "disable_any_whitespace": args.whitespace == "compact",
                                      "parallel_tool_calls": not args.single})
-    parts = spec.parts    # (tool_call_parts: None for compact arrays, which the server compiles whole)
+    parts = spec.parts    # (composed_parts: None for compact arrays, which the server compiles whole)
     separators = (",", ":") if args.whitespace == "compact" else None
     whole = engine.compile(dataclasses.replace(spec, parts=None))
     composed = engine.compose(spec, parts, [engine.compile(engine.piece_spec(spec, t)) for t in parts.pieces])

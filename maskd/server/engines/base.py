@@ -93,7 +93,7 @@ class Engine(abc.ABC):
 
     # Tool-call arrays and templates composed from pieces (llguidance_engine, tool_calls.py); an
     # engine that does not compose them compiles each whole (the spec's text).
-    def tool_call_parts(self, spec: GrammarSpec) -> Any:
+    def composed_parts(self, spec: GrammarSpec) -> Any:
         """The spec's parts where this engine composes its grammar from them, else None."""
         return None
 

@@ -93,8 +93,8 @@ class FallbackEngine(Engine):
         self.primary.prepare()
 
     # -- tool-call arrays: the primary's (its composition) ---------------------------------------
-    def tool_call_parts(self, spec: GrammarSpec):
-        return self.primary.tool_call_parts(spec)
+    def composed_parts(self, spec: GrammarSpec):
+        return self.primary.composed_parts(spec)
 
     def piece_spec(self, spec: GrammarSpec, text: str) -> GrammarSpec:
         return self.primary.piece_spec(spec, text)

@@ -374,7 +374,7 @@ class LLGuidanceEngine(Engine):
         boundary_tables(self.tokenizer, self.words_per_row)   # tool-call arrays' boundaries (~0.25 s)
 
     # -- tool-call arrays composed from per-tool pieces (tool_calls.py) ---------------------------
-    def tool_call_parts(self, spec: GrammarSpec) -> ToolCallParts | TemplateParts | None:
+    def composed_parts(self, spec: GrammarSpec) -> ToolCallParts | TemplateParts | None:
         """The parts of a spec that is a ``tool_choice: "required"`` call array or a template with
         its arguments, or None (compact JSON too: tool_calls.py says how a forced span across the
         router and a piece is served)."""
