@@ -53,8 +53,9 @@ def test_the_filled_in_schema_the_router_and_the_depth():
 def test_the_id_is_of_the_template_and_each_argument():
     spec = GrammarSpec.from_dict({"template": {"schema": TEMPLATE, "arguments": {"x": OBJ, "y": DEEP}}})
     gid = spec.grammar_id("t", "b", "v")
-    assert gid == GrammarSpec.from_dict({"template": {"schema": json.dumps(TEMPLATE),
-                                                      "arguments": {"y": json.dumps(DEEP), "x": OBJ}}}).grammar_id("t", "b", "v")
+    as_texts = GrammarSpec.from_dict({"template": {"schema": json.dumps(TEMPLATE),
+                                                   "arguments": {"y": json.dumps(DEEP), "x": OBJ}}})
+    assert as_texts.grammar_id("t", "b", "v") == gid
     swapped = GrammarSpec.from_dict({"template": {"schema": {**TEMPLATE, "required": []},
                                                   "arguments": {"x": OBJ, "y": DEEP}}})
     assert swapped.grammar_id("t", "b", "v") != gid
@@ -111,3 +112,12 @@ def test_the_template_key_takes_its_shape_and_one_constraint_only():
     with pytest.raises(SpecError, match="disable_additional_properties"):
         GrammarSpec.from_request({"template": {"schema": TEMPLATE, "arguments": {"x": OBJ, "y": DEEP}},
                                   "disable_additional_properties": True})
+
+
+@pytest.mark.parametrize("template", ["x", {"schema": TEMPLATE}, {"schema": TEMPLATE, "arguments": 3},
+                                      {"schema": TEMPLATE, "arguments": {"x": OBJ}, "more": 1},
+                                      {"schema": {"properties": {}}, "arguments": {}}])
+def test_a_plain_spec_with_a_malformed_template_is_refused(template):
+    plain = GrammarSpec.from_dict({"template": {"schema": TEMPLATE, "arguments": {"x": OBJ, "y": DEEP}}}).to_plain()
+    with pytest.raises(SpecError):
+        GrammarSpec.from_plain({**plain, "template": template})
