@@ -7,7 +7,7 @@ from typing import Any
 
 import grpc
 
-from maskd.specs import GrammarSpec, SpecError
+from maskd.specs import PARTS_REVISIONS, GrammarSpec, SpecError, wire_for_revision
 from maskd.v1 import maskd_pb2 as pb
 from maskd.v1 import maskd_pb2_grpc as pb_grpc
 from maskd.v1.contract import AUTH_METADATA_KEY, AUTH_SCHEME, SESSION_METADATA_KEY, GrammarState, ServerInfo
@@ -92,6 +92,18 @@ class Connection:
             self._info = info
         return self._info
 
+    def wire_spec(self, msg: pb.GrammarSpec) -> pb.GrammarSpec:
+        """The spec as this server reads it: a kind sent as its parts (a tool-call array, a
+        template) goes to a server of an older contract revision as its whole JSON schema
+        (``maskd.specs.wire_for_revision``: compiled whole there, the same rows), so that clients
+        can be upgraded before the servers they talk to."""
+        if msg.WhichOneof("kind") not in PARTS_REVISIONS:
+            return msg
+        try:
+            return wire_for_revision(msg, self.info().contract_revision)
+        except SpecError:
+            return msg      # malformed parts: the server refuses this spec alone, with its reason
+
     def register(self, spec: Any, *, wait: bool = True, timeout_s: float | None = None,
                  require_ready: bool = False) -> str:
         """Registers a grammar; returns its id. MaskClientError with the compile error (or
@@ -102,7 +114,7 @@ class Connection:
         the grammar still compiling, and a sequence opened on it answers WAITING until it is done.
         ``require_ready``: such an answer raises DEADLINE_EXCEEDED instead, whichever end's clock
         ran out first, so the id returned is always of a compiled grammar."""
-        request = pb.RegisterGrammarRequest(spec=spec_proto(spec), wait=wait,
+        request = pb.RegisterGrammarRequest(spec=self.wire_spec(spec_proto(spec)), wait=wait,
                                             tokenizer_fingerprint=self.settings.expected_fingerprint or "")
         try:
             reply = self.stub.RegisterGrammar(request, timeout=timeout_s or self.settings.timeout_s,

@@ -20,6 +20,7 @@ import grpc
 import numpy as np
 
 from maskd.rowcodec import RowBlockDecoder
+from maskd.specs import NEWEST_PARTS_REVISION
 from maskd.v1 import maskd_pb2 as pb
 from maskd.v1.contract import SeqStatus, ServerInfo
 from maskd_client.connection import Connection
@@ -55,6 +56,7 @@ class StepStream:
                  on_handles: Callable[[dict[str, int]], None]) -> None:
         self.connection = connection
         self.address = connection.target
+        self.older = info.contract_revision < NEWEST_PARTS_REVISION   # opens' specs rewritten (send)
         self.decoder: RowBlockDecoder | None = RowBlockDecoder(info.words_per_row, info.logits_width,
                                                               dict_size=info.row_dictionary_size,
                                        compression=info.row_compression)
@@ -76,6 +78,13 @@ class StepStream:
         """Queues a request. On a stream that has ended, raises StreamLost (nothing queued), or with
         ``hand_over_when_ended`` keeps the request for ``take_in_flight`` (the loss handler resends
         it) as long as the loss has not been handled yet."""
+        if self.older:
+            for entry in item.request.seqs:
+                if entry.HasField("spec"):
+                    spec = entry.spec
+                    wire = self.connection.wire_spec(spec)
+                    if wire is not spec:
+                        entry.spec.CopyFrom(wire)
         with self._lock:
             if self._handed_over or (self._ended and not hand_over_when_ended):
                 raise StreamLost(f"maskd stream to {self.address} has ended", grpc.StatusCode.UNAVAILABLE)

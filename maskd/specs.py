@@ -384,6 +384,24 @@ _TOOL_KEYS = ("tools", "tool_choice", "parallel_tool_calls", "tool_call_format")
 _RESPONSE_FORMAT_TYPES = ("json_schema", "json_object", "text", "structural_tag")
 
 
+#: The kinds a spec goes on the wire as its parts, and the contract revision that brought each. A
+#: server of an older revision does not know them (it reads such a message as naming no kind), so
+#: a client sends it the same grammar as the whole JSON schema its parts make: that server compiles
+#: it whole (the same rows; the grammar id is the schema text's).
+PARTS_REVISIONS = {"tool_calls": 6, "template": 7}
+NEWEST_PARTS_REVISION = max(PARTS_REVISIONS.values())
+
+
+def wire_for_revision(msg: pb.GrammarSpec, revision: int) -> pb.GrammarSpec:
+    """``msg`` as a server of contract ``revision`` reads it: ``msg`` itself, or where its kind is
+    newer than that revision, a new message of kind ``json_schema`` holding the whole schema, with
+    the same options."""
+    needed = PARTS_REVISIONS.get(msg.WhichOneof("kind") or "")
+    if needed is None or revision >= needed:
+        return msg
+    return dataclasses.replace(GrammarSpec.from_proto(msg), parts=None).to_proto()
+
+
 def spec_from_request(request: Any) -> GrammarSpec | None:
     """A GrammarSpec from the shapes users already send; None for "no constraint" (OpenAI's
     ``{"type": "text"}``). Accepted:
