@@ -7,7 +7,9 @@ the same grammar as a tool's parameters). The composed rows must be the rows of 
 schema compiled whole at every position: checked on deepseek-v4 (129,280 tokens) over valid
 documents in three layouts (compact JSON: one) and three tokenizations, and over random walks that
 favour structural tokens, in both JSON-schema modes and both whitespace options, with forced
-tokens, rollback, validate and draft rows. Through a real server: a template registered, then the
+tokens, rollback, validate and draft rows; in compact JSON also where the forced bytes run across
+the template and its arguments (a piece's close and the template's next key, an argument forced
+whole between forced keys). Through a real server: a template registered, then the
 same template with one argument changed, composed from the router and the pieces it has; a valid
 document accepted token by token, an invalid hole's value refused.
 """
@@ -66,7 +68,8 @@ def template_spec(whitespace: str, arguments=ARGUMENTS) -> GrammarSpec:
     return GrammarSpec.from_dict({"template": {"schema": TEMPLATE, "arguments": arguments}, "whitespace": whitespace})
 
 
-@pytest.fixture(scope="module", params=[("strict", "flexible"), ("complete", "flexible")], ids="-".join)
+@pytest.fixture(scope="module", params=[("strict", "flexible"), ("complete", "flexible"), ("strict", "compact"),
+                                        ("complete", "compact")], ids="-".join)
 def grammars(request, deepseek):
     """(engine, the filled-in schema compiled whole, the template composed from its pieces, whitespace)."""
     mode, whitespace = request.param
@@ -155,15 +158,52 @@ def test_rollback_validate_and_drafts_match_the_whole_grammar(grammars, deepseek
     assert pair.composed.is_accepting()
 
 
-def test_a_compact_template_is_compiled_whole(deepseek):
-    """Compact JSON forces bytes out of a hole (``},"steps":[`` after the closed ``action``): a
-    compact template is compiled whole, not composed, and serves the same documents."""
+# Forced spans across parts in compact JSON: an argument that forces its whole object (``{"k":1}``)
+# between template keys the router forces, an argument whose last value forces its close, holes
+# as the items of a bounded array (the close of the last item forces ``]``), and a hole the
+# router's forced bytes open.
+CHAINS = {
+    "type": "object",
+    "properties": {
+        "fixed": {"$hole": "fixed"},
+        "pair": {"type": "array", "items": {"$hole": "last"}, "minItems": 1, "maxItems": 2},
+        "then": {"type": "object", "properties": {"x": {"$hole": "fixed"}}, "required": ["x"],
+                 "additionalProperties": False},
+        "tail": {"type": "boolean"},
+    },
+    "required": ["fixed", "pair", "then", "tail"],
+    "additionalProperties": False,
+}
+CHAIN_ARGUMENTS = {
+    "fixed": {"type": "object", "properties": {"k": {"const": 1}}, "required": ["k"], "additionalProperties": False},
+    "last": {"type": "object", "properties": {"a": {"type": "string", "maxLength": 3}, "b": {"type": "boolean"}},
+             "required": ["a", "b"], "additionalProperties": False},
+}
+CHAIN_DOCUMENTS = [
+    {"fixed": {"k": 1}, "pair": [{"a": "}", "b": True}], "then": {"x": {"k": 1}}, "tail": False},
+    {"fixed": {"k": 1}, "pair": [{"a": "", "b": False}, {"a": "{[", "b": True}], "then": {"x": {"k": 1}},
+     "tail": True},
+]
+
+
+@pytest.fixture(scope="module")
+def chains(deepseek):
     engine = LLGuidanceEngine(deepseek, threads=1, json_schema_mode="strict")
-    spec = template_spec("compact")
-    assert spec.parts is not None and engine.composed_parts(spec) is None
-    m = engine.new_matcher(engine.compile(spec))
-    assert m.consume(deepseek.ll.tokenize_bytes(json.dumps(DOCUMENTS[1], separators=(",", ":")).encode())) is None
-    assert m.is_accepting()
+    spec = GrammarSpec.from_dict({"template": {"schema": CHAINS, "arguments": CHAIN_ARGUMENTS}, "whitespace": "compact"})
+    parts = engine.composed_parts(spec)
+    assert parts is not None, "a compact template is composed"
+    composed = engine.compose(spec, parts, [engine.compile(engine.piece_spec(spec, t)) for t in parts.pieces])
+    assert composed is not None
+    return engine, engine.compile(dataclasses.replace(spec, parts=None)), composed, "compact"
+
+
+def test_forced_spans_across_the_template_and_its_arguments_give_the_whole_grammars_rows(chains, deepseek):
+    """Rows and forced tokens equal the filled-in schema's where the forced bytes run from a piece
+    through the router into the next piece and out again (llguidance's row there is the first
+    token of the whole span, chopped); fails where only each part's own forced bytes are followed."""
+    assert valid_documents(chains, deepseek, random.Random(5), CHAIN_DOCUMENTS) > 150
+    rng = random.Random(6)
+    random_walks(chains, deepseek.ll, walks=10, steps=60, choose=lambda allowed: int(rng.choice(allowed)), forced=True)
 
 
 def test_a_value_outside_its_holes_schema_is_refused(grammars, deepseek):

@@ -230,6 +230,28 @@ def test_compact_arrays_force_the_span_into_the_parameters_as_the_whole_grammar(
             assert len(allowed) == 1 and forced[:1] == allowed.tolist(), (prefix, allowed)
 
 
+def test_a_tool_whose_parameters_are_forced_whole_gives_the_whole_grammars_rows_in_compact_json(deepseek):
+    """Compact JSON, a tool whose parameters admit one object (``{"k":1}``): after its name the
+    array forces ``","parameters":{"k":1}`` and on, across the router, the piece and the router
+    again; the rows and forced tokens are the whole grammar's there (the forced span chopped as
+    llguidance chops it), and on random walks."""
+    forced_whole = {"type": "function", "function": {"name": "fixed", "parameters": {
+        "type": "object", "properties": {"k": {"const": 1}}, "required": ["k"], "additionalProperties": False}}}
+    engine = LLGuidanceEngine(deepseek, threads=1, json_schema_mode="strict")
+    for single in (True, False):
+        spec = GrammarSpec.from_request({"tools": [forced_whole, TOOLS[0]], "tool_choice": "required",
+                                         "parallel_tool_calls": not single, "whitespace": "compact"})
+        parts = engine.composed_parts(spec)
+        composed = engine.compose(spec, parts, [engine.compile(engine.piece_spec(spec, t)) for t in parts.pieces])
+        grammars = (engine, engine.compile(dataclasses.replace(spec, parts=None)), composed, "compact")
+        calls = [[{"name": "fixed", "parameters": {"k": 1}}],
+                 [{"name": "get_weather", "parameters": {"location": "x"}}, {"name": "fixed", "parameters": {"k": 1}}]]
+        assert valid_outputs(grammars, deepseek, random.Random(7), calls[:1] if single else calls, forced=True) > 40
+        rng = random.Random(8)
+        random_walks(grammars, deepseek.ll, walks=6, steps=40, choose=lambda allowed: int(rng.choice(allowed)),
+                     forced=True)
+
+
 def test_a_call_naming_a_tool_outside_the_set_is_refused(grammars, deepseek):
     engine, _, composed, _ = grammars
     m = engine.new_matcher(composed)

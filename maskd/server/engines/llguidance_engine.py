@@ -376,15 +376,9 @@ class LLGuidanceEngine(Engine):
     # -- tool-call arrays composed from per-tool pieces (tool_calls.py) ---------------------------
     def composed_parts(self, spec: GrammarSpec) -> ToolCallParts | TemplateParts | None:
         """The parts of a spec that is a ``tool_choice: "required"`` call array or a template with
-        its arguments, or None (compact JSON too: tool_calls.py says how a forced span across the
-        router and a piece is served)."""
+        its arguments, or None (in compact JSON too: tool_calls.py says how a span of bytes forced
+        across the router and the pieces is served)."""
         if spec.kind != "json_schema" or spec.reasoning_end:
-            return None
-        if isinstance(spec.parts, TemplateParts) and spec.whitespace == "compact":
-            # Compact JSON forces bytes out of a hole where the template goes on with one key or
-            # item only (``},"next":`` after a closed object's hole): llguidance's row there is the
-            # first token of bytes that run from the piece through the router, which the composed
-            # rows do not follow (they do into a piece: _forced_into_parameters). Compiled whole.
             return None
         return spec.parts
 

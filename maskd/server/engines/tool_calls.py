@@ -21,15 +21,19 @@ a token is positioned by tokenizing the bytes it got (``LLTokenizer.tokenize_byt
 decisions are a lookup: the token of those bytes in the piece's row.
 
 Compact JSON has one more boundary: where a grammar forces bytes, llguidance's row is the first
-canonical token of them (``forcing ff_token by mask``), and the array forces bytes across the
-router and a piece (after ``"parameters`` it forces ``":{"`` and the piece's first key, which
-neither part forces alone: the router's ``":{`` is chopped to nothing, as its object may go on
-with any key). Where the router's forced bytes run into a call's parameters, the composed row is
-the first token of those bytes up to the ``{`` and the piece's forced tokens at its start. The
-composed rows equal the whole grammar's (tests/server/test_tool_call_pieces.py) in both layouts.
+canonical token of them (``forcing ff_token by mask``), and the whole grammar forces bytes across
+the parts that no part forces alone: after ``"parameters`` the array forces ``":{"`` and the
+tool's first key (the router's ``":{`` is chopped to nothing, as its object may go on with any
+key); after a template's hole whose last value is written, the piece's ``}`` and the template's
+next key (``},"steps":[``); an argument that admits one object is forced whole between the
+template's keys. Where the open part's forced bytes run into another, the composed matcher takes
+each part's forced bytes in turn and chops the whole span as llguidance chops a grammar's forced
+tokens (``_forced_across_parts``). The composed rows equal the whole grammar's
+(tests/server/test_tool_call_pieces.py, tests/server/test_template_pieces.py) in both layouts.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 import threading
@@ -210,6 +214,9 @@ class BoundaryTables:
         for t, b in enumerate(self.data):
             if b and b not in self.ids:
                 self.ids[b] = t
+        self.longest = max(len(b) for b in self.data if b)
+        self.sorted_bytes = sorted(b for b in self.ids)       # each token's bytes once, for extensions
+        self.byte_tokens = [self.ids.get(bytes([c]), -1) for c in range(256)]
         braces = [t for t, b in enumerate(self.data) if b and 0x7B in b]
         self.braces = self._mask(braces)
         self.brace_bytes = [self.data[t] or b"" for t in braces]   # the bytes of each token with a "{"
@@ -236,6 +243,13 @@ class BoundaryTables:
                 [ll.tokenize_bytes(h) for _, h, _ in rows],
                 [ll.tokenize_bytes(b"}" + tl) for _, _, tl in rows],
                 np.array([0x7B in tl for _, _, tl in rows], dtype=bool))
+
+    def extensions(self, prefix: bytes):
+        """The bytes of each token longer than ``prefix`` that starts with it."""
+        i = bisect.bisect_right(self.sorted_bytes, prefix)
+        while i < len(self.sorted_bytes) and self.sorted_bytes[i].startswith(prefix):
+            yield self.sorted_bytes[i]
+            i += 1
 
     @staticmethod
     def _closes(b: bytes, mode: int) -> list[tuple[int, int]]:
@@ -293,12 +307,12 @@ class Piece:
     compiled: CompiledGrammar
     first_row: np.ndarray | None = None
     forced_head: tuple[bytes, int] | None = None
-    entries: dict[bytes, list[int] | None] = dataclasses.field(default_factory=dict)
+    firsts: dict[int, bool] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, compiled: CompiledGrammar) -> Piece:
         """The piece of a compiled grammar, shared by every array that uses it (what it keeps is
-        the piece's alone: its start row, its forced head, and its entry tokens by the bytes before)."""
+        the piece's alone: its start row, its forced head, and which first tokens it takes)."""
         if compiled.piece is None:
             compiled.piece = cls(compiled)
         return compiled.piece
@@ -324,6 +338,18 @@ class Piece:
 
     def matcher(self) -> llguidance.LLMatcher:
         return self.compiled.prototype.copy()
+
+    def takes_first(self, token: int, tables: BoundaryTables) -> bool:
+        """Whether the piece's object may start with ``token``: its start row, or where the piece
+        forces tokens at its start (compact JSON, ``{"`` and a first key the schema requires) and
+        its row is only the first of them, whether it takes the token's bytes (kept per token)."""
+        head, chopped = self.forced_start(tables.ll)
+        if len(head) <= chopped:
+            return _bit(self.start_row(tables.words), token)
+        taken = self.firsts.get(token)
+        if taken is None:
+            taken = self.firsts[token] = self.matcher().validate_tokens([token]) == 1
+        return taken
 
     def start_row(self, words: int) -> np.ndarray:
         if self.first_row is None:
@@ -353,7 +379,7 @@ class ComposedMatcher(Matcher):
     llguidance's generic strings refuse some escapes that a schema's keys take); the open call's
     piece reads what is inside them. Rollback keeps, per token, the scanner and the piece before
     it, and how many tokens it gave the piece and the router."""
-    __slots__ = ("g", "history", "piece", "router", "scan")
+    __slots__ = ("exit", "g", "history", "piece", "router", "scan")
 
     def __init__(self, grammar: ComposedGrammar) -> None:
         self.g = grammar
@@ -361,6 +387,7 @@ class ComposedMatcher(Matcher):
         self.scan = grammar.scanner()
         self.piece: Any = None       # the open call's piece (an LLMatcher) inside its parameters
         self.history: list[tuple[CallScanner, Any, int, int]] = []
+        self.exit: tuple[Any, list[int] | None] | None = None   # _forced_across_parts's, by position
 
     # -- one token --------------------------------------------------------------------------------
     def _plan(self, token: int):
@@ -477,64 +504,80 @@ class ComposedMatcher(Matcher):
 
     def forced_tokens(self) -> list[int]:
         if self.scan.params:
-            forced = self.piece.compute_ff_tokens()
+            forced = (self.g.compact and self._forced_across_parts()) or self.piece.compute_ff_tokens()
         else:
-            forced = (self.g.compact and self._forced_into_parameters()) or self.router.compute_ff_tokens()
+            forced = (self.g.compact and self._forced_across_parts()) or self.router.compute_ff_tokens()
         return forced[:self.validate(forced)] if forced else []
 
-    def _forced_into_parameters(self) -> list[int] | None:
-        """Compact JSON, outside the parameters: where the router's forced bytes run into a call's
-        parameters and its piece forces bytes at its start, the whole grammar's forced tokens: the
-        router's bytes up to the ``{`` and the piece's forced bytes, tokenized, less the last tokens
-        that hold what the piece chops off its own (None where none is left, and elsewhere)."""
-        ff = self.router.compute_ff_bytes()
-        if not ff or 0x7B not in ff:
-            return None
-        events: list = []
-        self.scan.copy().feed(ff, events)
-        if not events or events[0][0] != "in":
-            return None
-        _, at, name = events[0]
-        piece = self.g.pieces.get(name)
-        if piece is None:
-            return None
-        before = ff[:at]
-        if before not in piece.entries:
-            piece.entries[before] = self._entry_tokens(piece, before)
-        return piece.entries[before]
+    def _forced_across_parts(self) -> list[int] | None:
+        """Compact JSON, where the open part's forced bytes run into another (the router's into a
+        piece: ``"parameters":{`` and the piece's first key; a piece's through its close: ``}``
+        after a last value, then the router's next key): the whole grammar's forced tokens, all the
+        bytes the parts force in turn from here, tokenized, less the last tokens that hold the
+        longest suffix a longer token could go on from (``chop_tokens``: the last four tokens,
+        decided by this matcher after all the forced bytes); None where none are left, and where
+        the forced bytes stay in the open part (its own forced tokens are the whole grammar's).
+        Kept for the position (the row and the forced tokens ask at the same one)."""
+        at = self.history[-1] if self.history else None
+        if self.exit is not None and self.exit[0] is at:
+            return self.exit[1]
+        forced = None
+        inside = bool(self.scan.params)
+        head = (self.piece if inside else self.router).compute_ff_bytes()
+        if head and (0x7D if inside else 0x7B) in head:
+            events: list = []
+            self.scan.copy().feed(head, events)
+            if any(kind == ("out" if inside else "in") for kind, _, _ in events):
+                forced = self._whole_forced_tokens()
+        self.exit = (at, forced)
+        return forced
 
-    def _entry_tokens(self, piece: Piece, before: bytes) -> list[int] | None:
-        """llguidance's forced tokens for ``before`` + the piece's forced bytes: their canonical
-        tokens less the last ones that hold the longest suffix some longer token could go on from
-        (``chop_tokens``). A suffix within the piece's bytes is the piece's own decision; one that
-        starts before them is checked here, with the piece after its forced bytes."""
+    def _whole_forced_tokens(self) -> list[int] | None:
+        """The forced bytes of every part in turn from here (each taken as it is forced), their
+        canonical tokens, chopped as llguidance chops a grammar's forced tokens."""
         tables = self.g.tables
-        ll = tables.ll
-        head, chopped = piece.forced_start(ll)
-        if not head:
-            return None
-        tokens = ll.tokenize_bytes(before + head)
-        tail = b"".join(tables.data[t] or b"" for t in tokens[-4:])
-        after = None
-        for i in range(len(tail) - len(head)):       # the suffixes that start before the piece's bytes
-            suffix = tail[i:]
-            longer = [b for b in tables.brace_bytes if len(b) > len(suffix) and b.startswith(suffix)]
-            if not longer:
-                continue
-            if after is None:
-                after = piece.matcher()
-                after.consume_tokens(ll.tokenize_bytes(head))
-            for b in longer:
-                rest = ll.tokenize_bytes(b[len(suffix):])
-                if after.validate_tokens(rest) == len(rest):
-                    chopped = len(suffix)
+        tokenize = tables.ll.tokenize_bytes
+        forced, taken = bytearray(), 0
+        try:
+            for _ in range(64):
+                ff = (self.piece if self.scan.params else self.router).compute_ff_bytes()
+                if not ff:
                     break
-            else:
-                continue
-            break
-        while chopped > 0 and tokens:
-            chopped -= len(tables.data[tokens.pop()] or b"")
-        return tokens or None
+                for t in tokenize(ff):
+                    plan = self._plan(t)
+                    if isinstance(plan, str):
+                        return None      # (a part's forced bytes refused by another: not a forced span)
+                    self._take(plan)
+                    taken += 1
+                forced += ff
+            tokens = tokenize(bytes(forced))
+            window = b"".join(tables.data[t] or b"" for t in tokens[-4:])[-tables.longest:]
+            for i in range(len(window)):
+                if self._goes_on(window[i:]):
+                    chopped = len(window) - i
+                    while chopped > 0 and tokens:
+                        chopped -= len(tables.data[tokens.pop()] or b"")
+                    break
+            return tokens or None
+        finally:
+            self.rollback(taken)
+
+    def _goes_on(self, suffix: bytes) -> bool:
+        """Whether a token longer than ``suffix`` starts with it and this matcher takes the rest of
+        its bytes (``has_valid_extensions``)."""
+        tables = self.g.tables
+        firsts: dict[int, bool] = {}
+        for data in tables.extensions(suffix):
+            rest = data[len(suffix):]
+            ok = firsts.get(rest[0])
+            if ok is None:
+                one = tables.byte_tokens[rest[0]]
+                ok = firsts[rest[0]] = one < 0 or self.validate([one]) == 1
+            if ok:
+                toks = tables.ll.tokenize_bytes(rest)
+                if self.validate(toks) == len(toks):
+                    return True
+        return False
 
     def is_accepting(self) -> bool:
         return not self.scan.params and self.router.is_accepting()
@@ -544,7 +587,7 @@ class ComposedMatcher(Matcher):
 
     def reset(self) -> None:
         self.router.reset()
-        self.scan, self.piece, self.history = self.g.scanner(), None, []
+        self.scan, self.piece, self.history, self.exit = self.g.scanner(), None, [], None
 
     # -- rows ---------------------------------------------------------------------------------------
     def finish_row(self, row: np.ndarray, piece_row: np.ndarray | None) -> None:
@@ -552,10 +595,15 @@ class ComposedMatcher(Matcher):
         piece's row, inside the parameters)."""
         if self.scan.params:
             assert piece_row is not None
+            forced = self.g.compact and self._forced_across_parts()
+            if forced:     # llguidance's row where bytes are forced: their first token alone
+                row[:] = 0
+                _set(row, forced[0])
+                return
             self._inside(row, piece_row)
             return
         if self.g.compact:
-            forced = self._forced_into_parameters()
+            forced = self._forced_across_parts()
             if forced:     # llguidance's row where bytes are forced: their first token alone
                 row[:] = 0
                 _set(row, forced[0])
@@ -620,7 +668,7 @@ class ComposedMatcher(Matcher):
             _, at, name = events[0]
             head, rest = tables.ids.get(data[:at + 1], -1), tables.ids.get(data[at:], -1)
             if len(events) == 1 and name in self.g.pieces and head >= 0 and rest >= 0:
-                ok = _bit(router_row, head) and _bit(self.g.pieces[name].start_row(tables.words), rest)
+                ok = _bit(router_row, head) and self.g.pieces[name].takes_first(rest, tables)
             else:
                 ok = self.allows(t)
             if not ok:
