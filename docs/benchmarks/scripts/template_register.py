@@ -10,6 +10,7 @@ of which is new (never seen by the server). Sent three ways, alternating within 
 Register with wait (ready to serve), medians ms over the rounds after the first.
 
     .venv/bin/python docs/benchmarks/scripts/template_register.py --data ../shared/maskbench-dev [--rounds 12]
+        [--whitespace compact]
 """
 from __future__ import annotations
 
@@ -54,6 +55,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--cpu", type=int, default=1, help="the CPU `maskd serve` (and its compile workers) runs on")
     ap.add_argument("--skip", type=int, default=40, help="new arguments: the pool's schemas from this rank on")
+    ap.add_argument("--whitespace", choices=("flexible", "compact"), default="flexible",
+                    help="the JSON layout of all three (compact JSON forces bytes across the template and its arguments)")
     args = ap.parse_args()
 
     from maskd.server.tokenizers import load_tokenizer
@@ -66,7 +69,8 @@ def main() -> None:
     fresh = iter(pool[2 + args.skip:])
 
     def template(arguments) -> GrammarSpec:
-        return GrammarSpec.from_dict({"template": {"schema": ENVELOPE, "arguments": arguments}})
+        return GrammarSpec.from_dict({"template": {"schema": ENVELOPE, "arguments": arguments},
+                                      "whitespace": args.whitespace})
 
     srv = common.subprocess_server("deepseek-v4", 1, cpus=[args.cpu], json_schema_mode="complete")
     took: dict[str, list[float]] = {"template": [], "whole": [], "known": []}
@@ -78,7 +82,8 @@ def main() -> None:
                 action_t, action_w = next(fresh), next(fresh)
                 specs = {
                     "template": template({**fixed, "action": action_t}),
-                    "whole": GrammarSpec.from_dict({"json_schema": json.loads(template({**fixed, "action": action_w}).text)}),
+                    "whole": GrammarSpec.from_dict({"json_schema": json.loads(template({**fixed, "action": action_w}).text),
+                                                    "whitespace": args.whitespace}),
                     "known": template({"context": fixed["step"], "step": fixed["context"], "action": held}),
                 }
                 order = list(specs) if r % 2 else list(reversed(specs))
@@ -92,7 +97,8 @@ def main() -> None:
     finally:
         srv.close()
     sizes = [len(json.dumps(s)) for s in (fixed["context"], fixed["step"])]
-    print(f"template: 3 holes, the fixed arguments {sizes[0]} and {sizes[1]} bytes of JSON; maskd serve on CPU {args.cpu}")
+    print(f"template: 3 holes, the fixed arguments {sizes[0]} and {sizes[1]} bytes of JSON, {args.whitespace} JSON; "
+          f"maskd serve on CPU {args.cpu}")
     for name, values in took.items():
         print(f"{name:>8}: register median {statistics.median(values):7.2f} ms  (min {min(values):.2f}, "
               f"max {max(values):.2f}, n={len(values)})")
