@@ -92,7 +92,7 @@ class Connection:
             self._info = info
         return self._info
 
-    def wire_spec(self, msg: pb.GrammarSpec) -> pb.GrammarSpec:
+    def wire_spec(self, msg: pb.GrammarSpec, timeout_s: float | None = None) -> pb.GrammarSpec:
         """The spec as this server reads it: a kind sent as its parts (a tool-call array, a
         template) goes to a server of an older contract revision as its whole JSON schema
         (``maskd.specs.wire_for_revision``: compiled whole there, the same rows), so that clients
@@ -100,7 +100,7 @@ class Connection:
         if msg.WhichOneof("kind") not in PARTS_REVISIONS:
             return msg
         try:
-            return wire_for_revision(msg, self.info().contract_revision)
+            return wire_for_revision(msg, self.info(timeout_s=timeout_s).contract_revision)
         except SpecError:
             return msg      # malformed parts: the server refuses this spec alone, with its reason
 
@@ -114,7 +114,7 @@ class Connection:
         the grammar still compiling, and a sequence opened on it answers WAITING until it is done.
         ``require_ready``: such an answer raises DEADLINE_EXCEEDED instead, whichever end's clock
         ran out first, so the id returned is always of a compiled grammar."""
-        request = pb.RegisterGrammarRequest(spec=self.wire_spec(spec_proto(spec)), wait=wait,
+        request = pb.RegisterGrammarRequest(spec=self.wire_spec(spec_proto(spec), timeout_s), wait=wait,
                                             tokenizer_fingerprint=self.settings.expected_fingerprint or "")
         try:
             reply = self.stub.RegisterGrammar(request, timeout=timeout_s or self.settings.timeout_s,
