@@ -503,10 +503,8 @@ class ComposedMatcher(Matcher):
             raise ValueError(f"cannot roll back {num_tokens} tokens")
 
     def forced_tokens(self) -> list[int]:
-        if self.scan.params:
-            forced = (self.g.compact and self._forced_across_parts()) or self.piece.compute_ff_tokens()
-        else:
-            forced = (self.g.compact and self._forced_across_parts()) or self.router.compute_ff_tokens()
+        part = self.piece if self.scan.params else self.router
+        forced = (self.g.compact and self._forced_across_parts()) or part.compute_ff_tokens()
         return forced[:self.validate(forced)] if forced else []
 
     def _forced_across_parts(self) -> list[int] | None:
@@ -593,21 +591,15 @@ class ComposedMatcher(Matcher):
     def finish_row(self, row: np.ndarray, piece_row: np.ndarray | None) -> None:
         """``row`` holds the router's row; makes it the whole grammar's (``piece_row``: the open
         piece's row, inside the parameters)."""
+        forced = self.g.compact and self._forced_across_parts()
+        if forced:     # llguidance's row where bytes are forced across parts: their first token alone
+            row[:] = 0
+            _set(row, forced[0])
+            return
         if self.scan.params:
             assert piece_row is not None
-            forced = self.g.compact and self._forced_across_parts()
-            if forced:     # llguidance's row where bytes are forced: their first token alone
-                row[:] = 0
-                _set(row, forced[0])
-                return
             self._inside(row, piece_row)
             return
-        if self.g.compact:
-            forced = self._forced_across_parts()
-            if forced:     # llguidance's row where bytes are forced: their first token alone
-                row[:] = 0
-                _set(row, forced[0])
-                return
         if self.scan.entering:
             self._entering(row)
 
