@@ -40,6 +40,7 @@ from maskd.specs import GrammarSpec
 log = logging.getLogger("maskd.server.compile_pool")
 COMPILE_STACK_BYTES = 64 << 20     # a worker's compile thread
 SERVER_STACK_BYTES = 256 << 20     # the server's compile threads (4x: what a worker survives, the server does)
+ENGINE_LOAD_LIMIT_S = 300.0        # a worker loading an engine (at start, or the fallback's at its first spec)
 _HEADER = struct.Struct("<I")
 
 
@@ -87,12 +88,22 @@ class _Worker:
         self.ready = False
 
     def call(self, request: Any, timeout_s: float | None) -> Any:
+        """The worker's answer. While the worker loads an engine on the way ("loading" ...
+        "loaded": the fallback's secondary engine, seconds on a busy machine) the request's clock
+        stops and the load has ENGINE_LOAD_LIMIT_S; it starts again, from zero, after the load."""
         assert self.proc.stdin is not None and self.proc.stdout is not None
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         write_message(self.proc.stdin, request)
         fd = self.proc.stdout.fileno()
-        (size,) = _HEADER.unpack(read_exact(fd, _HEADER.size, deadline))
-        return pickle.loads(read_exact(fd, size, deadline))
+        while True:
+            (size,) = _HEADER.unpack(read_exact(fd, _HEADER.size, deadline))
+            message = pickle.loads(read_exact(fd, size, deadline))
+            if message == ("loading", None):
+                deadline = time.monotonic() + ENGINE_LOAD_LIMIT_S
+            elif message == ("loaded", None):
+                deadline = None if timeout_s is None else time.monotonic() + timeout_s
+            else:
+                return message
 
     def kill(self) -> None:
         try:
@@ -136,7 +147,7 @@ class CompilePool:
         """Starts a worker and waits for it to load the engine (seconds for a large vocabulary)."""
         try:
             worker = _Worker(self.key)
-            if worker.call(("warm", None), 300.0) != ("ok", None):
+            if worker.call(("warm", None), ENGINE_LOAD_LIMIT_S) != ("ok", None):
                 raise RuntimeError("unexpected answer")
             worker.ready = True
             with self._cond:

@@ -3,9 +3,10 @@
 
 Reads length-prefixed pickled requests on stdin and answers on stdout (see compile_pool):
 ``("warm", None)`` loads the engine; ``("compile", GrammarSpec)`` answers ``("ok", bytes)`` with the
-serialized compiled grammar or ``("error", message)``. The compile runs on a thread with a stack of
-STACK bytes, the size the server's own compile threads exceed. Anything the engine prints goes to
-stderr, so stdout carries only answers.
+serialized compiled grammar or ``("error", message)``. Where the engine loads more on the way (the
+fallback's secondary engine), ``("loading", None)`` and ``("loaded", None)`` come before the
+answer. The compile runs on a thread with a stack of STACK bytes, the size the server's own compile
+threads exceed. Anything the engine prints goes to stderr, so stdout carries only answers.
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ def main(argv: list[str]) -> int:
             from maskd.server.tokenizers import load_tokenizer
             engine = create_engine(backend, load_tokenizer(tokenizer, width), threads=1,
                                    json_schema_mode=json_schema_mode)
+            engine.load_listener = lambda phase: write_message(out, (phase, None))   # see compile_pool
         return engine
 
     while True:

@@ -7,6 +7,7 @@ import grpc
 import pytest
 
 from maskd.server import Limits, MaskServer, ServerConfig
+from maskd.server.engines import GrammarCompileError
 from maskd.server.grammar_cache import GrammarCache, QueueFull
 from maskd.specs import GrammarSpec
 from maskd.v1 import maskd_pb2 as pb
@@ -154,6 +155,37 @@ def test_compile_workers_whose_pipes_are_past_descriptor_1024_compile():
         for fd in held:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_the_fallback_engines_load_in_a_worker_does_not_count_against_the_grammars_limit():
+    # the first spec llguidance cannot express loads xgrammar in the worker (its import, its
+    # tokenizer info: seconds, and far more on a machine busy with an engine): that is not the
+    # grammar's compile, which alone has the limit (before: stopped at the limit, every time, as
+    # each replaced worker loaded again)
+    import time
+
+    from maskd.server.compile_pool import CompilePool
+
+    def tool_tag(parameters: dict) -> GrammarSpec:
+        tools = [{"type": "function", "function": {"name": "get_weather", "parameters": parameters}}]
+        return GrammarSpec.from_request({"tools": tools, "tool_choice": "required", "tool_call_format": "qwen_3_coder"})
+
+    spec = tool_tag({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
+    pool = CompilePool("llguidance", "deepseek-v4", None, 1)
+    try:
+        assert pool.wait_warm(120.0)
+        t0 = time.monotonic()
+        first = pool.compile(spec, 1.0)
+        assert time.monotonic() - t0 > 1.0, "premise: loading xgrammar in the worker takes longer than the limit"
+        assert pool.timeouts == 0 and first.startswith(b"MASKD-XGR")
+        assert pool.compile(spec, 1.0) == first            # loaded once: the grammar alone, well inside
+        runaway = {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": f"^[a-z]{{{i},{i + 40}}}$"}
+                                                    for i in range(30)}}
+        with pytest.raises(GrammarCompileError, match="exceeded the 1 s limit"):
+            pool.compile(tool_tag(runaway), 1.0)          # the grammar's own limit still holds
+        assert pool.timeouts == 1
+    finally:
+        pool.close()
 
 
 def test_compiles_are_taken_round_robin_across_tenants(cl100k):

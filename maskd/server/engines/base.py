@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -75,6 +75,9 @@ class Engine(abc.ABC):
     name: str
     version: str
     matcher_type: type = Matcher     # what new_matcher builds (an engine with several: their base)
+    # Told "loading" before and "loaded" after an engine loads more at a compile (the fallback's
+    # secondary engine: seconds): a compile worker's time limit is for the grammar, not the load.
+    load_listener: Callable[[str], None] | None = None
 
     def __init__(self, tokenizer, *, threads: int, json_schema_mode: str = "strict") -> None:
         self.tokenizer = tokenizer

@@ -52,10 +52,15 @@ class FallbackEngine(Engine):
     def secondary(self) -> Engine:
         with self._lock:
             if self._secondary is None:
+                if self.load_listener is not None:
+                    self.load_listener("loading")
                 try:
                     secondary = self._make_secondary()
                 except (ImportError, RuntimeError, ValueError) as exc:
                     raise GrammarCompileError(f"the fallback engine cannot start: {exc}") from exc
+                finally:
+                    if self.load_listener is not None:
+                        self.load_listener("loaded")
                 if secondary.words_per_row != self.words_per_row or secondary.width != self.width:
                     raise GrammarCompileError(f"the {secondary.name} engine's rows ({secondary.width} ids) do not "
                                               f"match {self.primary.name}'s ({self.width})")
