@@ -75,16 +75,16 @@ run: setup
 # The main suite, then the engine adapters' tests in their own venv (tests/engines is not
 # collected by the main venv, which has no engines).
 test: setup engines-setup vllm-setup lint
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra --durations=15
 	$(MAKE) test-engines
 	$(MAKE) test-vllm
 
 test-engines: engines-setup
-	VLLM_TARGET_DEVICE=cpu $(ENGINES_PY) -m pytest -q -ra tests/engines
+	VLLM_TARGET_DEVICE=cpu $(ENGINES_PY) -m pytest -q -ra --durations=10 tests/engines
 
 # Real `vllm serve` processes on 127.0.0.1 with maskd as their structured-output backend.
 test-vllm: vllm-setup
-	$(VLLM_PY) -m pytest -q -ra tests/vllm_engine
+	$(VLLM_PY) -m pytest -q -ra --durations=15 tests/vllm_engine
 
 # ruff and mypy over the runtime packages, and the import contracts (pyproject.toml)
 lint: setup

@@ -6,7 +6,7 @@ import re
 
 import jsonschema
 import pytest
-from harness import ENGINE_OPTIONS, THINK_END, server_metric, vllm_engine
+from harness import EAGER, ENGINE_OPTIONS, THINK_END, server_metric, vllm_engine
 from workloads import PERSON
 
 THINK_END_ID = 128822      # "</think>" in the deepseek-v4 vocabulary
@@ -101,7 +101,8 @@ def test_bench_vllm_runs_end_to_end(tmp_path):
     out = tmp_path / "bench"
     done = subprocess.run([sys.executable, "-m", "maskd.cli", "bench", "vllm", "--engines", "guidance",
                            "--workloads", "free-text", "--concurrency", "2", "--requests", "2", "--rounds", "1",
-                           "--max-tokens", "16", "--maskd-cpus", "", "--vllm-omp-cpus", "auto", "--out", str(out)],
+                           "--max-tokens", "16", "--maskd-cpus", "", "--vllm-omp-cpus", "auto", "--out", str(out),
+                           *(f"--vllm-arg={a}" for a in EAGER)],
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((out / "vllm.json").read_text())

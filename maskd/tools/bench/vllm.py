@@ -55,6 +55,8 @@ def add_arguments(p) -> None:
     p.add_argument("--maskd-cpus", default="1", help="CPUs of the maskd server (comma-separated; '' for none)")
     p.add_argument("--vllm-omp-cpus", default="0", help="VLLM_CPU_OMP_THREADS_BIND of vLLM's worker")
     p.add_argument("--vllm-venv", default=None, help="the venv with vLLM's CPU build (default .venv-vllm)")
+    p.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
+                   help="one more argument of `vllm serve` (repeat for several; e.g. --vllm-arg=--enforce-eager)")
     p.add_argument("--json-schema-mode", default="complete", choices=("complete", "strict"),
                    help="the maskd server's JSON-schema mode (default complete, the server's own default)")
     p.add_argument("--whitespace", default="compact", choices=("compact", "flexible"),
@@ -138,7 +140,7 @@ def run(args, log: Callable[[str], None] = print) -> dict:
             log(f"{prog}: starting vLLM ({engine_name} backend, maskd at {server.address})")
             prefix = pathlib.Path(args.vllm_venv) if args.vllm_venv else None
             seqs = max(concurrency) + args.burst
-            with vllm_engine(out, "--structured-outputs-config", options, "--max-num-seqs", str(seqs),
+            with vllm_engine(out, "--structured-outputs-config", options, "--max-num-seqs", str(seqs), *args.vllm_arg,
                              env=env, name=f"vllm-{engine_name}", prefix=prefix) as engine:
                 mine = dict(schemas)
                 if "maskbench" in mine:   # schemas this engine's backend refuses leave its workload
