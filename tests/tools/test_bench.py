@@ -322,12 +322,16 @@ def test_tools(tmp_path, server, counts):
         for scenario in x["server"].values():
             assert set(scenario) == {"first_row_ms", "spec_ms", "register_ms", "first_step_ms"}
             assert scenario["first_row_ms"]["n"] == 1
-    timings = [(p, v) for p, v in _timings(report["results"]) if not p.endswith(".n")]
+    floor = report["floor"]    # a one-line grammar's first row, once per round: rounds x counts samples
+    assert floor["request"] == {"regex": "[0-9]+"}
+    assert {k: floor[k]["n"] for k in ("first_row_ms", "spec_ms", "register_ms", "first_step_ms")} == dict.fromkeys(
+        ("first_row_ms", "spec_ms", "register_ms", "first_step_ms"), len(counts))
+    timings = [(p, v) for p, v in _timings([report["results"], floor]) if not p.endswith(".n")]
     assert len(timings) > 100
     assert all(isinstance(v, float) and v > 0 for _, v in timings), [t for t in timings if not t[1] > 0]
     md = (out / "tools.md").read_text()
     assert md.startswith("# maskd bench tools") and "all but one known, shuffled" in md and "composed" in md
-    assert "same tools in another order" in md
+    assert "same tools in another order" in md and "The server's floor, a one-line grammar the server holds" in md
     assert ("in a process of its own" in md) == (server == "subprocess")
     assert (out / "tools.png").stat().st_size > 1000
 
