@@ -286,7 +286,10 @@ def run(args, log: Callable[[str], None] = print) -> dict:
                             per[scenario].append(first_row(mc, request(tools), f"{tag}-{scenario}"))
                         except MaskClientError as exc:
                             errors.append(f"{n} tools, round {r}, {scenario}: {exc}")
-                    floor.append(first_row(mc, FLOOR_REQUEST, f"{tag}-floor"))
+                    try:
+                        floor.append(first_row(mc, FLOOR_REQUEST, f"{tag}-floor"))
+                    except MaskClientError as exc:
+                        errors.append(f"{n} tools, round {r}, the floor: {exc}")
                     log(f"  {n} tools, round {r}: " + ", ".join(
                         f"{k} {per[k][-1]['first_row'] * 1e3:.1f} ms" for k in per if len(per[k]) == r + 1))
             mc.flush_closes()
