@@ -54,6 +54,7 @@ SCENARIO_TITLES = {"cold": "maskd, cold", "same": "maskd, same set (cache hit)",
 DEFAULT_TOOLS, QUICK_TOOLS = "10,50,200", "10,50"
 DEFAULT_ROUNDS, QUICK_ROUNDS = 5, 2
 TARGET_MS = 5.0
+STEPS = ("spec", "register", "first_step")   # where a first row's time goes, as first_row() times it
 FLOOR_REQUEST = {"regex": "[0-9]+"}    # a grammar of one line, held by the server: nothing to build or compose
 FLOOR_TITLE = 'a one-line grammar the server holds (`{"regex": "[0-9]+"}`)'
 SERVER_KINDS = {"embedded": "MaskServer embedded in the bench's process",
@@ -299,7 +300,7 @@ def run(args, log: Callable[[str], None] = print) -> dict:
                 "grammar_bytes": int(sorted(grammar_bytes[n])[len(grammar_bytes[n]) // 2]),
                 "in_process": {e: {"compile_ms": _stats(per[e], "compile"), "first_row_ms": _stats(per[e], "first_row")}
                                for e in ("llguidance", "xgrammar")},
-                "server": {s: {f"{k}_ms": _stats(per[s], k) for k in ("first_row", "spec", "register", "first_step")}
+                "server": {s: {f"{k}_ms": _stats(per[s], k) for k in ("first_row", *STEPS)}
                            for s in SCENARIOS}}
                for n, per in samples.items()]
     report: dict[str, Any] = {
@@ -316,8 +317,7 @@ def run(args, log: Callable[[str], None] = print) -> dict:
                    "backend_version": info.backend_version},
         "note": BASELINE_NOTE,
         "results": results,
-        "floor": {"request": FLOOR_REQUEST, **{f"{k}_ms": _stats(floor, k) for k in ("first_row", "spec", "register",
-                                                                                      "first_step")}},
+        "floor": {"request": FLOOR_REQUEST, **{f"{k}_ms": _stats(floor, k) for k in ("first_row", *STEPS)}},
         "errors": errors,
         "failed": bool(errors),
         "seconds": round(time.perf_counter() - t_start, 1),
@@ -372,11 +372,11 @@ def _markdown(r: dict) -> str:
     lines.append(common.md_table(["tools", "schema bytes", "llguidance in process", "xgrammar in process",
                                   *[SCENARIO_TITLES[sc] for sc in SCENARIOS]], rows))
     lines.append("\n## Where maskd's time goes, ms (median)\n\n")
-    rows = [[x["tools"], sc, *[x["server"][sc][f"{k}_ms"].get("p50", "-") for k in ("spec", "register", "first_step")]]
+    rows = [[x["tools"], sc, *[x["server"][sc][f"{k}_ms"].get("p50", "-") for k in STEPS]]
             for x in r["results"] for sc in SCENARIOS]
     lines.append(common.md_table(["tools", "request", "spec from the request", "register", "open + first step"], rows))
     f = r["floor"]
-    spec, reg, step = (f[f"{k}_ms"].get("p50", "-") for k in ("spec", "register", "first_step"))
+    spec, reg, step = (f[f"{k}_ms"].get("p50", "-") for k in STEPS)
     lines.append(f"\nThe server's floor, {FLOOR_TITLE}, the same four steps: first row {_cell(f['first_row_ms'])} ms "
                  f"(spec {spec}, register {reg}, open + first step {step} ms, medians): no request is ready sooner "
                  "through this server on this machine.\n")
