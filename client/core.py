@@ -40,7 +40,7 @@ from maskd_client.merge import gather
 from maskd_client.recovery import LostServer, Recovery, Unreachable
 from maskd_client.routing import DirectoryError, NoOwner, Router
 from maskd_client.stream import InFlight, StepStream, fail_all
-from maskd_client.types import MaskClientError, StepInput, StepResult
+from maskd_client.types import MaskClientError, StepInput, StepResult, reply_within
 
 log = logging.getLogger("maskd_client")
 _C = grpc.StatusCode
@@ -264,7 +264,8 @@ class ClientCore(Recovery):
     # -- steps ------------------------------------------------------------------------------------
     def step(self, tokens_by_seq: Mapping[str, Any], timeout: float | None = None, *,
              out: np.ndarray | None = None) -> StepResult:
-        return self.step_async(tokens_by_seq, out=out).result(timeout if timeout is not None else self.timeout_s)
+        return reply_within(self.step_async(tokens_by_seq, out=out), timeout if timeout is not None else self.timeout_s,
+                            self.target)
 
     def step_async(self, tokens_by_seq: Mapping[str, Any], *,
                    out: np.ndarray | None = None) -> concurrent.futures.Future:

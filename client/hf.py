@@ -41,7 +41,7 @@ from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria,
 
 from maskd_client.apply import BitmaskBuffers, apply_token_bitmask_inplace
 from maskd_client.client import MaskClient
-from maskd_client.types import MaskClientError, SeqStatus
+from maskd_client.types import MaskClientError, SeqStatus, reply_within
 
 __all__ = ["MaskdLogitsProcessor", "MaskdPrefetch", "MaskdSequenceFailed"]
 
@@ -285,7 +285,8 @@ class MaskdLogitsProcessor(LogitsProcessor):
         deadline = time.perf_counter() + self.wait_timeout_s
         interval = self.poll_interval_s
         while True:
-            result = fut.result(max(0.001, deadline - time.perf_counter()) + self._timeout_s)
+            result = reply_within(fut, max(0.001, deadline - time.perf_counter()) + self._timeout_s,
+                                  getattr(self.client, "target", "its address"))
             waiting = []
             dst, src = [], []
             for row, sid in rows:

@@ -26,7 +26,7 @@ from maskd_client.ledger import SequenceLedger, Undo, UndoRecord, records_of
 from maskd_client.merge import chain, gather
 from maskd_client.routing import NoOwner, Router
 from maskd_client.stream import InFlight, StepStream, fail_all
-from maskd_client.types import MaskClientError
+from maskd_client.types import MaskClientError, describe
 
 log = logging.getLogger("maskd_client")
 _C = grpc.StatusCode
@@ -149,7 +149,7 @@ class Recovery:
                 if code is not None and code not in RETRYABLE:
                     why = str(exc)
                     break
-                why = str(exc) or type(exc).__name__
+                why = describe(exc)
             if time.monotonic() > deadline:
                 break
             log.info("recovery of %s: attempt %d failed (%s)", rec.address, attempt + 1, why)
@@ -218,10 +218,16 @@ class Recovery:
                     conn = targets[address]
                     stream = fresh[address] = StepStream(conn, self.session, conn.info(), on_lost=_fail_restores,
                                                          on_refused=self._refused, on_handles=self._handles)
-                futures.append(stream.send(InFlight(pb.StepRequest(seqs=entries), concurrent.futures.Future(), [],
-                                                    internal=True)))
-        for fut in futures:
-            result = fut.result(self.timeout_s)
+                futures.append((address, stream.send(InFlight(pb.StepRequest(seqs=entries),
+                                                              concurrent.futures.Future(), [], internal=True))))
+        for address, fut in futures:
+            try:
+                result = fut.result(self.timeout_s)
+            except concurrent.futures.TimeoutError:
+                if fut.done():
+                    raise
+                raise MaskClientError(f"no answer to a restore from maskd at {address} within {self.timeout_s:g} s",
+                                      _C.DEADLINE_EXCEEDED) from None
             for s in result.seqs.values():
                 if s.status is SeqStatus.ERROR and s.code not in _RESTORE_OK:
                     log.error("cannot restore sequence %r: %s", s.seq_id, s.reason)

@@ -57,7 +57,7 @@ from sglang.srt.constrained.base_grammar_backend import (
 from maskd.specs import GrammarSpec, SpecError
 from maskd_client.apply import apply_token_bitmask_inplace
 from maskd_client.engine_env import EngineSettings, register_compiled, settle
-from maskd_client.types import MaskClientError, SeqResult, SeqStatus, StepInput, StepResult
+from maskd_client.types import MaskClientError, SeqResult, SeqStatus, StepInput, StepResult, reply_within
 
 __all__ = ["BACKEND_NAME", "MaskdGrammar", "MaskdGrammarBackend", "register"]
 
@@ -309,7 +309,7 @@ class MaskdGrammarBackend(BaseGrammarBackend):
     def _step(self, request: dict) -> StepResult:
         self.steps += 1
         fut: Future = self.client.step_async(request)
-        return fut.result(self.settings.timeout_s + 5)
+        return reply_within(fut, self.settings.timeout_s + 5, self.settings.target)
 
     def _set_row(self, vocab_mask: torch.Tensor, row: int, words: np.ndarray) -> None:
         target = vocab_mask[row].numpy()

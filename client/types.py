@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -13,7 +14,8 @@ import numpy as np
 
 from maskd.v1.contract import SeqStatus, ServerInfo
 
-__all__ = ["MaskClientError", "SeqResult", "SeqStatus", "ServerInfo", "StepInput", "StepResult", "grpc_code"]
+__all__ = ["MaskClientError", "SeqResult", "SeqStatus", "ServerInfo", "StepInput", "StepResult", "describe",
+           "grpc_code", "reply_within"]
 
 _HAS_ROWS = frozenset((SeqStatus.READY, SeqStatus.FINISHED))
 _CODE_BY_VALUE = {c.value[0]: c for c in grpc.StatusCode}
@@ -30,6 +32,29 @@ class MaskClientError(RuntimeError):
     def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
         super().__init__(message)
         self.code = code
+
+
+def describe(exc: BaseException) -> str:
+    """What happened, never empty: the status code's name (a MaskClientError that has one) or the
+    exception's type, then its message: ``UNAVAILABLE: maskd at ... is unreachable: ...``,
+    ``TimeoutError: no reply from maskd at ... within 35 s``. (An exception is always true and
+    ``str(TimeoutError())`` is '': ``exc or type(exc).__name__`` names nothing.)"""
+    code = getattr(exc, "code", None)
+    name = code.name if isinstance(code, grpc.StatusCode) else type(exc).__name__
+    text = str(exc)
+    return f"{name}: {text}" if text else name
+
+
+def reply_within(future: concurrent.futures.Future, timeout_s: float, target: str) -> Any:
+    """``future.result(timeout_s)``, where running out of time raises a TimeoutError that says so
+    (``no reply from maskd at TARGET within N s``) instead of one with no message."""
+    try:
+        return future.result(timeout_s)
+    except concurrent.futures.TimeoutError:
+        if future.done():
+            raise     # the step itself failed with a TimeoutError: its own message
+        # the class future.result raises (the builtin TimeoutError from Python 3.11 on)
+        raise concurrent.futures.TimeoutError(f"no reply from maskd at {target} within {timeout_s:g} s") from None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -99,7 +99,7 @@ import numpy as np
 
 from maskd.specs import GrammarSpec, SpecError
 from maskd_client.engine_env import EngineConfigError, EngineSettings, register_compiled
-from maskd_client.types import MaskClientError, SeqStatus, StepInput
+from maskd_client.types import MaskClientError, SeqStatus, StepInput, describe, reply_within
 
 __all__ = ["BACKEND", "EXTRA_ARGS_KEY", "GrammarDrafts", "MaskdGrammar", "MaskdStructuredOutputs", "register",
            "spec_of"]
@@ -612,7 +612,7 @@ class MaskdStructuredOutputs:
             future = self.client.step_async(request)
         except MaskClientError as exc:    # nothing was sent: each sequence fails, none goes unconstrained
             for g in grammars:
-                g.fail(f"maskd step failed: {exc}")
+                g.fail(f"maskd step failed: {describe(exc)}")
             return
         self.steps += 1
         self.ahead = (future, grammars)
@@ -625,10 +625,10 @@ class MaskdStructuredOutputs:
         future, grammars = self.ahead
         self.ahead = None
         try:
-            result = future.result(self.settings.timeout_s + 5)
+            result = reply_within(future, self.settings.timeout_s + 5, self.settings.target)
         except (MaskClientError, concurrent.futures.TimeoutError) as exc:
             for g in grammars:
-                g.fail(f"maskd step failed: {exc or type(exc).__name__}")
+                g.fail(f"maskd step failed: {describe(exc)}")
             return
         if result.ids != [g.seq_id for g in grammars]:
             for g in grammars:
@@ -660,7 +660,8 @@ class MaskdStructuredOutputs:
         try:
             while request:
                 self.steps += 1
-                result = self.client.step_async(request).result(self.settings.timeout_s + 5)
+                result = reply_within(self.client.step_async(request), self.settings.timeout_s + 5,
+                                      self.settings.target)
                 waiting: dict[str, Any] = {}
                 again: dict[str, Any] = {}
                 for sid, res in result.seqs.items():
@@ -699,7 +700,7 @@ class MaskdStructuredOutputs:
         except (MaskClientError, concurrent.futures.TimeoutError) as exc:
             for sid, e in by_id.items():   # no row may go out unconstrained: these requests end here
                 if sid not in answered:
-                    self._give_up(e, f"maskd step failed: {exc or type(exc).__name__}", out)
+                    self._give_up(e, f"maskd step failed: {describe(exc)}", out)
         return valid
 
     def _place(self, e: _Entry, rows: np.ndarray, drafts_valid: int, out: np.ndarray) -> int:
