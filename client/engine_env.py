@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
+import grpc
+
 from maskd_client.client import MaskClient
 from maskd_client.types import MaskClientError, SeqResult, SeqStatus, StepResult
 
@@ -112,7 +114,7 @@ def register_compiled(client: Any, spec: Any, wait_timeout_s: float, timeout_s: 
         try:
             return client.register(spec, wait=True, timeout_s=wait_s, require_ready=True)
         except MaskClientError as exc:
-            if getattr(exc.code, "name", "") != "DEADLINE_EXCEEDED" or left <= 0:
+            if exc.code is not grpc.StatusCode.DEADLINE_EXCEEDED or left <= 0:
                 raise
             early = wait_s - (time.monotonic() - asked)
             if early > 0.05:

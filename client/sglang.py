@@ -43,6 +43,7 @@ import weakref
 from concurrent.futures import Future
 from typing import Any
 
+import grpc
 import numpy as np
 import torch
 from sglang.srt.constrained.base_grammar_backend import (
@@ -292,7 +293,7 @@ class MaskdGrammarBackend(BaseGrammarBackend):
         and carries the spec, which the server compiles (under the same id: later copies of this
         grammar open by it again). Any other refusal: None (given up)."""
         _, g = key
-        if res.status is SeqStatus.ERROR and g.grammar_id and getattr(res.code, "name", "") == "NOT_FOUND":
+        if res.status is SeqStatus.ERROR and g.grammar_id and res.code is grpc.StatusCode.NOT_FOUND:
             g.grammar_id = ""
             if self._reopened_after != self.steps:   # the first of this step's answers sent again
                 self._reopened_after = self.steps

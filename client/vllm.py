@@ -95,6 +95,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import grpc
 import numpy as np
 
 from maskd.specs import GrammarSpec, SpecError
@@ -242,10 +243,11 @@ class _Admission:
             self.client.register(spec, wait=False)
             return None
         except MaskClientError as exc:
-            code = getattr(exc.code, "name", "")
-            if code == "DEADLINE_EXCEEDED":
+            code = exc.code
+            if code is grpc.StatusCode.DEADLINE_EXCEEDED:
                 return None                  # still compiling: the engine holds the request until it is done
-            if code in ("UNAVAILABLE", "UNAUTHENTICATED", "PERMISSION_DENIED"):
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED,
+                        grpc.StatusCode.PERMISSION_DENIED):
                 raise ValueError(f"maskd at {self.settings.target} cannot serve this request: {exc}") from None
             raise ValueError(f"maskd refused the grammar: {exc}") from None
 
@@ -667,7 +669,7 @@ class MaskdStructuredOutputs:
                 for sid, res in result.seqs.items():
                     e = by_id[sid]
                     if res.status is SeqStatus.ERROR and e.grammar.grammar_id and \
-                            getattr(res.code, "name", "") == "NOT_FOUND":
+                            res.code is grpc.StatusCode.NOT_FOUND:
                         # an open naming an id the server no longer holds (evicted, or admission's
                         # register went to another server): refused and taken back, it goes again
                         # at once with the spec (the client's ledger sends it), which the server compiles
