@@ -13,6 +13,24 @@ from maskd.v1 import maskd_pb2_grpc as pb_grpc
 from maskd.v1.contract import AUTH_METADATA_KEY, AUTH_SCHEME, SESSION_METADATA_KEY, GrammarState, ServerInfo
 from maskd_client.types import MaskClientError
 
+# Reconnects for a service that restarts. gRPC's defaults (the first retry after 1 s, x1.6 each
+# time, up to 120 s apart) suit a far-away service; maskd is one hop away and, when it goes, comes
+# back on the same address (a restart, a rescheduled pod) while an engine waits on it with requests
+# in flight. With the defaults, requests still failed 8 s after a restarted maskd listened again, 22 s
+# after a 90 s outage (issue 48). So: the first retry after 0.1 s, never more than 1 s between two
+# (a refused connect costs a SYN and a RST; a server has a few clients), and a restarted server
+# serves within about a second of listening. ``grpc.min_reconnect_backoff_ms`` is, in gRPC's core,
+# the least time one connect attempt gets (default 20 s): 5 s is ample for TCP and TLS handshakes
+# and keeps an address that drops packets (a vanished host) from holding the channel in CONNECTING
+# for 20 s. A caller's ``channel_options`` with the same keys win.
+RECONNECT_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.min_reconnect_backoff_ms", 5000),
+)
+DEFAULT_CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1), *RECONNECT_OPTIONS)
+
 
 @dataclasses.dataclass(frozen=True)
 class ConnectionSettings:
@@ -57,8 +75,9 @@ class Connection:
     def __init__(self, target: str, settings: ConnectionSettings) -> None:
         self.target = target
         self.settings = settings
-        options = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1),
-                   *settings.channel_options]
+        given = {key for key, _ in settings.channel_options}
+        options = [*(o for o in DEFAULT_CHANNEL_OPTIONS if o[0] not in given), *settings.channel_options]
+        self.options: tuple[tuple[str, Any], ...] = tuple(options)
         if settings.tls or settings.tls_root_certs:
             creds = grpc.ssl_channel_credentials(root_certificates=settings.tls_root_certs)
             self.channel = grpc.secure_channel(target, creds, options=options)
@@ -91,6 +110,13 @@ class Connection:
                     "masks would not line up with this model's vocabulary", grpc.StatusCode.FAILED_PRECONDITION)
             self._info = info
         return self._info
+
+    def ping(self, timeout_s: float | None = None) -> None:
+        """An Info call the server answers now (not the one kept): MaskClientError when it does not."""
+        try:
+            self.stub.Info(pb.InfoRequest(), timeout=timeout_s or self.settings.timeout_s, metadata=self._auth)
+        except grpc.RpcError as exc:
+            raise MaskClientError(f"maskd at {self.target}: {exc.details() or exc.code().name}", exc.code()) from exc
 
     def wire_spec(self, msg: pb.GrammarSpec, timeout_s: float | None = None) -> pb.GrammarSpec:
         """The spec as this server reads it: a kind sent as its parts (a tool-call array, a

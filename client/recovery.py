@@ -59,6 +59,7 @@ class Recovery:
     _cond: threading.Condition
     _ledger: SequenceLedger
     _owner: dict[str, str]
+    _connections: dict[str, Connection]
     _streams: dict[str, StepStream]
     _recovering: dict[str, LostServer]
     _lost: set[str]
@@ -129,7 +130,8 @@ class Recovery:
         why = rec.reason
         for attempt in range(self.retries + 1):
             if attempt:
-                time.sleep(random.uniform(0, min(2.0, self.retry_backoff_s * 2 ** attempt)))  # full jitter
+                pause = random.uniform(0, min(2.0, self.retry_backoff_s * 2 ** attempt))   # full jitter
+                self._pause(rec.address, pause)
             with self._cond:
                 if self._closed:
                     break
@@ -150,10 +152,34 @@ class Recovery:
                     why = str(exc)
                     break
                 why = describe(exc)
-            if time.monotonic() > deadline:
-                break
-            log.info("recovery of %s: attempt %d failed (%s)", rec.address, attempt + 1, why)
+            if time.monotonic() > deadline or attempt == self.retries:
+                break          # the last: _give_up says so
+            log.warning("maskd: reconnect to %s failed (attempt %d of %d), trying again: %s", rec.address,
+                        attempt + 1, self.retries + 1, why)
         self._give_up(rec, why)
+
+    def _pause(self, address: str, seconds: float) -> None:
+        """The pause before a recovery's next attempt, cut short when the channel to ``address``
+        connects (a restarted server listens again): the attempt goes at once. A channel connected
+        all along (the server answered, with an error worth retrying) waits the whole pause."""
+        with self._cond:
+            conn = self._connections.get(address)
+        if conn is None:
+            time.sleep(seconds)
+            return
+        seen: list[grpc.ChannelConnectivity] = []
+        connected = threading.Event()
+
+        def watch(state: grpc.ChannelConnectivity) -> None:   # first the state now, then each change
+            if state is grpc.ChannelConnectivity.READY and seen and seen[-1] is not grpc.ChannelConnectivity.READY:
+                connected.set()
+            seen.append(state)
+
+        conn.channel.subscribe(watch, try_to_connect=True)
+        try:
+            connected.wait(seconds)
+        finally:
+            conn.channel.unsubscribe(watch)
 
     def _restore_and_resend(self, rec: LostServer, suspects: set[str]) -> None:
         with self._cond:
@@ -165,6 +191,12 @@ class Recovery:
             limit = next(iter(targets.values())).info().max_tokens_per_step if targets else 0
             restores = self._ledger.restore_requests(keys, records, limit or DEFAULT_MAX_TOKENS_PER_STEP)
         self._prepare_grammars(restores, owners, targets)
+        restored = {e.seq_id for e in restores[0].seqs} if restores else set()
+        # The servers no restore goes to (nothing to restore: every sequence of the lost one had its
+        # open in flight, or none is open) answer once before the steps go again: a server that does
+        # not answer is an attempt that failed, not a reconnect.
+        for address in sorted((set(targets) or {rec.address}) - {owners[sid] for sid in restored}):
+            self._probe(address)
         fresh: dict[str, StepStream] = {}
         try:
             self._send_restores(restores, owners, targets, fresh)
@@ -184,8 +216,23 @@ class Recovery:
         finally:
             for stream in fresh.values():
                 stream.close()
-        log.warning("maskd: %d sequences of %s restored (%d steps resent)", len(keys), rec.address,
-                    len(rec.in_flight) + len(rec.held))
+        # Here every restore was answered (or there was none and the server answered the probe).
+        resent = len(rec.in_flight) + len(rec.held)
+        where = ", ".join(sorted(set(owners.values()))) or rec.address
+        if restored:
+            log.warning("maskd: reconnected: %d sequences of %s restored%s (%d steps resent)", len(restored),
+                        rec.address, "" if where == rec.address else f" on {where}", resent)
+        else:
+            log.warning("maskd: reconnected to %s: no sequence to restore (%d steps resent)", where, resent)
+
+    def _probe(self, address: str) -> None:
+        """One Info call that the server at ``address`` must answer: Unreachable when it does not."""
+        try:
+            self._connect(address).ping(self.timeout_s)
+        except MaskClientError as exc:
+            if exc.code in RETRYABLE:
+                raise Unreachable(address, str(exc)) from exc
+            raise
 
     def _prepare_grammars(self, restores: list[pb.StepRequest], owners: dict[str, str],
                           targets: dict[str, Connection]) -> None:

@@ -23,6 +23,7 @@ import grpc
 
 from maskd.v1 import directory_pb2 as dpb
 from maskd.v1 import directory_pb2_grpc as dpb_grpc
+from maskd_client.connection import RECONNECT_OPTIONS
 
 log = logging.getLogger("maskd_client.routing")
 DIRECTORY_PREFIX = "directory:"
@@ -105,7 +106,7 @@ class DirectoryClient:
     def __init__(self, address: str, *, timeout_s: float = 10.0) -> None:
         self.address = strip_prefix(address)
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(self.address)
+        self._channel = grpc.insecure_channel(self.address, options=RECONNECT_OPTIONS)   # a directory restarts too
         self._stub = dpb_grpc.DirectoryStub(self._channel)
 
     def list_workers(self, *, stats: bool = False, wait_for_ready: bool = False,
