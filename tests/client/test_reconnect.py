@@ -1,0 +1,246 @@
+"""A maskd server killed and restarted on the same port (issue 48, the client's side): a client made
+before serves new requests within seconds of the server listening again (its channel's reconnect
+backoff is set for a service that restarts, not gRPC's up to 120 s), its logs say "restored" only
+for a restore the server answered, and a step that times out says so."""
+import concurrent.futures
+import logging
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from maskd.server import MaskServer, ServerConfig
+from maskd_client import MaskClient, MaskClientError, SeqStatus
+from maskd_client.connection import RECONNECT_OPTIONS, Connection, ConnectionSettings
+from maskd_client.engine_env import EngineSettings, register_compiled
+from maskd_client.types import describe, reply_within
+
+# Long enough for gRPC's default backoff to have grown to ~4 s between attempts: with its defaults
+# (channel_options back to 1 s / 120 s / 20 s) this test's new request was served 3.1-3.8 s after
+# the server listened (5 runs), with the client's own backoff 0.03-0.75 s.
+OUTAGE_S = 6.0
+SERVED_WITHIN_S = 3.0  # after the new server listens (issue 48: within 5 s)
+SPEC = {"regex": "[ab]+"}
+
+
+def start_server(port: int = 0) -> MaskServer:
+    return MaskServer(ServerConfig(port=port, tokenizer="cl100k", threads=1, compile_threads=1)).start()
+
+
+def ready_step(mc: MaskClient, seq_id: str, tokens: list[int], deadline: float):
+    """Steps ``seq_id`` until an answer with rows (its grammar compiled), polling up to ``deadline``
+    (time.monotonic()); each try waits at most until the deadline."""
+    pending = tokens
+    while True:
+        left = deadline - time.monotonic()
+        assert left > 0, f"no answer with rows for {seq_id!r} in time"
+        try:
+            res = mc.step_async({seq_id: pending}).result(left)
+        except MaskClientError:      # the server not back yet: the recovery gave up, ask again
+            continue
+        pending = []                  # taken: the next steps only poll
+        if res.seqs[seq_id].status is not SeqStatus.WAITING:
+            return res
+        time.sleep(0.01)
+
+
+def messages(caplog, since: float = 0.0) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name.startswith("maskd_client") and r.created >= since]
+
+
+def test_channels_reconnect_within_a_second():
+    """The reconnect backoff of every channel to a server: first retry after 0.1 s, at most 1 s apart."""
+    conn = Connection("127.0.0.1:1", ConnectionSettings())
+    conn.close()
+    options = dict(conn.options)
+    assert options["grpc.initial_reconnect_backoff_ms"] <= 100 and options["grpc.max_reconnect_backoff_ms"] <= 1000
+    assert set(RECONNECT_OPTIONS) <= set(conn.options)
+    # a caller's own options win over the defaults
+    conn = Connection("127.0.0.1:1", ConnectionSettings(channel_options=(("grpc.max_reconnect_backoff_ms", 5000),)))
+    conn.close()
+    assert [v for k, v in conn.options if k == "grpc.max_reconnect_backoff_ms"] == [5000]
+
+
+def test_a_restarted_server_serves_a_client_made_before_within_seconds(caplog, cl100k):
+    caplog.set_level(logging.INFO, logger="maskd_client")
+    [a_tok] = cl100k.encode("a")
+    first = start_server()
+    port = first.port
+    servers = [first]
+    try:
+        with MaskClient(f"127.0.0.1:{port}", retries=4) as mc:
+            mc.open("a", SPEC)
+            ready_step(mc, "a", [], time.monotonic() + 15)
+            assert mc.step({"a": [a_tok]}).seqs["a"].status is SeqStatus.READY
+            first.stop(grace=0)
+            down = time.monotonic()
+            # while it is down: the step fails with a reason once the recovery's budget is spent
+            with pytest.raises(MaskClientError) as lost:
+                mc.step({"a": [a_tok]}, timeout=30)
+            assert lost.value.code is grpc.StatusCode.UNAVAILABLE and "not restored" in str(lost.value)
+            assert not [m for m in messages(caplog) if "restored (" in m]    # nothing was restored
+            assert any("reconnect to" in m and "failed (attempt 1 of 5)" in m for m in messages(caplog))
+            while time.monotonic() - down < OUTAGE_S:   # the outage: the channel keeps backing off
+                time.sleep(0.1)
+            servers.append(start_server(port))
+            listening, listening_wall = time.monotonic(), time.time()
+            mc.open("b", SPEC)
+            res = ready_step(mc, "b", [a_tok], listening + 10)   # bounded polling, 10 s at most
+            served = time.monotonic() - listening
+            assert res.seqs["b"].status is SeqStatus.READY
+            assert served < SERVED_WITHIN_S, f"a new request served {served:.2f} s after the server listened"
+            # the sequence from before the restart goes on where it was (restored from the client's history)
+            res = mc.step({"a": [a_tok]}, timeout=10)
+            assert res.seqs["a"].status is SeqStatus.READY and mc.history("a") == [a_tok, a_tok]
+            assert [m for m in messages(caplog, listening_wall) if "restored (" in m]
+    finally:
+        for srv in servers:
+            srv.stop(grace=0)
+
+
+def test_reconnect_with_nothing_to_restore_is_logged_only_once_the_server_answers(caplog):
+    """The issue's log: a sequence whose open was in flight has nothing to restore; while the
+    connection is refused, the log said "1 sequences ... restored (1 steps resent)" and at once
+    "stream ... ended (UNAVAILABLE ...)". Now each attempt says it failed, and "reconnected" comes
+    once the server answers."""
+    caplog.set_level(logging.INFO, logger="maskd_client")
+    first = start_server()
+    port = first.port
+    servers = [first]
+    try:
+        with MaskClient(f"127.0.0.1:{port}", retries=2, retry_backoff_s=0.05) as mc:
+            mc.info()
+            first.stop(grace=0)
+            mc.open("n", SPEC)                         # its open goes with its first step
+            with pytest.raises(MaskClientError) as lost:
+                mc.step({"n": []}, timeout=30)
+            assert lost.value.code is grpc.StatusCode.UNAVAILABLE
+            down = messages(caplog)
+            assert not [m for m in down if ("restored" in m and "not restored" not in m) or "reconnected" in m], down
+            assert sum("reconnect to" in m and "failed (attempt" in m for m in down) >= 2, down
+            assert any("Connection refused" in m or "unreachable" in m for m in down), down
+            servers.append(start_server(port))
+            res = ready_step(mc, "n", [], time.monotonic() + 10)
+            assert res.seqs["n"].status is SeqStatus.READY
+            assert any("reconnected to" in m and "no sequence to restore" in m for m in messages(caplog))
+    finally:
+        for srv in servers:
+            srv.stop(grace=0)
+
+
+def test_a_step_that_times_out_says_what_happened():
+    srv = start_server()
+    try:
+        with MaskClient(srv.address) as mc:
+            mc.open("s", SPEC)
+            with pytest.raises(concurrent.futures.TimeoutError) as late:
+                mc.step({"s": []}, timeout=1e-6)     # no reply can come in a microsecond
+            assert str(late.value) == f"no reply from maskd at {srv.address} within 1e-06 s"
+            assert describe(late.value) == f"TimeoutError: no reply from maskd at {srv.address} within 1e-06 s"
+    finally:
+        srv.stop(grace=0)
+
+
+def test_describe_never_names_nothing():
+    assert describe(TimeoutError()) == "TimeoutError"
+    assert describe(MaskClientError("maskd at x is unreachable", grpc.StatusCode.UNAVAILABLE)) == \
+        "UNAVAILABLE: maskd at x is unreachable"
+    assert describe(MaskClientError("client is shut down")) == "MaskClientError: client is shut down"
+    failed: concurrent.futures.Future = concurrent.futures.Future()
+    failed.set_exception(TimeoutError("its own"))
+    with pytest.raises(TimeoutError, match=r"^its own$"):     # a step failed with a TimeoutError keeps it
+        reply_within(failed, 1, "x")
+
+
+class _NoReply(concurrent.futures.Future):
+    """A step whose reply never comes: waiting on it times out at once."""
+
+    def result(self, timeout=None):
+        raise concurrent.futures.TimeoutError()
+
+
+class _Client:
+    target = "10.0.0.9:50051"
+
+    def step_async(self, request):
+        return _NoReply()
+
+    def close(self, seq_id):
+        return None
+
+
+def _vllm_backend():
+    from maskd.specs import GrammarSpec
+    from maskd_client import vllm
+    backend = vllm.MaskdStructuredOutputs.__new__(vllm.MaskdStructuredOutputs)
+    backend.settings = EngineSettings(target=_Client.target, timeout_s=30.0)
+    backend.client = _Client()
+    backend.steps = 0
+    backend.polls = 0
+    backend.eos_row = np.zeros(4, dtype=np.int32)
+    grammar = vllm.MaskdGrammar(backend, "req-1", GrammarSpec.from_request(SPEC))
+    return vllm, backend, grammar
+
+
+def test_vllm_step_timeouts_name_the_timeout(caplog):
+    """vLLM's engine-core backend: "maskd step failed: ;" was the whole reason of a timed-out step."""
+    caplog.set_level(logging.ERROR)
+    vllm, backend, g = _vllm_backend()
+    backend.ahead = (_NoReply(), [g])            # a step sent ahead
+    backend.settle()
+    want = "maskd step failed: TimeoutError: no reply from maskd at 10.0.0.9:50051 within 35 s"
+    assert g.failure == want
+    assert any(want in m for m in (r.getMessage() for r in caplog.records))
+
+    _, backend, g = _vllm_backend()
+    g.opened = True
+    out = np.ones((1, 4), dtype=np.int32)
+    backend._step([vllm._Entry(g, 0, 1, range(1), 0, [])], out)   # the step of grammar_bitmask
+    assert g.failure == want and not out.any()                 # EOS-only row: it ends with the reason
+
+
+class _Registers:
+    target = "x"
+
+    def __init__(self, codes):
+        self.codes = list(codes)
+        self.calls = 0
+
+    def register(self, spec, **kwargs):
+        self.calls += 1
+        code = self.codes.pop(0)
+        if code is None:
+            return "gid"
+        raise MaskClientError(code.name, code)
+
+
+def test_status_codes_are_compared_as_codes():
+    """engine_env.register_compiled asks again after DEADLINE_EXCEEDED (still compiling) only."""
+    c = _Registers([grpc.StatusCode.DEADLINE_EXCEEDED, None])
+    assert register_compiled(c, SPEC, wait_timeout_s=5, timeout_s=1) == "gid" and c.calls == 2
+    c = _Registers([grpc.StatusCode.UNAVAILABLE])
+    with pytest.raises(MaskClientError) as refused:
+        register_compiled(c, SPEC, wait_timeout_s=5, timeout_s=1)
+    assert refused.value.code is grpc.StatusCode.UNAVAILABLE and c.calls == 1
+
+
+def test_vllm_admission_compares_status_codes():
+    """vLLM's admission: a register that outlasts its wait admits the request (the engine holds it
+    until compiled); an unreachable maskd is a 400 naming maskd; another refusal a 400 with it."""
+    from maskd.specs import GrammarSpec
+    from maskd_client import vllm
+    spec = GrammarSpec.from_request(SPEC)
+    admission = vllm._Admission.__new__(vllm._Admission)
+    admission.settings = EngineSettings(target="10.0.0.9:50051")
+    admission.wait_s = 1.0
+    admission.checked_width = 100
+    admission.known = vllm.KnownSpecs()
+    admission.client = _Registers([grpc.StatusCode.DEADLINE_EXCEEDED])
+    assert admission.check(spec, 100) is None
+    admission.client = _Registers([grpc.StatusCode.UNAVAILABLE])
+    with pytest.raises(ValueError, match=r"maskd at 10\.0\.0\.9:50051 cannot serve this request"):
+        admission.check(spec, 100)
+    admission.client = _Registers([grpc.StatusCode.INVALID_ARGUMENT])
+    with pytest.raises(ValueError, match="maskd refused the grammar"):
+        admission.check(spec, 100)
