@@ -9,7 +9,11 @@ re-imported): the worker compiles the spec with the server's engine on a thread 
 
 * A worker that dies (a signal, a native crash) fails only that grammar: CompileCrashed.
 * A compile past its time limit is stopped for real: the worker is killed and replaced
-  (CompileTimeout; the grammar cache does not keep a timeout as a permanent failure).
+  (CompileTimeout; the grammar cache does not keep a timeout as a permanent failure). The limit
+  is of the worker's CPU time (where /proc tells it), not of the wall clock: workers run at the
+  lowest priority (``lower_priority``), so that a compile never takes the core from the step
+  path, and a compile that waited for a busy core has not used its time. A wall-clock backstop
+  (``wall_limit``) still ends one that never gets the core.
 * The server then loads the serialized grammar (``Engine.deserialize``) on a compile thread whose
   stack is ``SERVER_STACK_BYTES``, four times the worker's, so what a worker survived the server
   survives too.
@@ -42,6 +46,37 @@ COMPILE_STACK_BYTES = 64 << 20     # a worker's compile thread
 SERVER_STACK_BYTES = 256 << 20     # the server's compile threads (4x: what a worker survives, the server does)
 ENGINE_LOAD_LIMIT_S = 300.0        # a worker loading an engine (at start, or the fallback's at its first spec)
 _HEADER = struct.Struct("<I")
+_MIN_WAIT_S = 0.02                 # the least a CPU-time check waits before it looks again
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def wall_limit(cpu_limit_s: float) -> float:
+    """How long, by the wall clock, a request with ``cpu_limit_s`` of CPU time may take at most: the
+    backstop for a worker that never gets a core (a machine saturated by work of higher priority)."""
+    return 4 * cpu_limit_s + 60.0
+
+
+def lower_priority(thread: bool = False) -> None:
+    """This process (``thread``: only the calling thread; on Linux a thread has its own nice value,
+    and the threads it starts inherit it) at the lowest CPU priority: compile work runs on what the
+    step path leaves. Best effort: where the system refuses, it runs as it is."""
+    try:
+        if thread and hasattr(threading, "get_native_id") and sys.platform.startswith("linux"):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        elif not thread:
+            os.setpriority(os.PRIO_PROCESS, 0, 19)
+    except (OSError, AttributeError):
+        pass
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """CPU time (user + system) the process ``pid`` has used; None where /proc does not tell."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 class CompileCrashed(GrammarCompileError):
@@ -75,6 +110,36 @@ def read_exact(fd: int, n: int, deadline: float | None) -> bytes:
     return b"".join(chunks)
 
 
+class _Budget:
+    """A request's time limit: ``limit_s`` of the worker's CPU time from now, looked at whenever the
+    wall clock says it could be spent, and ``wall_limit(limit_s)`` of wall-clock time at most."""
+
+    def __init__(self, pid: int, limit_s: float | None) -> None:
+        self.pid, self.limit_s = pid, limit_s
+        now = time.monotonic()
+        self.cpu0 = cpu_seconds(pid)
+        self.wall_deadline = None if limit_s is None else now + wall_limit(limit_s)
+        self._check = None if limit_s is None else now + limit_s
+
+    def next_check(self) -> float | None:
+        return self._check
+
+    def spent(self) -> bool:
+        """Whether the limit is reached; if not, when to look again (the CPU time left, by the wall)."""
+        assert self.limit_s is not None and self.wall_deadline is not None
+        now = time.monotonic()
+        if now >= self.wall_deadline:
+            return True
+        cpu = cpu_seconds(self.pid)
+        if cpu is None or self.cpu0 is None:
+            return True           # no CPU clock: the wall clock's limit
+        left = self.limit_s - (cpu - self.cpu0)
+        if left <= 0:
+            return True
+        self._check = min(self.wall_deadline, now + max(left, _MIN_WAIT_S))
+        return False
+
+
 class _Worker:
     """One worker process and its pipes."""
 
@@ -88,22 +153,36 @@ class _Worker:
         self.ready = False
 
     def call(self, request: Any, timeout_s: float | None) -> Any:
-        """The worker's answer. While the worker loads an engine on the way ("loading" ...
-        "loaded": the fallback's secondary engine, seconds on a busy machine) the request's clock
-        stops and the load has ENGINE_LOAD_LIMIT_S; it starts again, from zero, after the load."""
+        """The worker's answer. ``timeout_s`` is of the worker's CPU time for this request (the
+        wall clock where /proc does not tell), with ``wall_limit`` of it as a backstop. While the
+        worker loads an engine on the way ("loading" ... "loaded": the fallback's secondary engine,
+        seconds on a busy machine) the request's clock stops and the load has ENGINE_LOAD_LIMIT_S;
+        it starts again, from zero, after the load."""
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         write_message(self.proc.stdin, request)
         fd = self.proc.stdout.fileno()
+        budget = _Budget(self.proc.pid, timeout_s)
         while True:
-            (size,) = _HEADER.unpack(read_exact(fd, _HEADER.size, deadline))
-            message = pickle.loads(read_exact(fd, size, deadline))
+            header = self._header(fd, budget)
+            (size,) = _HEADER.unpack(header)
+            message = pickle.loads(read_exact(fd, size, budget.wall_deadline))
             if message == ("loading", None):
-                deadline = time.monotonic() + ENGINE_LOAD_LIMIT_S
+                budget = _Budget(self.proc.pid, ENGINE_LOAD_LIMIT_S)
             elif message == ("loaded", None):
-                deadline = None if timeout_s is None else time.monotonic() + timeout_s
+                budget = _Budget(self.proc.pid, timeout_s)
             else:
                 return message
+
+    @staticmethod
+    def _header(fd: int, budget: _Budget) -> bytes:
+        """The next message's header; TimeoutError once the request has used its CPU time (or its
+        wall-clock backstop) without one."""
+        while True:
+            try:
+                return read_exact(fd, _HEADER.size, budget.next_check())
+            except TimeoutError:
+                if budget.spent():
+                    raise
 
     def kill(self) -> None:
         try:

@@ -1,6 +1,8 @@
 """Content-addressed grammar cache with asynchronous, isolated, fair, time-limited compilation.
 
-Compiles never run on a stream's thread: ``lookup`` returns at once with the entry's state, and a
+Compiles never run on a stream's thread, nor take its core: the compile threads run at the lowest
+priority (as do the worker processes), so the step path has the core whenever it wants it.
+``lookup`` returns at once with the entry's state, and a
 sequence whose grammar is still compiling is reported as waiting. Compiles are queued per tenant
 and taken round-robin, with at most ``max_running_per_tenant`` of one tenant's compiles running at
 once, so one tenant's slow grammars never hold every compile thread. Each compile runs in a worker
@@ -18,7 +20,14 @@ import threading
 import time
 from typing import Protocol
 
-from maskd.server.compile_pool import SERVER_STACK_BYTES, CompileCrashed, CompilePool, CompileTimeout
+from maskd.server.compile_pool import (
+    SERVER_STACK_BYTES,
+    CompileCrashed,
+    CompilePool,
+    CompileTimeout,
+    lower_priority,
+    wall_limit,
+)
 from maskd.server.engines import CompiledGrammar, Engine, GrammarCompileError
 from maskd.server.metrics import Metrics
 from maskd.specs import GrammarSpec
@@ -220,6 +229,7 @@ class GrammarCache:
         return entry
 
     def _worker(self) -> None:
+        lower_priority(thread=True)   # loading a compiled grammar (matcher, document checks) yields the core
         while True:
             with self._lock:
                 entry = self._next()
@@ -492,9 +502,10 @@ class GrammarCache:
             self.metrics.errors.labels(kind).inc()
 
     def _check_deadline(self, entry: CacheEntry) -> None:
-        """A backstop: a compile past its limit by far (the worker pool stops the compile itself)."""
+        """A backstop: a compile past its limit by far (the worker pool stops the compile itself, at its
+        CPU-time limit or at the wall-clock backstop)."""
         if entry.state is GrammarState.COMPILING and entry.started and \
-                time.monotonic() > entry.started + self.compile_timeout_s + 10.0:
+                time.monotonic() > entry.started + wall_limit(self.compile_timeout_s) + 10.0:
             log.warning("grammar %s (%s) exceeded the %g s compile limit", entry.grammar_id, entry.spec.kind,
                         self.compile_timeout_s)
             self._count_error("compile_timeout")

@@ -188,6 +188,54 @@ def test_the_fallback_engines_load_in_a_worker_does_not_count_against_the_gramma
         pool.close()
 
 
+def test_compiles_take_only_what_the_step_path_leaves_and_their_limit_is_cpu_time():
+    # the workers and the server's compile threads run at nice 19 (a compile burst on the server's
+    # core leaves the step path's wait flat: maskd bench burst); a worker that gets no core for
+    # longer than the limit (here: stopped) has not used its limit, and its compile is not stopped
+    import os
+    import signal
+    import sys
+    import time
+
+    from maskd.server.compile_pool import CompilePool, cpu_seconds
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("thread priorities and CPU clocks are read from Linux's /proc")
+    pool = CompilePool("llguidance", "cl100k", None, 1)
+    try:
+        assert pool.wait_warm(120.0)
+        worker = pool._idle[0]
+        assert os.getpriority(os.PRIO_PROCESS, worker.proc.pid) == 19
+        assert cpu_seconds(worker.proc.pid) > 0       # it loaded an engine
+        spec = GrammarSpec.create("regex", "[0-9]{3}-cpu")
+        os.kill(worker.proc.pid, signal.SIGSTOP)     # no core for 1.5 s, 3x the limit
+        answers: list = []
+        t = threading.Thread(target=lambda: answers.append(pool.compile(spec, 0.5)))
+        t0 = time.monotonic()
+        t.start()
+        try:
+            t.join(1.5)
+            assert t.is_alive() and not answers      # still waiting: no CPU time used
+        finally:
+            os.kill(worker.proc.pid, signal.SIGCONT)
+        t.join(60)
+        assert answers and answers[0] and time.monotonic() - t0 >= 1.5
+        assert pool.timeouts == 0 and pool.crashes == 0
+    finally:
+        pool.close()
+    from maskd.server.engines import create_engine
+    from maskd.server.tokenizers import load_tokenizer
+    cache = GrammarCache(create_engine("llguidance", load_tokenizer("cl100k"), threads=1), compile_threads=2)
+    try:
+        deadline = time.monotonic() + 30   # each thread lowers its own priority as it starts
+        while any(os.getpriority(os.PRIO_PROCESS, t.native_id) != 19 for t in cache._threads):
+            assert time.monotonic() < deadline, "the compile threads kept their priority"
+            time.sleep(0.01)
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == 0   # the caller's is its own
+    finally:
+        cache.close()
+
+
 def test_compiles_are_taken_round_robin_across_tenants(cl100k):
     """Tenant A queues five grammars, then tenant B one: B's compiles second, not sixth."""
     from maskd.server.engines import create_engine
