@@ -366,3 +366,32 @@ def test_bench_vllm_tool_sets_replace_one_tool_each_in_an_order_of_their_own():
         assert len(names) == 5 and len(base_names - set(names)) == 1 and len(set(names) - base_names) == 1
     assert len({json.dumps(s) for s in sets}) == 6
     assert vllm_workloads.tool_sets(pool, 5, 6, "r1") != sets           # another tag: other new tools
+
+
+@needs_two_cpus
+def test_burst(tmp_path):
+    before = os.sched_getaffinity(0)
+    report, out = _run("burst", tmp_path, "--batch", "4", "--decode-schemas", "1", "--fresh", "2",
+                       "--concurrency", "2", "--steps-before", "3", "--steps-after", "2", "--forward-ms", "2",
+                       "--pin", "1+1")
+    assert os.sched_getaffinity(0) == before
+    assert report["fresh_schemas"] == 2 and report["decode_schemas"] == 1
+    m, ip = report["maskd"], report["in_process"]
+    assert m["registers"] == 2 and m["register_errors"] == 0 and m["burst_seconds"] > 0
+    assert m["wait"]["before"]["steps"] == 3 and m["wait"]["during"]["steps"] + m["wait"]["after"]["steps"] >= 2
+    assert m["token_violations"] == 0 and m["masks_checked"] > 0 and report["violations"] == 0
+    assert ip["compiles"] == 2 and ip["step"]["before"]["steps"] == 3
+    _positive(ip["step"]["before"]["ms"])
+    assert "burst_wait_p99_at_most_2ms" in report["targets"]
+    assert "| during |" in (out / "burst.md").read_text()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--batch", "0"], "--batch"),
+    (["--fresh", "-1"], "--fresh"),
+    (["--forward-ms", "0"], "--forward-ms"),
+])
+def test_garbage_bench_burst_flags_are_clear_errors(tmp_path, flags, message):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "burst", "--data", SAMPLE, "--tokenizer", "cl100k", "--out", str(tmp_path), *flags])
+    assert message in str(exc.value.code)

@@ -11,7 +11,7 @@ import sys
 
 from maskd.tools.bench import common
 
-MODES = ("engines", "serve", "wire", "profile", "e2e", "vllm", "tools")
+MODES = ("engines", "serve", "burst", "wire", "profile", "e2e", "vllm", "tools")
 
 
 def _common_args(p: argparse.ArgumentParser, mode: str) -> None:
@@ -75,6 +75,23 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="shuffles the instance order")
     _pin_arg(p, None)
     p.set_defaults(func=_run_mode("serve"))
+
+    p = modes.add_parser("burst", help="the worker's wait for rows while another session registers fresh "
+                                       "schemas (a compile burst), beside the same loop in process")
+    _common_args(p, "burst")
+    _pin_arg(p, "1+1")
+    p.add_argument("--batch", type=int, default=64, help="sequences decoded per step")
+    p.add_argument("--forward-ms", type=float, default=20.0, help="simulated forward pass per decode step")
+    p.add_argument("--decode-schemas", type=int, default=48, help="schemas whose instances the worker decodes")
+    p.add_argument("--fresh", type=int, default=200, help="fresh schemas registered in the burst (the next ones)")
+    p.add_argument("--concurrency", type=int, default=8, help="registers in flight at once during the burst")
+    p.add_argument("--steps-before", type=int, default=100, help="measured decode steps before the burst")
+    p.add_argument("--steps-after", type=int, default=50, help="decode steps after the burst ends")
+    p.add_argument("--json-schema-mode", choices=("strict", "complete"), default="complete",
+                   help="the server's JSON-schema mode (default complete, the server's default)")
+    p.add_argument("--profile", type=float, default=0.0, metavar="SECONDS",
+                   help="py-spy over the server for the burst's first SECONDS (0: no profile)")
+    p.set_defaults(func=_run_mode("burst"))
 
     p = modes.add_parser("e2e", help="tokens/s of a simulated engine loop: unstructured, in-process llguidance "
                                      "(critical path, overlapped) and maskd")
