@@ -56,19 +56,6 @@ def wall_limit(cpu_limit_s: float) -> float:
     return 4 * cpu_limit_s + 60.0
 
 
-def lower_priority(thread: bool = False) -> None:
-    """This process (``thread``: only the calling thread; on Linux a thread has its own nice value,
-    and the threads it starts inherit it) at the lowest CPU priority: compile work runs on what the
-    step path leaves. Best effort: where the system refuses, it runs as it is."""
-    try:
-        if thread and hasattr(threading, "get_native_id") and sys.platform.startswith("linux"):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        elif not thread:
-            os.setpriority(os.PRIO_PROCESS, 0, 19)
-    except (OSError, AttributeError):
-        pass
-
-
 def cpu_seconds(pid: int) -> float | None:
     """CPU time (user + system) the process ``pid`` has used; None where /proc does not tell."""
     try:

@@ -20,10 +20,10 @@ from typing import Any
 
 from maskd.server.compile_pool import (
     _HEADER,
-    lower_priority,
     read_exact,
     write_message,
 )
+from maskd.server.priority import lower_priority
 
 
 def main(argv: list[str]) -> int:

@@ -25,11 +25,11 @@ from maskd.server.compile_pool import (
     CompileCrashed,
     CompilePool,
     CompileTimeout,
-    lower_priority,
     wall_limit,
 )
 from maskd.server.engines import CompiledGrammar, Engine, GrammarCompileError
 from maskd.server.metrics import Metrics
+from maskd.server.priority import lower_priority
 from maskd.specs import GrammarSpec
 from maskd.v1.contract import Code, GrammarState
 

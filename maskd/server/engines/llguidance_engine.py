@@ -46,6 +46,7 @@ from maskd.server.json_schema import (
     tool_call_checker,
 )
 from maskd.server.json_schema.closers import closer_table
+from maskd.server.priority import lower_priority
 from maskd.specs import PIECE_KIND, GrammarSpec
 from maskd.template_specs import TemplateParts
 from maskd.tool_specs import ToolCallParts
@@ -373,8 +374,14 @@ class LLGuidanceEngine(Engine):
 
     def prepare(self) -> None:
         boundary_tables(self.tokenizer, self.words_per_row)   # tool-call arrays' boundaries (~0.25 s)
-        # JSON documents' closing tokens (1.1 s on deepseek-v4): built at the first grammar with
-        # document checks, it held the step path's core and GIL for as long
+        # JSON documents' closing tokens (a Python pass over the vocabulary: 1.1 s on deepseek-v4,
+        # 4 s on qwen3.6). Built at the first grammar with document checks, it held the step path's
+        # GIL and core for as long; built here on a thread of the lowest priority, it is ready before
+        # most servers see a grammar, without holding up the start (a grammar loaded sooner waits).
+        threading.Thread(target=self._warm_closers, daemon=True, name="maskd-warm-closers").start()
+
+    def _warm_closers(self) -> None:
+        lower_priority(thread=True)
         closer_table(self.tokenizer)
 
     # -- tool-call arrays composed from per-tool pieces (tool_calls.py) ---------------------------
