@@ -51,14 +51,15 @@ class MaskServer:
         self.engine = create_engine(config.backend, tokenizer, threads=config.fill_threads,
                                     json_schema_mode=config.json_schema_mode)
         self._pool = (compile_pool.acquire(config.backend, config.tokenizer, config.logits_width,
-                                           config.compile_threads, config.json_schema_mode)
+                                           config.compile_threads, config.json_schema_mode, config.compile_nice)
                       if config.compile_isolation == "process" else None)
         self.cache = GrammarCache(self.engine, max_entries=config.cache_entries, max_bytes=config.cache_bytes,
                                   compile_threads=config.compile_threads, compile_timeout_s=limits.compile_timeout_s,
                                   metrics=self.metrics, shared=shared_cache, pool=self._pool,
                                   max_queued_per_tenant=limits.max_compiles_queued_per_tenant,
                                   max_queued=limits.max_compiles_queued,
-                                  max_running_per_tenant=limits.max_compiles_running_per_tenant)
+                                  max_running_per_tenant=limits.max_compiles_running_per_tenant,
+                                  nice=config.compile_nice)
         self.service = MaskService(self.engine, self.cache, limits=limits, metrics=self.metrics,
                                    credentials=self.credentials, row_dict_size=config.row_dict_size,
                                    shared_drafts=_draft_counts(shared_cache))
@@ -113,7 +114,7 @@ class MaskServer:
                 raise OSError(f"cannot bind the metrics port {self.config.metrics_bind_host}:"
                               f"{self.config.metrics_port}: {exc.strerror or exc}") from exc
             self.metrics_port = self._metrics_http.server_port
-        self.engine.prepare()      # while the compile workers load their engines
+        self.engine.prepare(nice=self.config.compile_nice)   # while the compile workers load their engines
         if self._pool is not None and not self._pool.wait_warm(120.0):
             log.warning("maskd: compile workers still loading the engine after 120 s; serving anyway")
         self._grpc.start()

@@ -11,14 +11,15 @@ re-imported): the worker compiles the spec with the server's engine on a thread 
 * A compile past its time limit is stopped for real: the worker is killed and replaced
   (CompileTimeout; the grammar cache does not keep a timeout as a permanent failure). The limit
   is of the worker's CPU time (where /proc tells it), not of the wall clock: workers run at the
-  lowest priority (``lower_priority``), so that a compile never takes the core from the step
-  path, and a compile that waited for a busy core has not used its time. A wall-clock backstop
+  priority the server's ``compile_nice`` names (19, the lowest, by default), so that a compile
+  never takes the core from the step path, and a compile that waited for a busy core has not used
+  its time. A wall-clock backstop
   (``wall_limit``) still ends one that never gets the core.
 * The server then loads the serialized grammar (``Engine.deserialize``) on a compile thread whose
   stack is ``SERVER_STACK_BYTES``, four times the worker's, so what a worker survived the server
   survives too.
 
-Pools are shared within a process by (backend, tokenizer, width) and live until it exits: several
+Pools are shared within a process by (backend, tokenizer, width, mode, nice) and live until it exits: several
 servers in one process (tests, tools) start their workers once. Workers start with the first server
 that uses them and load the engine at once, off the request path.
 """
@@ -130,10 +131,10 @@ class _Budget:
 class _Worker:
     """One worker process and its pipes."""
 
-    def __init__(self, key: tuple[str, str, int | None, str]) -> None:
-        backend, tokenizer, width, json_schema_mode = key
+    def __init__(self, key: tuple[str, str, int | None, str, int]) -> None:
+        backend, tokenizer, width, json_schema_mode, nice = key
         cmd = [sys.executable, "-m", "maskd.server.compile_worker", backend, tokenizer, str(width or 0),
-               str(COMPILE_STACK_BYTES), json_schema_mode]
+               str(COMPILE_STACK_BYTES), json_schema_mode, str(nice)]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
                                      start_new_session=True)   # ^C to the server does not reach it
@@ -192,8 +193,8 @@ class _Worker:
 
 class CompilePool:
     def __init__(self, backend: str, tokenizer: str, logits_width: int | None, workers: int,
-                 json_schema_mode: str = "strict") -> None:
-        self.key = (backend, tokenizer, logits_width, json_schema_mode)
+                 json_schema_mode: str = "strict", nice: int = 0) -> None:
+        self.key = (backend, tokenizer, logits_width, json_schema_mode, nice)
         self.workers = workers
         self._idle: collections.deque[_Worker] = collections.deque()
         self._cond = threading.Condition()
@@ -344,16 +345,16 @@ _POOLS_LOCK = threading.Lock()
 
 
 def acquire(backend: str, tokenizer: str, logits_width: int | None, workers: int,
-            json_schema_mode: str = "strict") -> CompilePool:
-    """The process's pool for this engine configuration (started on first use; a larger one replaces
-    a smaller one that nobody uses)."""
-    key = (backend, tokenizer, logits_width, json_schema_mode)
+            json_schema_mode: str = "strict", nice: int = 0) -> CompilePool:
+    """The process's pool for this engine configuration and worker priority (started on first use; a
+    larger one replaces a smaller one that nobody uses)."""
+    key = (backend, tokenizer, logits_width, json_schema_mode, nice)
     with _POOLS_LOCK:
         pool = _POOLS.get(key)
         if pool is None or (pool.workers < workers and pool.users == 0):
             if pool is not None:
                 pool.close()
-            pool = _POOLS[key] = CompilePool(backend, tokenizer, logits_width, workers, json_schema_mode)
+            pool = _POOLS[key] = CompilePool(backend, tokenizer, logits_width, workers, json_schema_mode, nice)
         pool.users += 1
         return pool
 

@@ -1,12 +1,12 @@
-"""A compile worker process: ``python -m maskd.server.compile_worker BACKEND TOKENIZER WIDTH STACK MODE``
-(MODE: the server's JSON schema mode).
+"""A compile worker process: ``python -m maskd.server.compile_worker BACKEND TOKENIZER WIDTH STACK MODE NICE``
+(MODE: the server's JSON schema mode; NICE: the CPU priority it runs at, the server's compile_nice).
 
 Reads length-prefixed pickled requests on stdin and answers on stdout (see compile_pool):
 ``("warm", None)`` loads the engine; ``("compile", GrammarSpec)`` answers ``("ok", bytes)`` with the
 serialized compiled grammar or ``("error", message)``. Where the engine loads more on the way (the
 fallback's secondary engine), ``("loading", None)`` and ``("loaded", None)`` come before the
-answer. The worker runs at the lowest CPU priority (nice 19); its time limit is of CPU time
-(compile_pool). The compile runs on a thread with a stack of STACK bytes, the size the server's own compile
+answer. The worker runs at CPU priority NICE (19, the lowest, by default); its time limit is of
+CPU time (compile_pool). The compile runs on a thread with a stack of STACK bytes, the size the server's own compile
 threads exceed. Anything the engine prints goes to stderr, so stdout carries only answers.
 """
 from __future__ import annotations
@@ -29,8 +29,9 @@ from maskd.server.priority import lower_priority
 def main(argv: list[str]) -> int:
     backend, tokenizer, width, stack = argv[0], argv[1], int(argv[2]) or None, int(argv[3])
     json_schema_mode = argv[4] if len(argv) > 4 else "strict"
+    nice = int(argv[5]) if len(argv) > 5 else 0
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    lower_priority()                        # compiles take only what the server's step path leaves
+    lower_priority(nice)                    # compiles take only what the server's step path leaves
     out = os.fdopen(os.dup(1), "wb")        # the answers' channel ...
     os.dup2(2, 1)                           # ... and stdout (prints of any library) goes to stderr
     inp = sys.stdin.buffer.fileno()

@@ -92,6 +92,10 @@ class ServerConfig:
     compile_threads: int = setting(2, help="grammar compile threads")
     cache_entries: int = setting(1024, help="compiled grammars kept in the local cache")
     cache_bytes: int = setting(1 << 30, help="bytes of compiled grammars kept in the local cache")
+    compile_nice: int = setting(19, help="CPU priority (nice, 0-19) of compiles and of loading their results: 19 "
+                                         "(the lowest) leaves the step path its core whatever compiles; 0 "
+                                         "compiles at the server's own priority (a server sharing its cores "
+                                         "with an engine that spins, e.g. vLLM's CPU worker)")
     compile_isolation: str = setting("process", choices=("process", "thread"),
                                      help="compile in worker processes (a crash or a runaway compile costs only "
                                           "that grammar) or in threads of the server (no isolation)")
@@ -132,6 +136,8 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, not {value}")
+        if not 0 <= self.compile_nice <= 19:
+            raise ConfigError(f"--compile-nice must be in [0, 19], not {self.compile_nice}")
         if not self.drafts_sync_s > 0:
             raise ConfigError(f"--drafts-sync must be > 0 seconds, not {self.drafts_sync_s}")
         if self.row_dict_size < 0:

@@ -1,7 +1,8 @@
 """Content-addressed grammar cache with asynchronous, isolated, fair, time-limited compilation.
 
-Compiles never run on a stream's thread, nor take its core: the compile threads run at the lowest
-priority (as do the worker processes), so the step path has the core whenever it wants it.
+Compiles never run on a stream's thread, nor take its core: the compile threads run at the
+server's compile_nice (19 by default, the lowest; as do the worker processes), so the step path has
+the core whenever it wants it.
 ``lookup`` returns at once with the entry's state, and a
 sequence whose grammar is still compiling is reported as waiting. Compiles are queued per tenant
 and taken round-robin, with at most ``max_running_per_tenant`` of one tenant's compiles running at
@@ -79,7 +80,7 @@ class GrammarCache:
                  compile_threads: int = 2, compile_timeout_s: float = 30.0, metrics: Metrics | None = None,
                  shared: SharedGrammarStore | None = None, pool: CompilePool | None = None,
                  max_queued_per_tenant: int = 256, max_queued: int = 4096,
-                 max_running_per_tenant: int | None = None) -> None:
+                 max_running_per_tenant: int | None = None, nice: int = 0) -> None:
         self.engine = engine
         self.max_entries = max_entries
         self.max_bytes = max_bytes
@@ -90,6 +91,7 @@ class GrammarCache:
         self.max_queued_per_tenant = max_queued_per_tenant
         self.max_queued = max_queued
         self.max_running_per_tenant = max_running_per_tenant or max(1, compile_threads - 1)
+        self.nice = nice   # the compile threads' CPU priority (the server's compile_nice)
         self._entries: collections.OrderedDict[str, CacheEntry] = collections.OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
@@ -229,7 +231,7 @@ class GrammarCache:
         return entry
 
     def _worker(self) -> None:
-        lower_priority(thread=True)   # loading a compiled grammar (matcher, document checks) yields the core
+        lower_priority(self.nice, thread=True)   # loading a compiled grammar (matcher, document checks) yields the core
         while True:
             with self._lock:
                 entry = self._next()

@@ -9,15 +9,20 @@ import os
 import sys
 import threading
 
+LOWEST = 19     # the nice value of the lowest priority
 
-def lower_priority(thread: bool = False) -> None:
+
+def lower_priority(nice: int = LOWEST, thread: bool = False) -> None:
     """This process (``thread``: only the calling thread; on Linux a thread has its own nice value,
-    and the threads it starts inherit it) at the lowest CPU priority: compile work runs on what the
-    step path leaves. Best effort: where the system refuses, it runs as it is."""
+    and the threads it starts inherit it) at CPU priority ``nice`` (0: as it is, 19: the lowest):
+    background work then runs on what the step path leaves. Best effort: where the system refuses,
+    it runs as it is."""
+    if nice <= 0:
+        return
     try:
         if thread and hasattr(threading, "get_native_id") and sys.platform.startswith("linux"):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
         elif not thread:
-            os.setpriority(os.PRIO_PROCESS, 0, 19)
+            os.setpriority(os.PRIO_PROCESS, 0, nice)
     except (OSError, AttributeError):
         pass

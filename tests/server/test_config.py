@@ -114,3 +114,14 @@ def test_every_limit_refuses_garbage_naming_its_flag(field, capsys):
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["serve", flag, "lots"])
     assert flag in capsys.readouterr().err
+
+
+def test_compile_nice_is_checked():
+    import pytest
+
+    from maskd.server.config import ConfigError, ServerConfig
+    assert ServerConfig().compile_nice == 19
+    ServerConfig(compile_nice=0).check()
+    for bad in (-1, 20):
+        with pytest.raises(ConfigError, match=r"--compile-nice must be in \[0, 19\]"):
+            ServerConfig(compile_nice=bad).check()

@@ -189,8 +189,8 @@ def test_the_fallback_engines_load_in_a_worker_does_not_count_against_the_gramma
 
 
 def test_compiles_take_only_what_the_step_path_leaves_and_their_limit_is_cpu_time():
-    # the workers and the server's compile threads run at nice 19 (a compile burst on the server's
-    # core leaves the step path's wait flat: maskd bench burst); a worker that gets no core for
+    # the workers and the server's compile threads run at --compile-nice (19 by default: a compile
+    # burst on the server's core leaves the step path's wait flat, maskd bench burst); a worker that gets no core for
     # longer than the limit (here: stopped) has not used its limit, and its compile is not stopped
     import os
     import signal
@@ -201,7 +201,7 @@ def test_compiles_take_only_what_the_step_path_leaves_and_their_limit_is_cpu_tim
 
     if not sys.platform.startswith("linux"):
         pytest.skip("thread priorities and CPU clocks are read from Linux's /proc")
-    pool = CompilePool("llguidance", "cl100k", None, 1)
+    pool = CompilePool("llguidance", "cl100k", None, 1, nice=19)
     try:
         assert pool.wait_warm(120.0)
         worker = pool._idle[0]
@@ -225,7 +225,8 @@ def test_compiles_take_only_what_the_step_path_leaves_and_their_limit_is_cpu_tim
         pool.close()
     from maskd.server.engines import create_engine
     from maskd.server.tokenizers import load_tokenizer
-    cache = GrammarCache(create_engine("llguidance", load_tokenizer("cl100k"), threads=1), compile_threads=2)
+    cache = GrammarCache(create_engine("llguidance", load_tokenizer("cl100k"), threads=1), compile_threads=2,
+                         nice=19)
     try:
         deadline = time.monotonic() + 30   # each thread lowers its own priority as it starts
         while any(os.getpriority(os.PRIO_PROCESS, t.native_id) != 19 for t in cache._threads):

@@ -110,8 +110,9 @@ class Engine(abc.ABC):
                 router: Any = None) -> CompiledGrammar | None:
         raise NotImplementedError
 
-    def prepare(self) -> None:  # noqa: B027 -- most engines have nothing to build
-        """What the engine builds once per process before serving (the server calls it at start)."""
+    def prepare(self, nice: int = 0) -> None:  # noqa: B027 -- most engines have nothing to build
+        """What the engine builds once per process before serving (the server calls it at start);
+        what it builds in the background runs at CPU priority ``nice`` (the server's compile_nice)."""
 
     def consume_batch(self, matchers: Sequence[Matcher], tokens: Sequence[Sequence[int]]) -> list[str | None]:
         """Advances every matcher over its tokens; a reason per rejected matcher."""

@@ -94,8 +94,8 @@ class FallbackEngine(Engine):
         compiled.by_fallback = True
         return compiled
 
-    def prepare(self) -> None:
-        self.primary.prepare()
+    def prepare(self, nice: int = 0) -> None:
+        self.primary.prepare(nice)
 
     # -- tool-call arrays: the primary's (its composition) ---------------------------------------
     def composed_parts(self, spec: GrammarSpec):

@@ -372,16 +372,17 @@ class LLGuidanceEngine(Engine):
         except ValidatorError as exc:
             raise GrammarCompileError(f"a tool's JSON schema does not compile (complete mode: {exc})") from exc
 
-    def prepare(self) -> None:
+    def prepare(self, nice: int = 0) -> None:
         boundary_tables(self.tokenizer, self.words_per_row)   # tool-call arrays' boundaries (~0.25 s)
         # JSON documents' closing tokens (a Python pass over the vocabulary: 1.1 s on deepseek-v4,
         # 4 s on qwen3.6). Built at the first grammar with document checks, it held the step path's
-        # GIL and core for as long; built here on a thread of the lowest priority, it is ready before
-        # most servers see a grammar, without holding up the start (a grammar loaded sooner waits).
-        threading.Thread(target=self._warm_closers, daemon=True, name="maskd-warm-closers").start()
+        # GIL and core for as long; built here on a thread at the compiles' priority, it is ready
+        # before most servers see a grammar, without holding up the start (a grammar loaded sooner
+        # waits for it).
+        threading.Thread(target=self._warm_closers, args=(nice,), daemon=True, name="maskd-warm-closers").start()
 
-    def _warm_closers(self) -> None:
-        lower_priority(thread=True)
+    def _warm_closers(self, nice: int) -> None:
+        lower_priority(nice, thread=True)
         closer_table(self.tokenizer)
 
     # -- tool-call arrays composed from per-tool pieces (tool_calls.py) ---------------------------
