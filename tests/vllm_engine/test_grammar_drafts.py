@@ -124,5 +124,5 @@ def test_schema_driven_json_verifies_at_least_two_tokens_per_step(engine):
     # Sampled: every output obeys the schema (checked in per_step). No bound on the rate: vLLM 0.32's
     # CPU build divides non-greedy draft logits by uninitialized temperatures (its expand_kernel shim,
     # vllm-project/vllm#55005), with its own backend and n-gram drafts too
-    # (docs/benchmarks/scripts/vllm_cpu_random_spec_acceptance.py).
+    # (docs/decisions/0011-grammar-drafts.md).
     per_step(engine, account_requests(16, 0.8))

@@ -1,7 +1,7 @@
 """``maskd bench tools``: time until the first row of an OpenAI tool-calling request (issue 19).
 
 Tools: MaskBench-dev's BFCL and Glaive parameter schemas (the objects llguidance compiles alone,
-as ``docs/benchmarks/scripts/tool_compiles.py`` picks them), each wrapped as an OpenAI function
+as docs/decisions/0013-tool-call-pieces.md measured them), each wrapped as an OpenAI function
 tool (name, description, parameters); every request is ``{"tools": [...], "tool_choice":
 "required"}``, the JSON array of calls ``maskd.tool_specs`` builds. Per tool count and round, on a
 set drawn afresh:
