@@ -73,11 +73,21 @@ run: setup
 	$(VENV)/bin/maskd demo
 
 # The main suite, then the engine adapters' tests in their own venv (tests/engines is not
-# collected by the main venv, which has no engines).
-test: setup engines-setup vllm-setup lint
-	$(PY) -m pytest -q -ra --durations=15
-	$(MAKE) test-engines
-	$(MAKE) test-vllm
+# collected by the main venv, which has no engines), then the real engine. Each phase is timed;
+# the times are printed at the end (and where a phase fails), so every change sees its own cost.
+PHASES := .test-phases
+phase = s=$$(date +%s); $(2); rc=$$?; \
+	printf 'make test: %-24s %6d s%s\n' '$(1)' $$(( $$(date +%s) - s )) "$$([ $$rc = 0 ] || echo ' FAILED')" >> $(PHASES); \
+	if [ $$rc != 0 ]; then cat $(PHASES); fi; exit $$rc
+
+test:
+	@date +%s > $(PHASES).start; : > $(PHASES)
+	@$(call phase,venvs (setup),$(MAKE) --no-print-directory setup engines-setup vllm-setup)
+	@$(call phase,lint,$(MAKE) --no-print-directory lint)
+	@$(call phase,main suite,$(PY) -m pytest -q -ra --durations=15)
+	@$(call phase,engine adapters,$(MAKE) --no-print-directory test-engines)
+	@$(call phase,real vLLM engine,$(MAKE) --no-print-directory test-vllm)
+	@cat $(PHASES); printf 'make test: %-24s %6d s\n' 'total' $$(( $$(date +%s) - $$(cat $(PHASES).start) ))
 
 test-engines: engines-setup
 	VLLM_TARGET_DEVICE=cpu $(ENGINES_PY) -m pytest -q -ra --durations=10 tests/engines
