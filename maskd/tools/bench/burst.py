@@ -65,6 +65,42 @@ def _register_burst(address: str, specs: list, concurrency: int, cpus, go, done_
         done_queue.put((start, time.monotonic(), took, errors))
 
 
+WARMUP_STEPS = 5
+
+
+class _Schedule:
+    """A loop's burst: it starts once the warm-up and ``before`` steps are done; the loop ends
+    ``after`` steps after the burst ended."""
+
+    def __init__(self, before: int, after: int) -> None:
+        self.steps, self.before, self.after = 0, before, after
+        self.started = False
+        self._left: int | None = None
+
+    @property
+    def measuring(self) -> bool:
+        return self.steps >= WARMUP_STEPS
+
+    def step_done(self) -> bool:
+        """Counts a step; True the first time the burst is due."""
+        self.steps += 1
+        if not self.started and self.steps >= WARMUP_STEPS + self.before:
+            self.started = True
+            return True
+        return False
+
+    def burst_ended(self) -> None:
+        self._left = self.after
+
+    @property
+    def over(self) -> bool:
+        """Counts down the steps after the burst; True when the loop is done."""
+        if self._left is None:
+            return False
+        self._left -= 1
+        return self._left <= 0
+
+
 class _Phases:
     """Step waits filed by when the step's wait began, relative to the burst."""
 
@@ -108,34 +144,29 @@ def _server_loop(srv, tok, decode_pool, fresh_specs, args, placement, log, profi
             b = _Batch(mc, decode_pool, args.batch, tok.eos_token_ids[0], "burst", 0)
             req, _ = b.request()
             fut = mc.step_async(req, out=materializer.out(args.batch))
-            step, started, after_left = 0, False, None
-            warmup = 5
+            schedule = _Schedule(args.steps_before, args.steps_after)
             while True:
                 time.sleep(forward_s)
                 done = fut.done()
                 t0 = time.monotonic()
                 res = fut.result()
                 t1 = time.monotonic()
-                if step >= warmup:
+                if schedule.measuring:
                     waits.add(t0, 0.0 if done else t1 - t0)
                 rows = materializer(res.bitmask)
                 b.sample(res, rows)
                 req, _ = b.request()
                 fut = mc.step_async(req, out=materializer.out(args.batch))
-                step += 1
-                if not started and step >= warmup + args.steps_before:
-                    started = True
+                if schedule.step_done():
                     if args.profile:
                         spy = _start_py_spy(srv.pid, args.profile, profile_out)
                     go.set()
-                if started and burst is None and not q.empty():
+                if schedule.started and burst is None and not q.empty():
                     burst = q.get()
-                    after_left = args.steps_after
-                if after_left is not None:
-                    after_left -= 1
-                    if after_left <= 0:
-                        break
-                if started and burst is None and not burster.is_alive():
+                    schedule.burst_ended()
+                if schedule.over:
+                    break
+                if schedule.started and burst is None and not burster.is_alive():
                     raise RuntimeError("the burst's client ended without a result")
             fut.result()
             counts = b.counts()
@@ -191,31 +222,27 @@ def _in_process_loop(tok, decode_pool, fresh_texts, args, log) -> dict:
 
     ex = concurrent.futures.ThreadPoolExecutor(args.concurrency)
     futures: list = []
-    step, after_left = 0, None
-    warmup = 5
+    schedule = _Schedule(args.steps_before, args.steps_after)
     try:
         while True:
             t0 = time.monotonic()
             engine.consume((i, s[0].tokens[s[1]]) for i, s in enumerate(slots) if s[1] < len(s[0].tokens))
             engine.fill()
             t1 = time.monotonic()
-            if step >= warmup:
+            if schedule.measuring:
                 step_times.add(t0, t1 - t0)
             for i, s in enumerate(slots):
                 s[1] += 1
                 if s[1] > len(s[0].tokens):
                     refill(i)
-            step += 1
-            if not futures and step >= warmup + args.steps_before:
+            if schedule.step_done():
                 start = time.monotonic()
                 futures = [ex.submit(compile_one, t) for t in fresh_texts]
             if futures and end is None and all(f.done() for f in futures):
                 end = time.monotonic()
-                after_left = args.steps_after
-            if after_left is not None:
-                after_left -= 1
-                if after_left <= 0:
-                    break
+                schedule.burst_ended()
+            if schedule.over:
+                break
             time.sleep(max(0.0, args.forward_ms / 1e3 - (time.monotonic() - t0)))
     finally:
         ex.shutdown(wait=True, cancel_futures=True)
