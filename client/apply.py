@@ -46,11 +46,11 @@ __all__ = [
 
 _LOGITS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-# The Triton kernel's tile: BLOCK_WORDS words (a (BLOCK_WORDS, 32) tile of 512 logits), TILES of them
-# one after the other per program (4,096 logits), NUM_WARPS warps. Chosen on an H100 among tiles of
-# 8-32 words, 1-16 tiles and 2-8 warps and against xgrammar's kernel (docs/benchmarks.md, "The CUDA
-# apply kernel on an H100"): small tiles over few warps keep rows that disallow most tokens (most
-# grammar steps) fast, several tiles per program keep the program count low for rows that allow all.
+# The Triton kernel's tile: BLOCK_WORDS words (a (BLOCK_WORDS, 32) tile of 512 logits), TILES of them one after
+# the other per program (4,096 logits), NUM_WARPS warps. Chosen on an H100 among tiles of 8-32 words, 1-16 tiles
+# and 2-8 warps and against xgrammar's kernel (docs/decisions/0009-cuda-apply-kernel.md): small tiles over few
+# warps keep rows that disallow most tokens (most grammar steps) fast, several tiles per program keep the
+# program count low for rows that allow all.
 _BLOCK_WORDS = 16
 _TILES = 8
 _NUM_WARPS = 4
@@ -188,7 +188,7 @@ _NEG_INF_BITS = {torch.float32: -8388608, torch.float16: -1024, torch.bfloat16: 
 # _SPARSE_LIMIT x its words is masked word by word: only its disallowed tokens are written, in one
 # scattered store. Other rows, and rows where over _DENSE_WORDS of the words hold a disallowed
 # token, are expanded whole, which costs about the same per row whatever its bits. On the 2-core AMD EPYC of
-# docs/benchmarks.md the two routes cost the same near 4 x the row's words with one torch thread;
+# docs/decisions/0008-cpu-apply-kernel.md the two routes cost the same near 4 x the row's words with one torch thread;
 # the whole-row route gains from more threads and the word-by-word one does not, hence 2.5.
 _SPARSE_LIMIT = 2.5
 _DENSE_WORDS = 0.5

@@ -6,7 +6,8 @@ ids, or a reference to a row the stream carried before. The per-row work (findin
 and varints, and back) is C (``maskd._rowcodec``, built with the package); where it could not be
 built, the same bytes come from numpy here, slower. The block then goes through the stream's zstd
 compressor (level 1, a block flush per reply): repeats and id lists compress well, e.g. ~31 B per
-row on MaskBench-dev at batch 64 against ~200 B for the block alone (docs/benchmarks.md).
+row on MaskBench-dev at batch 64 against ~200 B for the block alone (docs/benchmarks.md, "Wire";
+docs/decisions/0001-row-codec.md).
 
 ``RowBlockEncoder`` (server) and ``RowBlockDecoder`` (client) each belong to one stream: both keep
 the dictionary and the zstd context in step, so a reply must be decoded exactly once, in order, and

@@ -403,7 +403,7 @@ def _json_writer() -> Callable[[Any], str]:
 def _compact_writer() -> Callable[[Any], str]:
     """Compact JSON text (no spaces, non-ASCII as it is), the canonical form of a tool's parameters
     and so of its piece's grammar id: orjson's (a 200-tool request's parameters in ~0.1 ms against
-    ~1 ms from json's C writer; docs/benchmarks.md, "The spec from the request"), and json's writer
+    ~1 ms from json's C writer; docs/decisions/0015-tool-spec-writer.md), and json's writer
     for what orjson does not write as ``json.dumps`` would: NaN and infinities (orjson writes them
     as null, so any text holding "null" is written by json's, which keeps them NaN and Infinity for
     the compile to refuse), ints past 64 bits, keys that are not strings, nesting past orjson's 254

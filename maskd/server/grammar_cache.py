@@ -315,8 +315,8 @@ class GrammarCache:
         here meanwhile. False where the engine does not compose, or a piece does not compile alone
         or only as a relaxation: the array is then compiled whole (which names the error, if any).
         An array of new tools composes too: its pieces, in the compile workers at once, are ready
-        sooner than one whole compile (200 tools 98-103 against 192-293 ms; docs/benchmarks.md,
-        "Tool pieces checked as JSON-schema grammars")."""
+        sooner than one whole compile (200 tools 98-103 against 192-293 ms;
+        docs/decisions/0013-tool-call-pieces.md)."""
         parts = self.engine.composed_parts(entry.spec)
         if parts is None:
             return False
