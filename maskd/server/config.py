@@ -94,8 +94,8 @@ class ServerConfig:
     cache_bytes: int = setting(1 << 30, help="bytes of compiled grammars kept in the local cache")
     compile_nice: int = setting(19, help="CPU priority (nice, 0-19) of compiles and of loading their results: 19 "
                                          "(the lowest) leaves the step path its core whatever compiles; 0 "
-                                         "compiles at the server's own priority (a server sharing its cores "
-                                         "with an engine that spins, e.g. vLLM's CPU worker)")
+                                         "compiles at the server's own priority (for a server sharing its "
+                                         "cores with processes that keep them busy)")
     compile_isolation: str = setting("process", choices=("process", "thread"),
                                      help="compile in worker processes (a crash or a runaway compile costs only "
                                           "that grammar) or in threads of the server (no isolation)")
