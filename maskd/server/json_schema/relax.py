@@ -281,6 +281,8 @@ _ANY_ORDER = "properties in any order (required ones left to the validator)"
 # What the grammar no longer enforces once keys are free: required keys (also those of the anyOf /
 # oneOf / allOf members dropped with them), and const / enum objects.
 _ORDER_FREE_WORDS = frozenset({"required", "enum", "const", "anyOf", "oneOf", "allOf"})
+#: What the grammar leaves to the validator where an object takes its keys in any order.
+ORDER_FREE_WORDS = _ORDER_FREE_WORDS
 _REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")
 
 
@@ -304,18 +306,69 @@ def any_key_order(schema: Any, try_regex: TryRegex) -> Any:
     for path in sorted(_object_nodes(schema), key=len, reverse=True):   # deepest first: paths stay valid
         if path in blocked:
             continue
-        node = node_at(out, path)
-        props = node.get("properties")
-        pp = node.get("patternProperties", {})
-        if not isinstance(pp, dict) or (pp and not _names_outside(props, pp)):
+        rewritten = _free_order(node_at(out, path), try_regex)
+        if rewritten is not None:
+            out = _put(out, path, rewritten)
+    return out
+
+
+def _free_order(node: dict, try_regex: TryRegex) -> dict | None:
+    """One object's declared properties as anchored literal pattern properties (its combinators,
+    which hold only ``required`` or conditions, go to the validator with ``required``), or None
+    where its own patternProperties may match a declared name or the engine cannot build a literal."""
+    props = node.get("properties")
+    pp = node.get("patternProperties", {})
+    if not isinstance(props, dict) or not isinstance(pp, dict) or (pp and not _names_outside(props, pp)):
+        return None
+    literals = {_literal(name): sub for name, sub in props.items()}
+    if not all(try_regex(p) for p in literals):
+        return None
+    rewritten = {k: v for k, v in node.items()
+                 if k not in ("properties", "required", "patternProperties", "allOf", "anyOf", "oneOf")}
+    rewritten["patternProperties"] = {**literals, **pp}   # the combinators held "required" or conditions
+    return rewritten
+
+
+def _declares(member: Any) -> bool:
+    return isinstance(member, dict) and isinstance(member.get("properties"), dict) and bool(member["properties"])
+
+
+def free_all_of_order(schema: Any, try_regex: TryRegex) -> Any:
+    """For a schema the engine compiles whole: an object whose properties come from several
+    ``allOf`` members (or from its own ``properties`` and a member's) takes them in any order.
+    llguidance merges the members' properties into one list, in the members' order, so
+    ``{"b": 1, "a": "x"}`` was refused where member 1 declares ``a`` and member 2 ``b``. The
+    members are folded into the object exactly (``_meet``, as ``merge_object_intersections`` does)
+    and its properties become literal pattern properties (``any_key_order``): ``required`` goes to
+    the validator and to the rows (an object missing a required key is kept open). Only such
+    objects change: keys in the schema's order stay the rule elsewhere; an object the engine
+    intersects with another (an ``allOf`` member itself, the target of a ``$ref`` with siblings)
+    and members holding anything else that concerns keys (references, pattern properties, unions
+    of more than ``required``) stay as they are."""
+    if not isinstance(schema, dict):
+        return schema
+    blocked = _intersected(schema)
+    out = schema
+    for path, node in sorted(_walk(schema), key=lambda pn: len(pn[0]), reverse=True):
+        all_of = node.get("allOf")
+        if path in blocked or not isinstance(all_of, list) or _declares(node) + sum(map(_declares, all_of)) < 2:
             continue
-        literals = {_literal(name): sub for name, sub in props.items()}
-        if not all(try_regex(p) for p in literals):
+        current = node_at(out, path)
+        t = current.get("type")
+        if "$ref" in current or "patternProperties" in current or not all(_fragment(b) for b in current["allOf"]) \
+                or not (_object_typed(current) or (isinstance(t, list) and "object" in t)):
             continue
-        rewritten = {k: v for k, v in node.items()
-                     if k not in ("properties", "required", "patternProperties", "allOf", "anyOf", "oneOf")}
-        rewritten["patternProperties"] = {**literals, **pp}   # the combinators held "required" or conditions
-        out = _put(out, path, rewritten)
+        merged: dict | None = _own(current)
+        for b in current["allOf"]:
+            merged = _meet(merged, b) if merged is not None else None
+        if merged is None:
+            continue
+        folded = {**{k: v for k, v in current.items() if k not in _MEET_KEYS and k != "allOf"}, **merged}
+        if not all(_required_only(folded[k]) for k in ("allOf", "anyOf", "oneOf") if k in folded):
+            continue
+        rewritten = _free_order(folded, try_regex)
+        if rewritten is not None:
+            out = _put(out, path, rewritten)
     return out
 
 
