@@ -44,6 +44,7 @@ from maskd.server.json_schema import (
     relax_schema,
     tag_span,
     tool_call_checker,
+    whole_schema,
 )
 from maskd.server.json_schema.closers import closer_table
 from maskd.server.priority import lower_priority
@@ -54,7 +55,7 @@ from maskd.tool_specs import ToolCallParts
 log = logging.getLogger("maskd.server.engines.llguidance")
 
 # Bumped when maskd changes how a spec maps onto llguidance (it is part of every grammar id).
-_MAPPING_REVISION = 3
+_MAPPING_REVISION = 4
 # A serialized grammar with document checks: magic, 8-byte length, the checker's description, grammar.
 _CHECKED_MAGIC = b"maskd-checked-grammar-v2\n"
 # x-guidance options that loosen the schema: only complete mode relaxes (and then validates).
@@ -229,13 +230,19 @@ class LLGuidanceEngine(Engine):
         schema = json.loads(spec.text)
         markers = (self.specials.marked(spec.reasoning_start), self.specials.marked(spec.reasoning_end))
         try:
-            compiled = self._json_grammar(spec, schema, lenient=False)
+            compiled, words = self._whole(spec, schema)
         except GrammarCompileError as exc:
             if self.json_schema_mode != "complete" or not isinstance(schema, dict):
                 raise
             strict_error = str(exc)
         else:
-            return compiled, self._final_check(schema, markers)
+            if not words:
+                return compiled, self._final_check(schema, markers)
+            try:   # the grammar leaves some keywords to the validator: early checks where they apply
+                return compiled, document_checker(schema, self.tokenizer, markers, words)
+            except ValidatorError as exc:   # no validator: the schema's own grammar, enforced alone
+                log.info("json schema enforced by the grammar alone: %s", exc)
+                return self._json_grammar(spec, schema, lenient=False), None
         relaxed, compiled = self._relax(spec, schema, strict_error)
         try:
             checker = document_checker(schema, self.tokenizer, markers, relaxed.keywords)
@@ -244,6 +251,20 @@ class LLGuidanceEngine(Engine):
         log.info("json schema relaxed for complete mode (%s); the grammar refused it: %s",
                  relaxed.describe(), strict_error[:200])
         return compiled, checker
+
+    def _whole(self, spec: GrammarSpec, schema: Any) -> tuple[tuple[str, llguidance.LLMatcher], frozenset[str]]:
+        """The grammar of a schema compiled whole, and the keywords it leaves to the validator: in
+        complete mode, the schema as ``whole_schema`` rewrites it (allOf members' keys in any
+        order, numbers llguidance's lexemes would narrow), else (or where that does not compile)
+        the schema itself."""
+        if self.json_schema_mode == "complete" and isinstance(schema, dict):
+            grammar_schema, words = whole_schema(schema, self._regex_ok)
+            if words:
+                try:
+                    return self._json_grammar(spec, grammar_schema, lenient=False), words
+                except GrammarCompileError:
+                    pass
+        return self._json_grammar(spec, schema, lenient=False), frozenset()
 
     def _final_check(self, schema: Any, markers: tuple[bytes, bytes]):
         """The validator's check of every finished document of a grammar llguidance compiled whole:

@@ -9,6 +9,8 @@ place that knows how. Its modules:
   MaskBench's reference validators do) and the map of sub-documents worth checking early.
 - ``formats``: the formats asserted whatever the schema's draft, and the exact patterns complete
   mode's grammar takes for the date and time formats.
+- ``numbers``: the number bounds and big integer constants complete mode's grammar leaves to the
+  validator (llguidance's number lexemes would refuse valid numbers).
 - ``scan``: the incremental JSON structure of the output (where sub-documents open and close).
 - ``documents``: one sequence's output as the checks see it (bytes, scan state, rollbacks).
 - ``step_checks``: the hooks the step protocol calls (``DocumentChecks``).
@@ -18,6 +20,7 @@ Engines use the functions below (they never reach into the modules); the step pr
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from maskd.server.json_schema.documents import (
@@ -30,7 +33,18 @@ from maskd.server.json_schema.documents import (
     checker_from_description,
 )
 from maskd.server.json_schema.formats import grammar_formats
-from maskd.server.json_schema.relax import LENIENT_KEYWORDS, Relaxation, RelaxError, TryCompile, TryRegex, relax
+from maskd.server.json_schema.numbers import grammar_numbers
+from maskd.server.json_schema.relax import (
+    LENIENT_KEYWORDS,
+    ORDER_FREE_WORDS,
+    Relaxation,
+    RelaxError,
+    TryCompile,
+    TryRegex,
+    free_all_of_order,
+    inline_intersected_refs,
+    relax,
+)
 from maskd.server.json_schema.step_checks import DocumentChecks
 from maskd.server.json_schema.validation import SchemaValidator, ValidatorError
 
@@ -50,6 +64,7 @@ __all__ = [
     "relax_schema",
     "tag_span",
     "tool_call_checker",
+    "whole_schema",
 ]
 
 Markers = tuple[bytes, bytes]
@@ -57,8 +72,31 @@ Markers = tuple[bytes, bytes]
 
 def relax_schema(schema: Any, try_compile: TryCompile, try_regex: TryRegex) -> Relaxation:
     """Complete mode's relaxed schema for one the grammar engine refused (RelaxError when even
-    that does not compile): see ``relax``."""
-    return relax(schema, try_compile, try_regex)
+    that does not compile): see ``relax``; its numbers as ``grammar_numbers`` takes them (every
+    candidate is compiled so)."""
+    found = relax(schema, lambda candidate, lenient: try_compile(grammar_numbers(candidate)[0], lenient), try_regex)
+    grammar, words = grammar_numbers(found.schema)
+    if not words:
+        return found
+    return dataclasses.replace(found, schema=grammar, keywords=found.keywords | words,
+                               steps=(*found.steps, _NUMBERS_STEP))
+
+
+_NUMBERS_STEP = "number bounds and big integer constants left to the validator"
+
+
+def whole_schema(schema: Any, try_regex: TryRegex) -> tuple[Any, frozenset[str]]:
+    """(the schema complete mode's grammar takes for one the engine compiles whole, the keywords it
+    leaves to the validator): ``allOf`` members' properties in any order (``free_all_of_order``)
+    and numbers as ``grammar_numbers`` takes them. The schema itself, and no keyword, where
+    neither changes anything; the engine compiles the schema itself where this does not compile."""
+    words: frozenset[str] = frozenset()
+    inlined = inline_intersected_refs(schema, try_regex)   # allOf members that are references, as copies
+    ordered = free_all_of_order(inlined, try_regex)
+    if ordered != inlined:
+        schema, words = ordered, ORDER_FREE_WORDS
+    grammar, number_words = grammar_numbers(schema)
+    return grammar, words | number_words
 
 
 def document_checker(schema: Any, tokenizer, markers: Markers = (b"", b""),
