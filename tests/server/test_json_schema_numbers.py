@@ -1,9 +1,9 @@
 """Complete mode's grammar never narrower than the schema where llguidance's own compile is (issue 50,
-items 3 and 4): numbers in exponent form under a bound, bounds whose digits llguidance's range
-regex gets wrong, integer constants no double holds, and properties from several ``allOf``
-members in any order. Valid documents go in token by token and may end (EOS allowed); invalid
-ones never get EOS (the validator decides what the grammar leaves to it). Strict mode keeps
-llguidance's grammar: where it differs, the test says what it does."""
+items 3 and 4): integer constants no double holds, and properties from several ``allOf`` members
+in any order; numbers in exponent form under a bound and bounds whose digits llguidance's range
+regex gets wrong stay open (xfail, with the reason). Valid documents go in token by token and may
+end (EOS allowed); invalid ones never get EOS (the validator decides what the grammar leaves to
+it). Strict mode keeps llguidance's grammar: where it differs, the test says what it does."""
 import json
 import time
 
@@ -104,7 +104,14 @@ def accepted(mc, tok, sid, schema, text):
     return ok, (n, len(tokens), res.status, res.reason)
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# Number bounds stay llguidance's (maskd/server/json_schema/numbers.py says why): these classes are open.
+BOUNDS_OPEN = pytest.mark.xfail(strict=True, reason="number bounds stay llguidance's range regex (no exponent, "
+                                "prefixes of the bound's digits refused): leaving them to the validator lets a "
+                                "model start a value no continuation can end; exact needs maskd's own number grammar")
+NUMBER_BOUNDS = ("exponent under a bound", "exponent in an object", "bound not exactly representable")
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=BOUNDS_OPEN) if c in NUMBER_BOUNDS else c for c in CASES])
 def test_valid_documents_pass_and_invalid_ones_never_end(complete, cl100k, case):
     schema, valid, invalid, _ = CASES[case]
     eos = cl100k.eos_token_ids[0]
@@ -145,9 +152,11 @@ def test_the_rewrites_leave_other_schemas_alone():
                    {"allOf": [{"type": "object"}, {"properties": {"a": {}}}]},   # one member declares keys
                    {"const": 2 ** 53}, {"enum": [1, 2.5, "x"]}):
         assert whole_schema(schema, ok) == (schema, frozenset()), schema
+    for schema in ({"type": "number", "minimum": 0}, {"maximum": 0.9999999}):   # bounds stay (numbers.py)
+        assert whole_schema(schema, ok) == (schema, frozenset()), schema
     grammar, words = whole_schema({"type": ["number", "null"], "minimum": 0, "const": BIG}, ok)
-    assert grammar == {"type": ["number", "null"], "anyOf": [{"type": "integer", "minimum": BIG - 1,
-                                                              "maximum": BIG + 1}]}
-    assert words == {"minimum", "const"}
+    assert grammar == {"type": ["number", "null"], "minimum": 0,
+                       "anyOf": [{"type": "integer", "minimum": BIG - 1, "maximum": BIG + 1}]}
+    assert words == {"const"}
     grammar, _ = whole_schema({"const": 10 ** 30}, ok)   # past llguidance's integer ranges: any integer
     assert grammar == {"anyOf": [{"type": "integer"}]}
