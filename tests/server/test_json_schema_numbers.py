@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from maskd.server import MaskServer, ServerConfig
 from maskd_client import MaskClient, SeqStatus
+from test_complete_mode import complete, strict  # noqa: F401 -- the servers in both modes
 
 READY, FINISHED, FAILED, WAITING = SeqStatus.READY, SeqStatus.FINISHED, SeqStatus.FAILED, SeqStatus.WAITING
 BIG = 2 ** 53 + 1   # 9007199254740993: no double holds it
@@ -52,25 +52,6 @@ CASES = {
          "allOf": [{"properties": {"name": {"type": "string"}}, "required": ["name"]}]},
         ['{"name": "n", "id": 1}', '{"id": 1, "name": "n"}'], ['{"name": "n"}', '{"id": 1}'], "refused"),
 }
-
-
-def start(mode):
-    return MaskServer(ServerConfig(port=0, tokenizer="cl100k", threads=2, compile_threads=1, metrics_port=0,
-                                   json_schema_mode=mode)).start()
-
-
-@pytest.fixture(scope="module")
-def complete():
-    srv = start("complete")
-    yield srv
-    srv.stop(grace=1.0)
-
-
-@pytest.fixture(scope="module")
-def strict():
-    srv = start("strict")
-    yield srv
-    srv.stop(grace=1.0)
 
 
 def bit(result, sid, token):
