@@ -88,7 +88,8 @@ def accepted(mc, tok, sid, schema, text):
 # Number bounds stay llguidance's (maskd/server/json_schema/numbers.py says why): these classes are open.
 BOUNDS_OPEN = pytest.mark.xfail(strict=True, reason="number bounds stay llguidance's range regex (no exponent, "
                                 "prefixes of the bound's digits refused): leaving them to the validator lets a "
-                                "model start a value no continuation can end; exact needs maskd's own number grammar")
+                                "model start a value no continuation can end; exact needs maskd's own number grammar "
+                                "(docs/decisions/0025)")
 NUMBER_BOUNDS = ("exponent under a bound", "exponent in an object", "bound not exactly representable")
 
 

@@ -12,7 +12,8 @@ are a prefix of the bound's (``0.999999`` for ``"maximum": 0.9999999``), no trai
 lets a model start a value out of range (``-5`` under ``"minimum": 0``) that no continuation can end,
 and the rows keep it from ending: on the 69 MaskBench-dev schemas the rewrite touched, random
 writers that ran into the token limit rose from 44 to 52 of 251. Exact bounds in every number form
-need a number grammar of maskd's own (the test of each class is marked xfail with this reason).
+need a number grammar of maskd's own (the test of each class is marked xfail with this reason;
+docs/decisions/0025-number-bounds-stay-llguidances.md).
 """
 from __future__ import annotations
 
