@@ -26,7 +26,7 @@ from maskd_client.ledger import SequenceLedger, Undo, UndoRecord, records_of
 from maskd_client.merge import chain, gather
 from maskd_client.routing import NoOwner, Router
 from maskd_client.stream import InFlight, StepStream, fail_all
-from maskd_client.types import MaskClientError, describe
+from maskd_client.types import MaskClientError, describe, reply_within
 
 log = logging.getLogger("maskd_client")
 _C = grpc.StatusCode
@@ -269,12 +269,11 @@ class Recovery:
                                                               concurrent.futures.Future(), [], internal=True))))
         for address, fut in futures:
             try:
-                result = fut.result(self.timeout_s)
-            except concurrent.futures.TimeoutError:
+                result = reply_within(fut, self.timeout_s, address)
+            except concurrent.futures.TimeoutError as exc:
                 if fut.done():
                     raise
-                raise MaskClientError(f"no answer to a restore from maskd at {address} within {self.timeout_s:g} s",
-                                      _C.DEADLINE_EXCEEDED) from None
+                raise MaskClientError(f"restore: {exc}", _C.DEADLINE_EXCEEDED) from None
             for s in result.seqs.values():
                 if s.status is SeqStatus.ERROR and s.code not in _RESTORE_OK:
                     log.error("cannot restore sequence %r: %s", s.seq_id, s.reason)
