@@ -4,8 +4,14 @@ Each sequence follows a guide (a valid document's tokens) while the guide's next
 and a coin says so; otherwise it leaves the guide for good, wanders for a few random allowed
 tokens (short ones, half of them structural: quotes, brackets, commas, colons, digits), then heads
 for the way out (mostly tokens with a quote or a closing bracket), and takes EOS as soon as EOS is
-allowed: it tries to close things where a model that went astray would. A sequence the server fails is a dead end: the writer did nothing its rows forbade.
+allowed: it tries to close things where a model that went astray would. A sequence the server
+fails is a dead end: the writer did nothing its rows forbade.
 Bounded: at most ``max_tokens`` tokens per sequence.
+
+Styles (``style``): ``"guide"`` as above; ``"invent"`` leaves the guide at a random point (at once,
+a third of the time) and writes keys and values of its own for longer (3 to 24 tokens: openers
+``{`` ``[`` ``"``, letters, structural tokens) before it heads for the way out, so it opens objects
+and arrays the guide never has, under keys the schema may not name, and closes them early.
 """
 from __future__ import annotations
 
@@ -42,7 +48,15 @@ class TokenTable:
                 short[t] = True
                 structural[t] = any(c in data for c in b'"{}[],:0123456789')
                 closing[t] = any(c in data for c in b'"}]')
+        opening = np.zeros(n, dtype=bool)
+        word = np.zeros(n, dtype=bool)
+        for t in np.flatnonzero(short):
+            data = tok.ll.decode_bytes([int(t)])
+            opening[t] = any(c in data for c in b'{["')
+            word[t] = data.strip().isalpha()
         self.short = np.flatnonzero(short)
+        self.opening = np.flatnonzero(opening)
+        self.words = np.flatnonzero(word)
         self.structural = np.flatnonzero(structural)
         self.closing = np.flatnonzero(closing)
 
@@ -54,8 +68,9 @@ def _allowed(row: np.ndarray, ids: np.ndarray) -> np.ndarray:
 
 
 def write(address: str, tok, table: TokenTable, jobs: list[tuple[str, dict, str]], *, seed: int = 0,
-          follow: float = 0.85, max_tokens: int = 160, batch: int = 64) -> list[Outcome]:
+          follow: float = 0.85, max_tokens: int = 160, batch: int = 64, style: str = "guide") -> list[Outcome]:
     """Runs every (name, schema, guide text) job to EOS, a dead end or the token cap."""
+    assert style in ("guide", "invent"), style
     eos = int(tok.eos_token_ids[0])
     outcomes: list[Outcome] = []
     pending = list(enumerate(jobs))
@@ -67,8 +82,12 @@ def write(address: str, tok, table: TokenTable, jobs: list[tuple[str, dict, str]
                 sid = f"w{seed}-{i}"
                 mc.open(sid, {"json_schema": schema})
                 # one generator per sequence: what it writes does not depend on how steps interleave
-                active[sid] = {"name": name, "guide": tok.encode(guide), "out": [], "on_guide": True, "next": [],
-                               "rng": random.Random(seed * 1_000_003 + i)}
+                rng = random.Random(seed * 1_000_003 + i)
+                ids = tok.encode(guide)
+                # "invent": the guide up to a random point (none, a third of the time), then its own
+                leave = len(ids) + 1 if style == "guide" else 0 if rng.random() < 1 / 3 else rng.randrange(len(ids) + 1)
+                active[sid] = {"name": name, "guide": ids, "out": [], "on_guide": True, "next": [], "rng": rng,
+                               "leave": leave}
             r = mc.step({sid: s["next"] for sid, s in active.items()})
             for sid, s in list(active.items()):
                 res = r.seqs[sid]
@@ -91,19 +110,21 @@ def write(address: str, tok, table: TokenTable, jobs: list[tuple[str, dict, str]
                 row = r.bitmask[res.row]
                 rng = s["rng"]
                 pos = len(s["out"])
-                if s["on_guide"] and pos < len(s["guide"]) and rng.random() < follow \
+                if s["on_guide"] and pos < min(len(s["guide"]), s["leave"]) and rng.random() < follow \
                         and _allowed(row, np.array([s["guide"][pos]], dtype=np.int64)).size:
                     s["next"] = [s["guide"][pos]]
                     continue
                 if s["on_guide"]:
                     s["on_guide"] = False
-                    s["wander"] = rng.randint(1, 6)
+                    s["wander"] = rng.randint(1, 6) if style == "guide" else rng.randint(3, 24)
                 if _allowed(row, np.array([eos], dtype=np.int64)).size:
                     s["next"] = [eos]
                     continue
                 s["wander"] -= 1
                 if s["wander"] < 0 and rng.random() < 0.7:   # done wandering: head for the way out
                     pool = _allowed(row, table.closing)
+                elif style == "invent" and rng.random() < 0.6:   # keys and values of its own
+                    pool = _allowed(row, table.opening if rng.random() < 0.4 else table.words)
                 else:
                     pool = _allowed(row, table.structural if rng.random() < 0.5 else table.short)
                 if pool.size == 0:

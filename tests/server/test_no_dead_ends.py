@@ -1,14 +1,26 @@
 """No dead ends in complete mode: a writer that only takes tokens its rows allow never ends in a
-sequence the server has to fail (issue 20). Built-in schemas in the core suite, MaskBench-dev's
-relaxed schemas when that folder is there."""
+sequence the server has to fail (issues 20 and 50). Built-in schemas and generated ones (the
+constructs the relaxation drops or widens, nested in each other: generated_schemas.py) in the core
+suite, MaskBench-dev's relaxed schemas when that folder is there; each class of dead end fixed has a
+test below with the token its row refuses.
+
+Longer runs: ``MASKD_DEAD_END_SEEDS`` (writers per guide and style, default 1) and
+``MASKD_GENERATED_SCHEMAS`` (how many generated schemas, default 60: 8 to 16 s on this 2-core machine), e.g.
+``MASKD_DEAD_END_SEEDS=20 MASKD_GENERATED_SCHEMAS=300 pytest tests/server/test_no_dead_ends.py``."""
 import json
 import os
+import time
 
 import pytest
+from generated_schemas import BIG, generated
+from generation_writer import TokenTable, write
 
 from conftest import MASKBENCH, needs_maskbench
-from generation_writer import TokenTable, write
 from maskd.server import MaskServer, ServerConfig
+from maskd_client import MaskClient, SeqStatus
+
+SEEDS = int(os.environ.get("MASKD_DEAD_END_SEEDS", "1"))
+STYLES = ("guide", "invent")
 
 # Keywords complete mode leaves to the validator, each with a valid guide document.
 SCHEMAS = {
@@ -105,8 +117,142 @@ def test_a_writer_that_follows_its_rows_never_reaches_a_dead_end(server, cl100k,
     assert len(strayed) >= 20 and len({o.name for o in strayed}) >= 4, summary
 
 
+def test_no_dead_ends_on_generated_schemas(server, cl100k, table):
+    """Schemas nesting additionalProperties, patternProperties, items, $ref chains and anyOf / oneOf
+    branches of different types in each other, with required keys and big integer constants below
+    (generated_schemas.py), both writer styles: none ends in a dead end. Bounded in the core suite
+    (60 schemas, one seed per style); ``MASKD_GENERATED_SCHEMAS`` and ``MASKD_DEAD_END_SEEDS`` widen it."""
+    count = int(os.environ.get("MASKD_GENERATED_SCHEMAS", "60"))
+    cases = generated(count)
+    jobs = [(name, schema, json.dumps(instance)) for name, schema, instance in cases]
+    outcomes = []
+    for style in STYLES:
+        for seed in range(SEEDS):
+            outcomes += write(server.address, cl100k, table, jobs, seed=seed, follow=0.8, max_tokens=120,
+                              style=style)
+    dead, summary = report(outcomes)
+    assert len(outcomes) == len(jobs) * SEEDS * len(STYLES)
+    # 5 of 300 (guide) and 3 of 300 (invent) over 150 such schemas before issue 50's fixes
+    assert not dead, summary
+    strayed = [o for o in outcomes if o.status == "finished" and o.strayed]
+    assert len({o.name for o in strayed}) >= count // 8, summary
+
+
+R = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+NOT = {"not": {"const": {}}}   # llguidance refuses it: complete mode relaxes the schema, keys in any order
+# construct -> (schema, text up to an empty object that needs "a", what completes it): the object
+# under each construct must not close before "a" (the relaxed grammar takes keys in any order and
+# leaves "required" to the validator); issue 50's first class.
+REACHED = {
+    "patternProperties": ({"type": "object", "patternProperties": {"^p": R}, **NOT}, '{"p1": {', '"a": 1}'),
+    "patternProperties beside properties": ({"type": "object", "properties": {"x": {"type": "integer"}},
+                                             "patternProperties": {"^p": R}, "additionalProperties": False, **NOT},
+                                            '{"x": 1, "p1": {', '"a": 1}'),
+    "items under patternProperties": ({"type": "object", "patternProperties": {"^p": {"type": "array", "items": R}},
+                                       **NOT}, '{"p": [{', '"a": 1}'),
+    "additionalProperties": ({"type": "object", "properties": {"x": {}}, "additionalProperties": R, **NOT},
+                             '{"k": {', '"a": 1}'),
+    "a $ref chain": ({"$ref": "#/definitions/a", **NOT, "definitions": {
+        "a": {"$ref": "#/definitions/b"}, "b": {"type": "object", "properties": {"o": R}}}},
+                     '{"o": {', '"a": 1}'),
+    "an anyOf branch at the root": ({"anyOf": [{"type": "string"}, {"type": "object", "properties": {"o": R}}], **NOT},
+                                    '{"o": {', '"a": 1}'),
+    "an anyOf branch in items": ({"type": "array", "items": {"anyOf": [{"type": "string"},
+                                                                       {"type": "object", "properties": {"o": R}}]},
+                                  **NOT}, '[{"o": {', '"a": 1}'),
+    "a oneOf branch beside additionalProperties": (
+        {"type": "object", "additionalProperties": {"oneOf": [
+            {"type": "integer"}, {"type": "object", "patternProperties": {"^q": R}}]}, **NOT},
+        '{"k": {"q": {', '"a": 1}'),
+}
+
+
+def _step_until_ready(mc, sid, tokens):
+    r = mc.step({sid: tokens})
+    deadline = time.monotonic() + 120
+    while r.seqs[sid].status is SeqStatus.WAITING:
+        assert time.monotonic() < deadline, "grammar never compiled"
+        time.sleep(0.005)
+        r = mc.step({sid: []})
+    return r
+
+
+def _feed(mc, tok, sid, r, text):
+    """Feeds ``text`` token by token, each one allowed by the row before it."""
+    for t in tok.encode(text):
+        assert _bit(r, sid, t), (sid, text, tok.decode([t]))
+        r = mc.step({sid: [t]})
+        assert r.seqs[sid].status in (SeqStatus.READY, SeqStatus.FINISHED), r.seqs[sid]
+    return r
+
+
+def _bit(r, sid, token):
+    row = r.bitmask[r.seqs[sid].row]
+    return bool((int(row[token >> 5]) >> (token & 31)) & 1)
+
+
+@pytest.mark.parametrize("construct", list(REACHED))
+def test_an_object_reached_through_a_relaxed_construct_keeps_its_required_keys(server, cl100k, construct):
+    """Issue 50, class 1: ``{"p1": {`` under ``patternProperties`` (and the other constructs): the
+    rows refuse ``}`` (the object would close without its required "a": no document could pass),
+    allow the quote of a key, and allow ``}`` once "a" is there."""
+    schema, opened, rest = REACHED[construct]
+    close = cl100k.encode("}")[0]
+    with MaskClient(server.address, want_forced_tokens=False) as mc:
+        sid = "reached"
+        mc.open(sid, {"json_schema": schema})
+        r = _feed(mc, cl100k, sid, _step_until_ready(mc, sid, []), opened)
+        assert not _bit(r, sid, close), construct
+        assert not _bit(r, sid, cl100k.encode("}}")[0]), construct
+        assert _bit(r, sid, cl100k.encode('"')[0]), construct
+        r = _feed(mc, cl100k, sid, r, rest[:-1])
+        assert _bit(r, sid, close), construct
+
+
+def test_a_closer_sent_anyway_under_patternproperties_fails_at_once(server, cl100k):
+    """The member under a pattern is checked when it closes (it is pinned by its key now): a client
+    that sends the refused ``}`` fails in that step, with the validator's message."""
+    schema = REACHED["patternProperties"][0]
+    with MaskClient(server.address, want_forced_tokens=False) as mc:
+        mc.open("sent", {"json_schema": schema})
+        r = _feed(mc, cl100k, "sent", _step_until_ready(mc, "sent", []), '{"p1": {')
+        r = mc.step({"sent": cl100k.encode("}")})
+        res = r.seqs["sent"]
+        assert res.status is SeqStatus.FAILED, res
+        assert "at /p1" in res.reason and '"a" is a required property' in res.reason, res
+
+
+# Issue 50, class 2: a big integer constant (no double holds it) that complete mode's grammar widens
+# to the integers between the doubles around it, under a root-level union of different types.
+BIG_UNIONS = {
+    "a member of an object branch": ({"anyOf": [{"type": "string"},
+                                                {"type": "object", "properties": {"id": {"const": BIG}}}], **NOT},
+                                     '{"id": '),
+    "the root value": ({"anyOf": [{"type": "string", "format": "date"}, {"const": BIG}]}, ""),
+    "a member through $ref and oneOf": ({"$ref": "#/definitions/u", **NOT, "definitions": {"u": {"oneOf": [
+        {"enum": ["x", 7]}, {"type": "object", "properties": {"kind": {"const": BIG}}, "required": ["doc"]}]}}},
+        '{"doc": 1, "kind": '),
+}
+
+
+@pytest.mark.parametrize("where", list(BIG_UNIONS))
+def test_a_big_integer_cannot_grow_into_its_widened_neighbours(server, cl100k, where):
+    """After ``900719925474099`` the grammar allows 2, 3 and 4 (the range around 2^53 + 1); 2 and 4
+    would leave a number no digit may follow and no branch takes: the rows refuse them, 3 stays."""
+    schema, before = BIG_UNIONS[where]
+    digits = {d: cl100k.encode(d)[0] for d in "0234"}
+    with MaskClient(server.address, want_forced_tokens=False) as mc:
+        sid = "big"
+        mc.open(sid, {"json_schema": schema})
+        r = _feed(mc, cl100k, sid, _step_until_ready(mc, sid, []), before + str(BIG)[:-1])
+        assert {d: _bit(r, sid, t) for d, t in digits.items()} == {"0": False, "2": False, "3": True, "4": False}
+        r = _feed(mc, cl100k, sid, r, "3" + ("}" if before else ""))
+        assert r.seqs[sid].accepting and _bit(r, sid, cl100k.eos_token_ids[0])
+
+
 @needs_maskbench
-def test_no_dead_ends_on_maskbench_dev_relaxed_schemas(cl100k):
+@pytest.mark.parametrize("style", STYLES)
+def test_no_dead_ends_on_maskbench_dev_relaxed_schemas(cl100k, style):
     from maskd.server.engines import GrammarCompileError, create_engine
     from maskd.server.tokenizers import load_tokenizer
     from maskd.specs import GrammarSpec
@@ -122,12 +268,12 @@ def test_no_dead_ends_on_maskbench_dev_relaxed_schemas(cl100k):
             pass
         valid = [t["data"] for t in doc["tests"] if t["valid"]][:2]
         jobs += [(path.name, doc["schema"], json.dumps(v, ensure_ascii=False)) for v in valid]
-    seeds = int(os.environ.get("MASKD_DEAD_END_SEEDS", "1"))   # more writers per guide with a flag
+    seeds = SEEDS   # more writers per guide with a flag
     outcomes = []
     with MaskServer(ServerConfig(port=0, tokenizer="deepseek-v4", threads=2)) as srv:
         table = TokenTable(tok)
         for seed in range(1, seeds + 1):
-            outcomes += write(srv.address, tok, table, jobs, seed=seed, follow=0.9, max_tokens=200)
+            outcomes += write(srv.address, tok, table, jobs, seed=seed, follow=0.9, max_tokens=200, style=style)
     dead, summary = report(outcomes)
     assert len(outcomes) == seeds * len(jobs) and len(jobs) > 100   # the relaxed schemas' valid instances as guides
     # None left (issue 20): 0 of 2,400 writers with MASKD_DEAD_END_SEEDS=20 (5 of 360 at the stop

@@ -86,6 +86,7 @@ class CloserTable:
         ids, outside, inside, escaped = [], [], [], []
         texts: list[tuple[bytes, int]] = []
         key_leads: list[int] = []
+        digits: dict[int, bytes] = {}
         empty: dict[str, list[int]] = {lead + k: [] for lead in WHOLE_LEADS
                                        for k in ("{}", "[]", "{}+", "[]+", "null", "true", "false")}
         enders: dict[str, tuple[list[int], list[bytes]]] = {"string": ([], []), "escaped string": ([], []),
@@ -95,6 +96,8 @@ class CloserTable:
                 continue
             data = ll.decode_bytes([t])
             texts.append((data, t))
+            if data.isdigit():
+                digits[t] = data
             if data.lstrip(_WS)[:1] in (b'"', b",", b"}", b"]"):
                 key_leads.append(t)
             if b'"' in data:
@@ -140,6 +143,9 @@ class CloserTable:
         self.texts = [text for text, _ in texts]
         self.text_ids = np.array([t for _, t in texts], dtype=np.int64)
         self.key_leads = np.array(key_leads, dtype=np.int64)
+        # Tokens of digits only (a number that goes on): ids, and each one's text.
+        self.digits = digits
+        self.digit_ids = np.array(sorted(digits), dtype=np.int64)
         self.ids = np.array(ids, dtype=np.int64)
         self.outside = np.array(outside, dtype=np.int8)
         self.inside = np.array(inside, dtype=np.int8)

@@ -246,6 +246,9 @@ class JsonDocumentChecker(DocumentChecker):
             keys = self._key_vetoes(state, data, row)
             if keys is not None:
                 out.append(keys)
+        grows = self._integer_growth_fails(state, data, row)
+        if grows is not None:
+            out.append(grows)
         lead = _whole_value_lead(sc)
         if lead is not None:
             for text, value in _WHOLE_VALUES:
@@ -284,12 +287,12 @@ class JsonDocumentChecker(DocumentChecker):
             return None
         for k, frame in enumerate(reversed(sc.stack[-_CLOSE_LEVELS:]), 1):
             tail += b"}" if frame.is_object else b"]"
-            if frame.ctx is None or not frame.ctx[0] or len(data) - frame.start > _CLOSE_CHECK_BYTES:
+            if frame.ctx is None or not (frame.ctx[0] or frame.ctx[2]) or len(data) - frame.start > _CLOSE_CHECK_BYTES:
                 continue
             value, unread = parse(bytes(data[frame.start:]) + tail)
             if unread is not None:
                 return None            # a literal or number not finished yet ("tru", "1."): not decided here
-            problem = self.validator.fails_at(frame.ctx[0], value, frame.ctx[1])
+            problem = self._fails(frame.ctx, value)
             if problem is not None:
                 state.veto = problem.after("closing it here: ")
                 return k, sc.in_string, escaped
@@ -355,12 +358,51 @@ class JsonDocumentChecker(DocumentChecker):
         fails[failing] = True
         return ids[fails[which]]
 
+    def _integer_growth_fails(self, state: _DocState, data: bytearray, row):
+        """The digit tokens the row allows that would take an integer being written past 2^53 to one
+        that does not pass and that no integer constant of the schema starts with: complete mode's
+        grammar widens such a constant to the integers between the doubles around it
+        (``numbers.grammar_numbers``), so ``9007199254740992`` for ``9007199254740993`` is grammatical,
+        and no digit can follow it there (a longer number leaves the range): a dead end. Only where
+        something judges the value (a pinned subschema, its object's unions, the whole document at
+        the root)."""
+        big = self.validator.big_integers
+        sc = state.scanner
+        assert sc is not None
+        closers = self.closers
+        if not big or closers is None or sc.in_string or sc.scalar_start < 0:
+            return None
+        head = bytes(data[sc.scalar_start:])
+        digits = head[1:] if head[:1] == b"-" else head
+        if not digits.isdigit() or len(digits) + 8 < 16:   # not an integer, or far from 2^53 (a token adds few digits)
+            return None
+        if sc.stack:
+            top = sc.stack[-1]
+            if top.ctx is None:
+                return None
+            start = sc.scalar_start
+            judge = self._member_judge(top.child_ctx, top, lambda: bytes(data[top.start:start]))
+        else:
+            judge = self.validator.check
+        if judge is None:
+            return None
+        vetoed = []
+        for t in closers.allowed(row, closers.digit_ids):
+            text = head + closers.digits[int(t)]
+            if abs(int(text)) < 1 << 53 or any(k.startswith(text) for k in big):
+                continue
+            problem = judge(int(text))
+            if problem is not None:
+                vetoed.append(int(t))
+                state.veto = _lead("writing this integer: ", problem)
+        return np.array(vetoed, dtype=np.int64) if vetoed else None
+
     def _member_judge(self, ctx, top, members_so_far):
         """What decides whether a value ending here passes: its pinned subschemas, and in an object,
         the branches of its unions the member leaves (none: it fails) and the dependent schemas
         (``validation.dependents``) its members trigger, on the object with this member
         (``members_so_far()``: its text up to the value); None when nothing would."""
-        pinned = ctx is not None and bool(ctx[0])
+        pinned = ctx is not None and bool(ctx[0] or ctx[2])
         dependents = self.validator.dependents(top.ctx[0]) if top.is_object else None
         unions = top.ctx[2] if top.is_object and isinstance(top.key, str) else ()
         if not pinned and not dependents and not unions:
@@ -369,7 +411,7 @@ class JsonDocumentChecker(DocumentChecker):
 
         def judge(value):
             if pinned:
-                failed = self.validator.fails_at(ctx[0], value, ctx[1])
+                failed = self._fails(ctx, value)
                 if failed is not None:
                     return failed
             deps = dependents
@@ -515,7 +557,7 @@ class JsonDocumentChecker(DocumentChecker):
         assert sc is not None
         if not sc.stack:
             ctx = sc.root_ctx
-            problem = None if ctx is None else self.validator.fails_at(ctx[0], value, ctx[1])
+            problem = None if ctx is None else self._fails(ctx, value)
         else:
             top = sc.stack[-1]
             if top.ctx is None:
@@ -532,13 +574,25 @@ class JsonDocumentChecker(DocumentChecker):
         """A child's context: (pinned pointers worth checking, where it sits, the unions whose branches
         its members narrow), or None when nothing there is checked. A member of an object whose
         unions are still open is watched even where nothing below it is: its value may rule out
-        branches (``_settle``)."""
+        branches (``_settle``); the child is under those unions in turn (``validation.inherit``):
+        it must pass one of the branches' subschemas for it, whatever construct leads there."""
         ptrs, where = ctx[0], ctx[1]
         child = self.validator.watch(ptrs, key)
         if child is None and not ctx[2]:
             return None
         child = child or frozenset()
-        return (child, f"{where}/{key}", self.validator.unions(child) if child else ())
+        unions = (self.validator.unions(child) if child else ()) + self.validator.inherit(ctx[2], key)
+        return (child, f"{where}/{key}", unions)
+
+    def _fails(self, ctx, value) -> Problem | None:
+        """Why ``value`` in context ``ctx`` could not pass: a pinned subschema it fails, or a union it
+        is under (its own, or one of a container it is in: ``_watch``) with no branch it passes."""
+        problem = self.validator.fails_at(ctx[0], value, ctx[1]) if ctx[0] else None
+        if problem is None and ctx[2] and self.validator.union_fails(ctx[2], value) is not None:
+            where = ctx[1] or "the document root"
+            problem = Problem(lambda: f"at {where}: {json.dumps(value)[:200]} passes no branch of a oneOf / anyOf "
+                                      f"it is under")
+        return problem
 
     def _settle(self, parent, key: str, data, start: int, end: int):
         """Once a member of an object under a ``oneOf`` / ``anyOf`` is complete, the branches it rules
@@ -556,7 +610,7 @@ class JsonDocumentChecker(DocumentChecker):
             possible = self.validator.narrow(branches, key, value)
             if len(possible) == 1:
                 pinned.update(p for p in possible[0] if self.validator.subtree_relaxed(p))
-            elif possible:
+            if possible:   # one branch left stays too: the object's end must pass it whole
                 left.append(possible)
         return (parent[0] | pinned, parent[1], tuple(left))
 

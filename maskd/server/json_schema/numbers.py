@@ -74,3 +74,19 @@ def grammar_numbers(schema: Any) -> tuple[Any, frozenset[str]]:
         return out
     out = map_schemas(schema, fix)
     return (out, frozenset(words)) if words else (schema, frozenset())
+
+
+def inexact_integers(schema: Any) -> tuple[bytes, ...]:
+    """The decimal texts of the ``const`` / ``enum`` integers of ``schema`` that the grammar widens
+    (``grammar_numbers``): the rows keep a number from growing past 2^53 into one that no continuation
+    can make pass (``JsonDocumentChecker``)."""
+    found: set[bytes] = set()
+
+    def visit(node: dict) -> dict:
+        values = [node["const"]] if "const" in node else node.get("enum")
+        if isinstance(values, list):
+            found.update(str(v).encode() for v in values if _inexact(v))
+        return node
+    if isinstance(schema, dict) and ('"const"' in json.dumps(schema) or '"enum"' in json.dumps(schema)):
+        map_schemas(schema, visit)
+    return tuple(sorted(found))

@@ -22,6 +22,7 @@ from typing import Any
 import jsonschema_rs
 
 from maskd.server.json_schema.formats import FORMAT_CHECKERS
+from maskd.server.json_schema.numbers import inexact_integers
 from maskd.server.json_schema.relax import map_schemas, node_at, pointer_path, subschemas
 from maskd.specs import json_depth
 
@@ -191,6 +192,9 @@ class SchemaValidator:
         self.root, self.schema = build_ecma(schema)
         schema = self.schema
         self.relaxed = relaxed_keywords
+        # integer constants the grammar widens to a range (numbers.py): a number may not grow into the
+        # range's other integers where it could then only end failing
+        self.big_integers = inexact_integers(schema) if {"const", "enum"} & relaxed_keywords else ()
         sch = schema.get("$schema", "") if isinstance(schema, dict) else ""
         self.legacy = isinstance(sch, str) and any(d in sch for d in _LEGACY_DRAFTS)
         self._map: Any = None
@@ -198,6 +202,9 @@ class SchemaValidator:
         self._nodes: dict[str, Any] = {}
         self._by_node: dict[int, bool] = {}   # id(subschema) -> holds a relaxed keyword (the schema is kept alive)
         self._unions: dict[frozenset[str], Unions] = {}
+        self._inherited: dict[tuple[Unions, str | int], Unions] = {}
+        self._patterns: dict[tuple[str, str], bool | None] = {}
+        self._pattern_validators: dict[str, Any] = {}
         self._dependents: dict[frozenset[str], dict[str, tuple[Any, ...]]] = {}
         self.root_ctx: frozenset[str] | None = None   # None: nothing below the root to check early
         if relaxed_keywords and isinstance(schema, dict):
@@ -220,10 +227,75 @@ class SchemaValidator:
         for ptr in ctx:
             node = self._node(ptr)
             if isinstance(node, dict):
-                child = self._child(ptr, node, key)
-                if child is not None:
+                for child in self._children(ptr, node, key):
                     out.update(p for p in self._expand(child) if self.subtree_relaxed(p))
         return frozenset(out) if out else None
+
+    def inherit(self, unions: Unions, key: str | int) -> Unions:
+        """The unions the child ``key`` of a value under ``unions`` (its open ``oneOf`` / ``anyOf``,
+        each branch as pointers) is under in turn: per union, each branch that can take the child,
+        as the pointers that apply to the child through it. The child must pass one of them (its
+        parent passes one branch); a union where a branch that takes the child says nothing of it
+        says nothing, and is left out."""
+        if not unions:
+            return ()
+        known = self._inherited.get((unions, key))
+        if known is not None:
+            return known
+        out = []
+        for branches in unions:
+            children = []
+            for branch in branches:
+                child = self._branch_child(branch, key)
+                if child is None:
+                    continue        # this branch cannot hold such a child: the parent is not in it
+                if not child:
+                    break           # it may: and says nothing of the child
+                children.append(child)
+            else:
+                if children:
+                    out.append(tuple(children))
+        found = tuple(out)
+        if len(self._inherited) < 4096:
+            self._inherited[(unions, key)] = found
+        return found
+
+    def _branch_child(self, branch: frozenset[str], key: str | int) -> frozenset[str] | None:
+        """The pointers that apply to the child ``key`` through one branch (empty: nothing there), or
+        None when the branch rules such a child out (the parent's type, a key it forbids)."""
+        out: set[str] = set()
+        for ptr in branch:
+            node = self._node(ptr)
+            if node is False:
+                return None
+            if not isinstance(node, dict) or (self.legacy and "$ref" in node):
+                continue
+            t = node.get("type")
+            want = "object" if isinstance(key, str) else "array"
+            if (isinstance(t, str) and t != want) or (isinstance(t, list) and want not in t):
+                return None
+            children = self._children(ptr, node, key)
+            if isinstance(key, str) and not children and node.get("additionalProperties") is False \
+                    and not node.get("patternProperties"):
+                return None
+            for child in children:
+                out |= self._expand(child)
+        return frozenset(out)
+
+    def union_fails(self, unions: Unions, value: Any) -> tuple[frozenset[str], ...] | None:
+        """The first union ``value`` passes no branch of (each branch checked whole, every keyword:
+        the grammar takes the union of relaxed branches, not each one), or None."""
+        for branches in unions:
+            if not any(self._branch_passes(b, value) for b in branches):
+                return branches
+        return None
+
+    def _branch_passes(self, branch: frozenset[str], value: Any) -> bool:
+        for ptr in branch:
+            validator = self._validator(ptr)
+            if validator is not None and not passes(validator, value):
+                return False
+        return True
 
     # -- unions: the branches an object can still match -------------------------------------------
     def unions(self, ctx: frozenset[str]) -> Unions:
@@ -406,27 +478,66 @@ class SchemaValidator:
                     out |= self._expand(f"{ptr}/allOf/{i}", seen | {ptr})
         return frozenset(out)
 
-    def _child(self, ptr: str, node: dict, key: str | int) -> str | None:
+    def _children(self, ptr: str, node: dict, key: str | int) -> list[str]:
+        """The subschemas of ``ptr`` that apply to its child ``key``: a member's property, the
+        ``patternProperties`` its key matches, ``additionalProperties`` where neither does (decided
+        by the validator's own regex engine; a pattern it cannot decide pins nothing there); an
+        item's ``prefixItems`` / ``items`` / ``additionalItems``."""
         if self.legacy and "$ref" in node:
-            return None    # siblings of $ref do not apply before draft 2019-09
+            return []    # siblings of $ref do not apply before draft 2019-09
         if isinstance(key, str):
+            out = []
             props = node.get("properties")
-            if isinstance(props, dict) and key in props:
-                return f"{ptr}/properties/{_escape(key)}"
-            if not node.get("patternProperties") and isinstance(node.get("additionalProperties"), dict):
-                return f"{ptr}/additionalProperties"
-            return None
+            named = isinstance(props, dict) and key in props
+            if named:
+                out.append(f"{ptr}/properties/{_escape(key)}")
+            matched = undecided = False
+            patterns = node.get("patternProperties")
+            if isinstance(patterns, dict):
+                for pattern in patterns:
+                    hit = self._matches(pattern, key)
+                    if hit is None:
+                        undecided = True
+                    elif hit:
+                        matched = True
+                        out.append(f"{ptr}/patternProperties/{_escape(pattern)}")
+            if not (named or matched or undecided) and isinstance(node.get("additionalProperties"), dict):
+                out.append(f"{ptr}/additionalProperties")
+            return out
         prefix = node.get("prefixItems")
         items = node.get("items")
         if isinstance(prefix, list) and not self.legacy:
             if key < len(prefix):
-                return f"{ptr}/prefixItems/{key}"
-            return f"{ptr}/items" if isinstance(items, dict) else None
+                return [f"{ptr}/prefixItems/{key}"]
+            return [f"{ptr}/items"] if isinstance(items, dict) else []
         if isinstance(items, list):
             if key < len(items):
-                return f"{ptr}/items/{key}"
-            return f"{ptr}/additionalItems" if isinstance(node.get("additionalItems"), dict) else None
-        return f"{ptr}/items" if isinstance(items, dict) else None
+                return [f"{ptr}/items/{key}"]
+            return [f"{ptr}/additionalItems"] if isinstance(node.get("additionalItems"), dict) else []
+        return [f"{ptr}/items"] if isinstance(items, dict) else []
+
+    def _matches(self, pattern: str, key: str) -> bool | None:
+        """Whether ``key`` matches a ``patternProperties`` pattern, as the validator reads it; None
+        when the validator cannot say."""
+        known = self._patterns.get((pattern, key))
+        if known is not None or (pattern, key) in self._patterns:
+            return known
+        hit: bool | None = None
+        validator = self._pattern_validators.get(pattern)
+        if validator is None and pattern not in self._pattern_validators:
+            try:
+                validator = build({"pattern": pattern})
+            except ValidatorError:
+                validator = None
+            self._pattern_validators[pattern] = validator
+        if validator is not None:
+            try:
+                hit = bool(validator.is_valid(key))
+            except Exception:
+                hit = None
+        if len(self._patterns) < 65536:
+            self._patterns[(pattern, key)] = hit
+        return hit
 
     def _own_relaxed(self, ptr: str) -> bool:
         node = self._node(ptr)
