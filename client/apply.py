@@ -660,7 +660,7 @@ def apply_token_bitmask_reference(
 # --------------------------------------------------------------------------------------------
 
 
-class _Slot:
+class _StagingSlot:
     __slots__ = ("consumed", "copied", "device", "host", "host_np")
 
     def __init__(self) -> None:
@@ -718,10 +718,10 @@ class BitmaskBuffers:
         self.words = int(words)
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
         self._on_device = self.device.type != "cpu"
-        self._slots = [_Slot() for _ in range(int(num_slots))]
+        self._slots = [_StagingSlot() for _ in range(int(num_slots))]
         self._next = 0
-        self._last: _Slot | None = None
-        self._reserved: _Slot | None = None     # the slot host_rows handed out for the next upload
+        self._last: _StagingSlot | None = None
+        self._reserved: _StagingSlot | None = None     # the slot host_rows handed out for the next upload
         self._capacity = max(1, int(max_rows))
         for slot in self._slots:
             self._allocate(slot, self._capacity)
@@ -733,7 +733,7 @@ class BitmaskBuffers:
         """Rows every slot can take without growing."""
         return self._capacity
 
-    def _allocate(self, slot: _Slot, rows: int) -> None:
+    def _allocate(self, slot: _StagingSlot, rows: int) -> None:
         # Old buffers may still be read or written by queued copies: let those finish first.
         if slot.copied is not None:
             slot.copied.synchronize()

@@ -27,9 +27,8 @@ from maskd.specs import GrammarSpec, SpecError
 from maskd_client.connection import ConnectionSettings, fingerprint_of, spec_proto
 from maskd_client.core import ClientCore
 from maskd_client.merge import merge_results
-from maskd_client.recovery import Unreachable
 from maskd_client.routing import DirectoryError, DirectoryRouter, NoOwner, strip_prefix
-from maskd_client.types import MaskClientError
+from maskd_client.types import MaskClientError, Unreachable
 
 __all__ = ["ClusterClient", "merge_results"]
 _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE

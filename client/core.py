@@ -34,8 +34,7 @@ import numpy as np
 from maskd.v1 import maskd_pb2 as pb
 from maskd.v1.contract import ServerInfo
 from maskd_client.connection import Connection, ConnectionSettings, spec_proto
-from maskd_client.ledger import Advance, SequenceLedger, Undo
-from maskd_client.ledger import SequenceState as LedgerRecord
+from maskd_client.ledger import Advance, LedgerSequence, SequenceLedger, Undo
 from maskd_client.merge import gather
 from maskd_client.recovery import LostServer, Recovery, Unreachable
 from maskd_client.routing import DirectoryError, NoOwner, Router
@@ -411,7 +410,7 @@ class _Part:
         self.entries: list[pb.SeqStep] = []
         self.undo: list[Undo] = []
         self.plain_ids: list[str] = []
-        self.plain_seqs: list[LedgerRecord] = []
+        self.plain_seqs: list[LedgerSequence] = []
         self.plain_tokens: list[list[int]] = []
         self.plain_unmasked = False
 

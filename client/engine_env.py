@@ -121,9 +121,9 @@ def register_compiled(client: Any, spec: Any, wait_timeout_s: float, timeout_s: 
                 time.sleep(0.05)
 
 
-def settle(result: StepResult, keys: Mapping[str, K], step: Callable[[dict[str, Any]], StepResult],
-           wait_timeout_s: float, ready: Callable[[K, SeqResult, StepResult], None],
-           give_up: Callable[[K, str], None], again: Callable[[K, SeqResult], Any] | None = None) -> int:
+def deliver_answers(result: StepResult, keys: Mapping[str, K], step: Callable[[dict[str, Any]], StepResult],
+                    wait_timeout_s: float, ready: Callable[[K, SeqResult, StepResult], None],
+                    give_up: Callable[[K, str], None], again: Callable[[K, SeqResult], Any] | None = None) -> int:
     """Hands every sequence of ``keys`` (seq_id -> the adapter's own key: a batch row, a slot) its
     answer: ``ready`` for a row, ``give_up`` for a failure or a refusal. Sequences whose grammar is
     still compiling are polled with empty steps (1 ms doubling to 50 ms) until ``wait_timeout_s``,

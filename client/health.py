@@ -7,13 +7,11 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from maskd_client.types import MaskClientError
+from maskd_client.types import MaskClientError, Unreachable
+
+__all__ = ["SERVING", "Unreachable", "check"]
 
 SERVING = "SERVING"
-
-
-class Unreachable(MaskClientError):
-    """Nothing answered the health check within the connect deadline; the message says why."""
 
 
 def _target(address: str) -> str:
@@ -40,8 +38,7 @@ def check(address: str, *, service: str = "", connect_timeout_s: float = 10.0, t
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise Unreachable(f"cannot reach {target} within {connect_timeout_s:g} s: {reason}",
-                                  grpc.StatusCode.UNAVAILABLE)
+                raise Unreachable(target, f"nothing answered within {connect_timeout_s:g} s: {reason}")
             try:
                 reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=min(left, 5.0),
                                    wait_for_ready=False)

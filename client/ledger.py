@@ -21,7 +21,7 @@ from maskd_client.types import MaskClientError
 
 
 @dataclasses.dataclass
-class SequenceState:
+class LedgerSequence:
     """One sequence as the client knows it (including the steps it sent but not yet heard back)."""
     spec: pb.GrammarSpec
     step: int = -1                                   # last step sent
@@ -81,7 +81,7 @@ class Advance(NamedTuple):
 
 class SequenceLedger:
     def __init__(self) -> None:
-        self._seqs: dict[str, SequenceState] = {}
+        self._seqs: dict[str, LedgerSequence] = {}
 
     def __contains__(self, seq_id: str) -> bool:
         return seq_id in self._seqs
@@ -103,7 +103,7 @@ class SequenceLedger:
         if seq_id in self._seqs:
             raise MaskClientError(f"sequence {seq_id!r} is already open on this client",
                                   grpc.StatusCode.ALREADY_EXISTS)
-        self._seqs[seq_id] = SequenceState(spec, grammar_id=grammar_id)
+        self._seqs[seq_id] = LedgerSequence(spec, grammar_id=grammar_id)
 
     def close(self, seq_id: str) -> pb.SeqStep | None:
         """Forgets a sequence; returns the close entry for the server (None if it never got there)."""
@@ -113,11 +113,11 @@ class SequenceLedger:
         return pb.SeqStep(seq_id=seq_id, step=seq.step, close=True)
 
     # -- steps ------------------------------------------------------------------------------------
-    def checked(self, advances: Sequence[Advance]) -> list[SequenceState]:
+    def checked(self, advances: Sequence[Advance]) -> list[LedgerSequence]:
         """Each input's record, every input checked first: MaskClientError (nothing changed) for an
         unknown sequence, a negative propose or a rollback past its history."""
         seqs = self._seqs
-        records: list[SequenceState] = []
+        records: list[LedgerSequence] = []
         append = records.append
         for a in advances:
             seq = seqs.get(a.seq_id)
@@ -132,12 +132,12 @@ class SequenceLedger:
             append(seq)
         return records
 
-    def plain(self, tokens_by_seq: Mapping[str, Any]) -> tuple[list[str], list[SequenceState], list[list[int]]] | None:
+    def plain(self, tokens_by_seq: Mapping[str, Any]) -> tuple[list[str], list[LedgerSequence], list[list[int]]] | None:
         """The decode step's common case checked in one pass, with no Advance per input: every input
         a list of one int, every sequence open on its server with its handle known. (ids, records,
         tokens) for ``advance_plain``; None where any input needs ``checked`` (nothing changed)."""
         seqs = self._seqs
-        records: list[SequenceState] = []
+        records: list[LedgerSequence] = []
         tokens: list[list[int]] = []
         for sid, value in tokens_by_seq.items():
             seq = seqs.get(sid)
@@ -170,7 +170,7 @@ class SequenceLedger:
         return entry, UndoRecord(a.seq_id, seq.step, len(a.tokens), popped, opened_here)
 
     @staticmethod
-    def advance_plain(seq_ids: list[str], seqs: list[SequenceState],
+    def advance_plain(seq_ids: list[str], seqs: list[LedgerSequence],
                       tokens: list[list[int]]) -> tuple[list[int], list[int], PlainUndo]:
         """Columnar steps of sequences that can take them (open on their server, handle known; their
         records as ``checked`` gave them): (handles, steps, undo)."""
@@ -239,7 +239,7 @@ class SequenceLedger:
         return requests
 
 
-def _revert(seq: SequenceState, rec: UndoRecord) -> None:
+def _revert(seq: LedgerSequence, rec: UndoRecord) -> None:
     if rec.n_tokens:
         del seq.history[-rec.n_tokens:]
     seq.history.extend(rec.popped)

@@ -26,7 +26,7 @@ from maskd_client.ledger import SequenceLedger, Undo, UndoRecord, records_of
 from maskd_client.merge import chain, gather
 from maskd_client.routing import NoOwner, Router
 from maskd_client.stream import InFlight, StepStream, fail_all
-from maskd_client.types import MaskClientError, describe, reply_within
+from maskd_client.types import MaskClientError, Unreachable, describe, reply_within
 
 log = logging.getLogger("maskd_client")
 _C = grpc.StatusCode
@@ -35,12 +35,6 @@ _C = grpc.StatusCode
 RETRYABLE = frozenset((_C.UNAVAILABLE, _C.CANCELLED, _C.INTERNAL, _C.DEADLINE_EXCEEDED))
 _RESTORE_OK = (_C.ALREADY_EXISTS, _C.ABORTED)   # another rank restored it first
 DEFAULT_MAX_TOKENS_PER_STEP = 4096
-
-
-class Unreachable(MaskClientError):
-    def __init__(self, address: str, details: str) -> None:
-        super().__init__(f"maskd at {address} is unreachable: {details}", _C.UNAVAILABLE)
-        self.address = address
 
 
 @dataclasses.dataclass

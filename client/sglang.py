@@ -57,16 +57,16 @@ from sglang.srt.constrained.base_grammar_backend import (
 
 from maskd.specs import GrammarSpec, SpecError
 from maskd_client.apply import apply_token_bitmask_inplace
-from maskd_client.engine_env import EngineSettings, register_compiled, settle
+from maskd_client.engine_env import EngineSettings, deliver_answers, register_compiled
 from maskd_client.types import MaskClientError, SeqResult, SeqStatus, StepInput, StepResult, reply_within
 
-__all__ = ["BACKEND_NAME", "MaskdGrammar", "MaskdGrammarBackend", "register"]
+__all__ = ["BACKEND_NAME", "MaskdGrammarBackend", "SglangMaskdGrammar", "register"]
 
 BACKEND_NAME = "maskd"
 log = logging.getLogger("maskd_client.sglang")
 
 
-class MaskdGrammar(BaseGrammarObject):
+class SglangMaskdGrammar(BaseGrammarObject):
     """One request's grammar: a maskd sequence (opened on its first fill)."""
 
     def __init__(self, backend: MaskdGrammarBackend, spec: GrammarSpec, grammar_id: str) -> None:
@@ -133,7 +133,7 @@ class MaskdGrammar(BaseGrammarObject):
         by_backend: dict[int, tuple[MaskdGrammarBackend, list[GrammarRow]]] = {}
         for entry in entries:
             grammar = entry.grammar
-            if not isinstance(grammar, MaskdGrammar):   # another backend's object in a maskd batch
+            if not isinstance(grammar, SglangMaskdGrammar):   # another backend's object in a maskd batch
                 grammar.fill_vocab_mask(vocab_mask, entry.row)
                 continue
             by_backend.setdefault(id(grammar.backend), (grammar.backend, []))[1].append(entry)
@@ -153,8 +153,8 @@ class MaskdGrammar(BaseGrammarObject):
         apply_token_bitmask_inplace(logits, vocab_mask)
 
     # -- requests ------------------------------------------------------------------------------------
-    def copy(self) -> MaskdGrammar:
-        return MaskdGrammar(self.backend, self.spec, self.grammar_id)
+    def copy(self) -> SglangMaskdGrammar:
+        return SglangMaskdGrammar(self.backend, self.spec, self.grammar_id)
 
     def try_jump_forward(self, tokenizer) -> tuple[list[int], str] | None:
         if self.pending or self.rollback_due or self.terminated or not self.forced:
@@ -205,7 +205,7 @@ class MaskdGrammarBackend(BaseGrammarBackend):
             grammar_id = register_compiled(self.client, spec, self.settings.wait_timeout_s, self.settings.timeout_s)
         except (SpecError, MaskClientError) as exc:
             return InvalidGrammarObject(str(exc))
-        return MaskdGrammar(self, spec, grammar_id)
+        return SglangMaskdGrammar(self, spec, grammar_id)
 
     def dispatch_json(self, key_string: str) -> BaseGrammarObject:
         return self._register({"json_schema": key_string})
@@ -229,9 +229,9 @@ class MaskdGrammarBackend(BaseGrammarBackend):
             while self._closing:
                 self._close(self._closing.popleft())
             request: dict[str, Any] = {}
-            rows: dict[str, tuple[int, MaskdGrammar]] = {}
+            rows: dict[str, tuple[int, SglangMaskdGrammar]] = {}
             for entry in entries:
-                g: MaskdGrammar = entry.grammar
+                g: SglangMaskdGrammar = entry.grammar
                 if g.seq_id is None:
                     g.seq_id = f"{self._prefix}{next(self._ids)}"
                     self.client.open(g.seq_id, g.spec, grammar_id=g.grammar_id)   # the id register gave
@@ -248,13 +248,13 @@ class MaskdGrammarBackend(BaseGrammarBackend):
             result = self._step(request)
             rest = self._take_rows(vocab_mask, rows, result)
             if rest:     # still compiling, refused or failed: one at a time
-                self.polls += settle(result, rest, self._step, self.settings.wait_timeout_s,
-                                     lambda key, res, result: self._take_row(vocab_mask, key, res, result),
-                                     lambda key, reason: self._give_up(vocab_mask, key, reason),
-                                     lambda key, res: self._open_with_spec(key, res, request))
+                self.polls += deliver_answers(result, rest, self._step, self.settings.wait_timeout_s,
+                                              lambda key, res, result: self._take_row(vocab_mask, key, res, result),
+                                              lambda key, reason: self._give_up(vocab_mask, key, reason),
+                                              lambda key, res: self._open_with_spec(key, res, request))
 
-    def _take_rows(self, vocab_mask: torch.Tensor, rows: dict[str, tuple[int, MaskdGrammar]],
-                   result: StepResult) -> dict[str, tuple[int, MaskdGrammar]]:
+    def _take_rows(self, vocab_mask: torch.Tensor, rows: dict[str, tuple[int, SglangMaskdGrammar]],
+                   result: StepResult) -> dict[str, tuple[int, SglangMaskdGrammar]]:
         """The rows of every sequence the step answered with one, into SGLang's mask at once (one
         gather from the step's rows, one scatter into the mask); returns the other sequences."""
         ids = result.ids
@@ -280,14 +280,14 @@ class MaskdGrammarBackend(BaseGrammarBackend):
             g.forced = result.forced_tokens(sid)
         return rest
 
-    def _take_row(self, vocab_mask: torch.Tensor, key: tuple[int, MaskdGrammar], res: SeqResult,
+    def _take_row(self, vocab_mask: torch.Tensor, key: tuple[int, SglangMaskdGrammar], res: SeqResult,
                   result: StepResult) -> None:
         row, g = key
         g.row = result.bitmask[res.row].copy()
         g.forced = list(res.forced_tokens)
         self._set_row(vocab_mask, row, g.row)
 
-    def _open_with_spec(self, key: tuple[int, MaskdGrammar], res: SeqResult, request: dict[str, Any]) -> Any:
+    def _open_with_spec(self, key: tuple[int, SglangMaskdGrammar], res: SeqResult, request: dict[str, Any]) -> Any:
         """An open that named the grammar id the server no longer holds (evicted, or registered on
         another server): refused (NOT_FOUND) and taken back by the client, it goes again at once
         and carries the spec, which the server compiles (under the same id: later copies of this
@@ -301,7 +301,7 @@ class MaskdGrammarBackend(BaseGrammarBackend):
             return request[str(g.seq_id)]
         return None
 
-    def _give_up(self, vocab_mask: torch.Tensor, key: tuple[int, MaskdGrammar], reason: str) -> None:
+    def _give_up(self, vocab_mask: torch.Tensor, key: tuple[int, SglangMaskdGrammar], reason: str) -> None:
         row, g = key
         g.failed = reason
         log.error("maskd sequence %s failed: %s; its request ends here (EOS-only row)", g.seq_id, g.failed)

@@ -14,8 +14,8 @@ import numpy as np
 
 from maskd.v1.contract import SeqStatus, ServerInfo
 
-__all__ = ["MaskClientError", "SeqResult", "SeqStatus", "ServerInfo", "StepInput", "StepResult", "describe",
-           "grpc_code", "reply_within"]
+__all__ = ["MaskClientError", "SeqResult", "SeqStatus", "ServerInfo", "StepInput", "StepResult", "Unreachable",
+           "describe", "grpc_code", "reply_within"]
 
 _HAS_ROWS = frozenset((SeqStatus.READY, SeqStatus.FINISHED))
 _CODE_BY_VALUE = {c.value[0]: c for c in grpc.StatusCode}
@@ -32,6 +32,15 @@ class MaskClientError(RuntimeError):
     def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
         super().__init__(message)
         self.code = code
+
+
+class Unreachable(MaskClientError):
+    """Nothing at ``address`` answered (UNAVAILABLE); ``details`` says why: a health check's last
+    reason, a connect or restore that found no server there."""
+
+    def __init__(self, address: str, details: str) -> None:
+        super().__init__(f"maskd at {address} is unreachable: {details}", grpc.StatusCode.UNAVAILABLE)
+        self.address = address
 
 
 def describe(exc: BaseException) -> str:

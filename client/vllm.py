@@ -102,7 +102,7 @@ from maskd.specs import GrammarSpec, SpecError
 from maskd_client.engine_env import EngineConfigError, EngineSettings, register_compiled
 from maskd_client.types import MaskClientError, SeqStatus, StepInput, describe, reply_within
 
-__all__ = ["BACKEND", "EXTRA_ARGS_KEY", "GrammarDrafts", "MaskdGrammar", "MaskdStructuredOutputs", "register",
+__all__ = ["BACKEND", "EXTRA_ARGS_KEY", "GrammarDrafts", "MaskdStructuredOutputs", "VllmMaskdGrammar", "register",
            "spec_of"]
 
 EXTRA_ARGS_KEY = "maskd"
@@ -365,7 +365,7 @@ def _serves_all_or_400() -> bool:
 
 
 # -- the engine core -----------------------------------------------------------------------------
-class MaskdGrammar:
+class VllmMaskdGrammar:
     """One request's maskd sequence, as vLLM's StructuredOutputGrammar (registered as its subclass).
 
     Tokens vLLM accepts are kept until the next step sends them; the server's verdict on them
@@ -442,7 +442,7 @@ class _Entry:
     """One request's part of a step: which positions its rows go to."""
     __slots__ = ("count", "drafts", "first", "grammar", "positions", "propose", "start")
 
-    def __init__(self, grammar: MaskdGrammar, start: int, count: int, positions: range, first: int,
+    def __init__(self, grammar: VllmMaskdGrammar, start: int, count: int, positions: range, first: int,
                  drafts: list[int], propose: int = 0) -> None:
         self.grammar = grammar
         self.start = start          # its first row in the batch's bitmask
@@ -484,12 +484,12 @@ class MaskdStructuredOutputs:
         # and the rows they get wait for the next grammar_bitmask. Not with speculative decoding: its
         # drafts come after the tokens and go in one step with them (check_drafts).
         self.step_ahead_on = getattr(vllm_config, "speculative_config", None) is None
-        self.accepted: list[MaskdGrammar] = []     # grammars that accepted tokens since the last step ahead
-        self.ahead: tuple[concurrent.futures.Future, list[MaskdGrammar]] | None = None
+        self.accepted: list[VllmMaskdGrammar] = []     # grammars that accepted tokens since the last step ahead
+        self.ahead: tuple[concurrent.futures.Future, list[VllmMaskdGrammar]] | None = None
 
     # -- compiles -------------------------------------------------------------------------------
     def grammar(self, request: Any) -> concurrent.futures.Future:
-        """A future of the request's MaskdGrammar, done when the server has compiled its grammar."""
+        """A future of the request's VllmMaskdGrammar, done when the server has compiled its grammar."""
         marks = request.sampling_params.extra_args or {}
         spec = GrammarSpec.from_plain(marks[SPEC_KEY]) if SPEC_KEY in marks else spec_of(request.sampling_params)
         assert spec is not None
@@ -503,7 +503,7 @@ class MaskdStructuredOutputs:
             return ready
         return self.compiles.submit(self._compile, request.request_id, spec)
 
-    def _compile(self, seq_id: str, spec: GrammarSpec) -> MaskdGrammar:
+    def _compile(self, seq_id: str, spec: GrammarSpec) -> VllmMaskdGrammar:
         """(a compile thread) The request's grammar once the server has compiled it: vLLM holds the
         request (WAITING_FOR_FSM) until then, and the engine core's step never waits on a compile."""
         try:
@@ -522,7 +522,7 @@ class MaskdStructuredOutputs:
         grammar constrains, and a strided layout's rows past a request's positions, allow every token."""
         from vllm.v1.structured_output.utils import strip_speculative_padding
 
-        self.settle()
+        self.collect_ahead()
         starts, total = _bitmask_layout(manager, req_ids, spec_tokens)
         out = np.full((total, self.words), -1, dtype=np.int32)
         entries: list[_Entry] = []
@@ -555,7 +555,7 @@ class MaskdStructuredOutputs:
         the server for them, and they replace the worker's (empty) drafts of the request."""
         from vllm.v1.structured_output.utils import strip_speculative_padding
 
-        self.settle()
+        self.collect_ahead()
         entries: list[_Entry] = []
         where: dict[str, int] = {}
         for i, (req_id, raw) in enumerate(zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids)):
@@ -564,7 +564,7 @@ class MaskdStructuredOutputs:
                 continue
             so = request.structured_output_request
             grammar = so.grammar if so is not None and so.is_grammar_ready else None
-            if not isinstance(grammar, MaskdGrammar) or grammar.is_terminated():
+            if not isinstance(grammar, VllmMaskdGrammar) or grammar.is_terminated():
                 continue
             if self.propose:
                 # The grammar constrains the next token (not inside reasoning): the server proposes.
@@ -601,9 +601,9 @@ class MaskdStructuredOutputs:
         accepted, self.accepted = self.accepted, []
         if not self.step_ahead_on or not accepted:
             return
-        self.settle()
+        self.collect_ahead()
         request: dict[str, list[int]] = {}
-        grammars: list[MaskdGrammar] = []
+        grammars: list[VllmMaskdGrammar] = []
         for g in accepted:
             if g.opened and not g.closed and not g.is_terminated() and g.pending and g.seq_id not in request:
                 request[g.seq_id], g.pending = g.pending, []
@@ -619,7 +619,7 @@ class MaskdStructuredOutputs:
         self.steps += 1
         self.ahead = (future, grammars)
 
-    def settle(self) -> None:
+    def collect_ahead(self) -> None:
         """Waits for the step sent ahead and gives each grammar its rows (or its failure); a grammar
         still compiling is asked again by grammar_bitmask."""
         if self.ahead is None:
@@ -762,10 +762,10 @@ def _grammar_drafts(vllm_config: Any) -> int:
 
 @functools.cache
 def _grammar_class() -> type:
-    """MaskdGrammar as a subclass of vLLM's StructuredOutputGrammar (vLLM imported only here)."""
+    """VllmMaskdGrammar as a subclass of vLLM's StructuredOutputGrammar (vLLM imported only here)."""
     from vllm.v1.structured_output.backend_types import StructuredOutputGrammar
 
-    return type("MaskdStructuredOutputGrammar", (MaskdGrammar, StructuredOutputGrammar), {})
+    return type("MaskdStructuredOutputGrammar", (VllmMaskdGrammar, StructuredOutputGrammar), {})
 
 
 # -- applying the rows (the worker) ---------------------------------------------------------------
@@ -913,7 +913,7 @@ def _free_request(original: Callable, scheduler: Any, request: Any, *args: Any, 
     so = getattr(request, "structured_output_request", None)
     if so is not None and _is_maskd(request):
         grammar = so.grammar if so.is_grammar_ready else None
-        if isinstance(grammar, MaskdGrammar):
+        if isinstance(grammar, VllmMaskdGrammar):
             grammar.close()
     return original(scheduler, request, *args, **kwargs)
 
@@ -921,7 +921,7 @@ def _free_request(original: Callable, scheduler: Any, request: Any, *args: Any, 
 def _update_from_output(original: Callable, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
     maskd = getattr(scheduler.structured_output_manager, "_maskd", None)
     if maskd is not None:
-        maskd.settle()
+        maskd.collect_ahead()
     outputs = original(scheduler, *args, **kwargs)
     if maskd is not None:
         maskd.step_ahead()

@@ -47,7 +47,7 @@ from maskd.server.plain_block import PlainBlock, request_key
 from maskd.server.quotas import Quotas
 from maskd.server.row_buffers import RowBuffers
 from maskd.server.sequence import RECENT_STEPS, Answer, SequenceState, fail, record_step
-from maskd.server.step_routing import Fill, Replay, StepRouting
+from maskd.server.step_routing import AnswerReplay, Fill, StepRouting
 from maskd.v1 import maskd_pb2 as pb
 from maskd.v1.contract import Code, GrammarState, SeqStatus
 
@@ -121,7 +121,7 @@ class Session(StepRouting):
             elif unknown:
                 refusals["not_found"] += unknown
             admitted = self._admit([pair for pair in pairs if not pair[1].status], refusals)
-            replays: list[Replay] = []
+            replays: list[AnswerReplay] = []
             moving, repeats = self._route(admitted, refusals, replays)
             consume, fill, check = self._advance(moving, refusals)
             fill += repeats
@@ -398,15 +398,15 @@ class Session(StepRouting):
         return kept
 
     # -- phase 6: filling -------------------------------------------------------------------------
-    def _fill(self, fill: list[Fill], replays: list[Replay], want_forced: bool, refusals,
+    def _fill(self, fill: list[Fill], replays: list[AnswerReplay], want_forced: bool, refusals,
               block: PlainBlock | None = None) -> tuple[np.ndarray, Callable[[], None] | None]:
         """Rows in entry order (SeqStep entries first, then columnar ones by index; a plain block's
         last): filled by the engine in one call, or copied from the kept answer of a repeat.
         Entries that ask for drafts get them proposed first (drafts.py)."""
         fill = self._propose(fill, refusals)
-        jobs: list[Fill | Replay] = [*fill, *replays]
+        jobs: list[Fill | AnswerReplay] = [*fill, *replays]
         jobs.sort(key=_row_order)
-        n_rows = sum(j.answer.result.num_rows if isinstance(j, Replay) else (not j.unmasked) + len(j.drafts)
+        n_rows = sum(j.answer.result.num_rows if isinstance(j, AnswerReplay) else (not j.unmasked) + len(j.drafts)
                      for j in jobs)
         if block is not None:
             n_rows += len(block)
@@ -419,7 +419,7 @@ class Session(StepRouting):
         row = 0
         any_drafts = False
         for job in jobs:
-            if isinstance(job, Replay):            # a repeat whose kept answer has its rows
+            if isinstance(job, AnswerReplay):            # a repeat whose kept answer has its rows
                 res = job.res
                 res.copy_answer(job.answer.result)
                 n = res.num_rows
@@ -536,7 +536,7 @@ class Session(StepRouting):
         fail(res, seq, seq.dead_reason, Code.INTERNAL)
 
 # -- rows ----------------------------------------------------------------------------------------
-def _drop_rows(out: np.ndarray, dropped: np.ndarray, jobs: list[Fill | Replay], block: PlainBlock | None) -> int:
+def _drop_rows(out: np.ndarray, dropped: np.ndarray, jobs: list[Fill | AnswerReplay], block: PlainBlock | None) -> int:
     """Removes rows from the front of ``out`` (moving the others up, first_row fixed); returns how
     many rows are left."""
     before = np.cumsum(dropped) - dropped          # rows dropped before each row
@@ -551,6 +551,6 @@ def _drop_rows(out: np.ndarray, dropped: np.ndarray, jobs: list[Fill | Replay], 
     return len(kept)
 
 
-def _row_order(job: Fill | Replay) -> tuple[bool, int]:
+def _row_order(job: Fill | AnswerReplay) -> tuple[bool, int]:
     """SeqStep entries first, then columnar ones (each by index): the columnar rows stay dense."""
     return job.res.columnar, job.res.index

@@ -4,7 +4,7 @@ Phase 1, admission: the request's size, duplicate entries and token ids; refused
 nothing. Phase 2, routing: closes, repeats (idempotency: a tensor-parallel rank that lags, a
 retry), opens and restores in parts, step order. What comes out is the entries that move their
 sequence (for the engine phases in session.py), the repeats answered from the unchanged state
-(``Fill`` with no tokens) and the repeats whose kept answer still has its rows (``Replay``).
+(``Fill`` with no tokens) and the repeats whose kept answer still has its rows (``AnswerReplay``).
 
 ``StepRouting`` is a part of ``Session`` (session.py), split out by concern: it reads and changes
 the session's sequences (``seqs``, ``by_handle``, ``closed``) and nothing of the engines' batching.
@@ -50,7 +50,7 @@ class Fill:
 
 
 @dataclasses.dataclass(slots=True)
-class Replay:
+class AnswerReplay:
     """A repeat whose kept answer still has its rows: they are copied, not filled again."""
     res: Result
     answer: Answer
@@ -311,7 +311,7 @@ class StepRouting:
               or msg.propose != answer.propose or msg.unmasked != answer.unmasked):
             self._divergence(res, seq, refusals)
         else:
-            replays.append(Replay(res, answer))
+            replays.append(AnswerReplay(res, answer))
         return True
 
     def _answer_repeat(self, res, seq: SequenceState, repeats: list[Fill], replays: list) -> None:
@@ -321,7 +321,7 @@ class StepRouting:
         answer = seq.kept(seq.step)
         if status in (READY, FINISHED) and answer is not None and (answer.result.num_rows or answer.unmasked) \
                 and self.buffers.holds(answer):
-            replays.append(Replay(res, answer))
+            replays.append(AnswerReplay(res, answer))
         elif status == FAILED:
             fail(res, seq, seq.dead_reason, seq.dead_code)
         elif status == WAITING or seq.matcher is None:

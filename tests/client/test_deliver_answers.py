@@ -1,16 +1,17 @@
-"""``engine_env.settle``, the engine adapters' shared answer loop, against a real server: rows go to
-``ready``, refusals and failures to ``give_up`` with the server's reason, grammars still compiling
-are polled with empty steps and given up once the wait runs out."""
+"""``engine_env.deliver_answers``, the engine adapters' shared answer loop, against a real server:
+rows go to ``ready``, refusals and failures to ``give_up`` with the server's reason, grammars still
+compiling are polled with empty steps and given up once the wait runs out."""
 import threading
 import time
 
+import grpc
 import numpy as np
 import pytest
 
 from conftest import allowed_ids, hold_compiles
 from maskd.server import MaskServer, ServerConfig
 from maskd_client import MaskClient, SeqStatus
-from maskd_client.engine_env import settle
+from maskd_client.engine_env import deliver_answers
 
 
 @pytest.fixture(scope="module")
@@ -27,9 +28,9 @@ def run(client, request, keys, wait_timeout_s):
         steps.append(req)
         return client.step_async(req).result(30)
 
-    polls = settle(step(request), keys, step, wait_timeout_s,
-                   lambda key, res, result: ready.__setitem__(key, result.bitmask[res.row].copy()),
-                   given_up.__setitem__)
+    polls = deliver_answers(step(request), keys, step, wait_timeout_s,
+                            lambda key, res, result: ready.__setitem__(key, result.bitmask[res.row].copy()),
+                            given_up.__setitem__)
     return polls, ready, given_up, steps[1:]
 
 
@@ -81,7 +82,7 @@ def test_again_sends_a_refused_open_at_once_with_its_spec(server, cl100k):
         codes, steps = [], []
 
         def again(key, res):
-            codes.append((key, res.code.name))
+            codes.append((key, res.code))
             return [] if key == "e" else None
 
         def step(req):
@@ -89,11 +90,12 @@ def test_again_sends_a_refused_open_at_once_with_its_spec(server, cl100k):
             return client.step_async(req).result(30)
 
         ready, given_up = {}, {}
-        polls = settle(step({"kept": [], "evicted": [], "refused": []}), {"kept": "k", "evicted": "e", "refused": "r"},
-                       step, 10, lambda key, res, result: ready.__setitem__(key, result.bitmask[res.row].copy()),
-                       given_up.__setitem__, again)
+        polls = deliver_answers(step({"kept": [], "evicted": [], "refused": []}),
+                                {"kept": "k", "evicted": "e", "refused": "r"}, step, 10,
+                                lambda key, res, result: ready.__setitem__(key, result.bitmask[res.row].copy()),
+                                given_up.__setitem__, again)
     assert polls == 0 and steps[1:] == [{"evicted": []}]             # sent again once, not polled
-    assert sorted(codes) == [("e", "NOT_FOUND"), ("r", "NOT_FOUND")]
+    assert sorted(codes) == [("e", grpc.StatusCode.NOT_FOUND), ("r", grpc.StatusCode.NOT_FOUND)]
     assert allowed_ids(ready["k"]) == set(cl100k.encode("g") + cl100k.encode("h"))
     assert allowed_ids(ready["e"]) == set(cl100k.encode("i") + cl100k.encode("j"))
     assert list(given_up) == ["r"] and "unknown grammar id" in given_up["r"]

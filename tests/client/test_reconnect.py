@@ -179,7 +179,7 @@ def _vllm_backend():
     backend.steps = 0
     backend.polls = 0
     backend.eos_row = np.zeros(4, dtype=np.int32)
-    grammar = vllm.MaskdGrammar(backend, "req-1", GrammarSpec.from_request(SPEC))
+    grammar = vllm.VllmMaskdGrammar(backend, "req-1", GrammarSpec.from_request(SPEC))
     return vllm, backend, grammar
 
 
@@ -188,7 +188,7 @@ def test_vllm_step_timeouts_name_the_timeout(caplog):
     caplog.set_level(logging.ERROR)
     vllm, backend, g = _vllm_backend()
     backend.ahead = (_NoReply(), [g])            # a step sent ahead
-    backend.settle()
+    backend.collect_ahead()
     want = "maskd step failed: TimeoutError: no reply from maskd at 10.0.0.9:50051 within 35 s"
     assert g.failure == want
     assert any(want in m for m in (r.getMessage() for r in caplog.records))

@@ -12,7 +12,7 @@ from sglang.srt.constrained.base_grammar_backend import GRAMMAR_BACKEND_REGISTRY
 from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, load_plugins_by_group
 from sglang_drive import allowed, backend_from_registry, compile, llguidance_rows, masks, run_conformance
 
-from conftest import MASKBENCH, needs_maskbench, hold_compiles
+from conftest import MASKBENCH, hold_compiles, needs_maskbench
 from maskd.server import MaskServer, ServerConfig
 from maskd.server.tokenizers import load_tokenizer
 from maskd.tools import conformance
@@ -159,7 +159,7 @@ def test_accept_rollback_terminate_copy_and_jump_forward(backend, tok):
 
 def test_a_sequence_whose_grammar_is_compiling_waits_and_never_gets_all_allowed(backend, server, tok):
     spec = maskd_sglang.GrammarSpec.from_request({"regex": "w[0-9]{4}"})
-    g = maskd_sglang.MaskdGrammar(backend, spec, "not-registered")   # e.g. evicted from the server's cache
+    g = maskd_sglang.SglangMaskdGrammar(backend, spec, "not-registered")   # e.g. evicted from the server's cache
     ready, _ = compile(backend, ("regex", "r[0-9]+"))
     neighbour = ready.copy()                           # in the same batch, its grammar compiled
     gate = threading.Event()

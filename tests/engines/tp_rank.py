@@ -23,7 +23,7 @@ def run(rank: int, world: int, target: str, port: int, workdir: str, docs: list,
     from sglang_drive import backend_from_registry, compile, masks
 
     from maskd.server.tokenizers import load_tokenizer
-    from maskd_client.sglang import GrammarSpec, MaskdGrammar
+    from maskd_client.sglang import GrammarSpec, SglangMaskdGrammar
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     work = pathlib.Path(workdir)
@@ -44,7 +44,7 @@ def run(rank: int, world: int, target: str, port: int, workdir: str, docs: list,
         time.sleep(0.01)
     dist.barrier()
     # a grammar nobody registered (no id: its open carries the spec, and the server compiles it then)
-    late = MaskdGrammar(backend, GrammarSpec.from_request({"regex": "[0-9]{3}-[a-z]{2}"}), "")
+    late = SglangMaskdGrammar(backend, GrammarSpec.from_request({"regex": "[0-9]{3}-[a-z]{2}"}), "")
     requests.append([late, tok.encode("123-ab"), 0])
 
     report = {"polls_per_step": [], "steps": 0}

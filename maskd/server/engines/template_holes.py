@@ -24,7 +24,7 @@ from maskd.server.engines.tool_calls import (
     _QUOTE,
     _VALUE,
     _WS,
-    JsonScanner,
+    ComposedScanner,
 )
 
 _BRACE = 0x7B
@@ -53,7 +53,7 @@ def hole_tree(paths: Iterable[tuple[tuple[str | None, ...], str]]) -> HoleNode:
     return root
 
 
-class HoleScanner(JsonScanner):
+class HoleScanner(ComposedScanner):
     """Depth, strings, the containers on the way to holes (each frame: its node or None where no
     hole lies below, its kind, what an object expects next, its current key), and whether (and
     which) hole's object is open: ``params``, the depth just inside it (0 outside one), ``name``."""

@@ -52,7 +52,7 @@ _WS = frozenset(b" \t\r\n")
 _KEY, _COLON_NEXT, _VALUE, _AFTER = 1, 2, 3, 4
 
 
-class JsonScanner:
+class ComposedScanner:
     """What the scanners of composed grammars share (``CallScanner`` here, a template's
     ``template_holes.HoleScanner``): whether the output is in a string, after a backslash in one,
     and how deep it is; ``params`` the depth just inside the open piece (0 outside one), ``name``
@@ -69,7 +69,7 @@ class JsonScanner:
         return 0 if not self.in_str else (2 if self.esc else 1)
 
 
-class CallScanner(JsonScanner):
+class CallScanner(ComposedScanner):
     """Where the output stands in the call array, byte by byte: depth, strings, the current item's
     keys and name, and whether (and where) a call's parameters are open."""
     __slots__ = ("buf", "depth", "esc", "expect", "in_str", "key", "name", "params", "role")
