@@ -5,7 +5,7 @@
 decides), and the closes waiting for a step. A step is checked, recorded in the ledger, split by
 server and sent at once; the parts' answers merge into one StepResult in batch order.
 
-Recovery: a stream that ends hands its steps in flight to ``_stream_lost``. Retryable ends
+Recovery: a stream that ends hands its steps in flight to ``Recovery.stream_lost``. Retryable ends
 (UNAVAILABLE, a stream that just ends, a server going away) start one recovery for that address,
 on its own thread: the router names the new owners (the same server again, or the directory's
 choice), grammars are registered there, every sequence of the lost address is reopened at its
@@ -14,8 +14,8 @@ then the steps in flight and those sent meanwhile go out again, in order. One bu
 all: ``retries`` attempts with jittered exponential backoff, at most ``retries + 1`` sends of a
 step, ``recovery_timeout_s`` in all; past it, the steps fail with the reason. Other ends (a
 server refusing the call) fail the steps in flight at once. Either way the ledger is taken back
-to what the server acknowledged, so a later step restores from a consistent state. The recovery
-half lives in ``maskd_client.recovery``.
+to what the server acknowledged, so a later step restores from a consistent state. The core holds
+a ``maskd_client.recovery.Recovery`` for that, built over its lock and the state they share.
 """
 from __future__ import annotations
 
@@ -36,16 +36,16 @@ from maskd.v1.contract import ServerInfo
 from maskd_client.connection import Connection, ConnectionSettings, spec_proto
 from maskd_client.ledger import Advance, LedgerSequence, SequenceLedger, Undo
 from maskd_client.merge import gather
-from maskd_client.recovery import LostServer, Recovery, Unreachable
+from maskd_client.recovery import Recovery, RecoveryBudget
 from maskd_client.routing import DirectoryError, NoOwner, Router
 from maskd_client.stream import InFlight, StepStream, fail_all
-from maskd_client.types import MaskClientError, StepInput, StepResult, reply_within
+from maskd_client.types import MaskClientError, StepInput, StepResult, Unreachable, reply_within
 
 log = logging.getLogger("maskd_client")
 _C = grpc.StatusCode
 
 
-class ClientCore(Recovery):
+class ClientCore:
     def __init__(self, target: str, router: Router, settings: ConnectionSettings, *, session: str | None,
                  retries: int, retry_backoff_s: float, want_forced_tokens: bool, close_linger_s: float,
                  recovery_timeout_s: float, connect_timeout_s: float | None) -> None:
@@ -65,18 +65,18 @@ class ClientCore(Recovery):
         self._owner: dict[str, str] = {}
         self._connections: dict[str, Connection] = {}
         self._streams: dict[str, StepStream] = {}
-        self._recovering: dict[str, LostServer] = {}
-        self._lost: set[str] = set()        # ended idle: restore before the next step goes there
         self._closes: dict[str, list[tuple[pb.SeqStep, concurrent.futures.Future]]] = {}
         self._closes_due = 0.0
         self._closer: threading.Thread | None = None
         self._closed = False
         self._info: ServerInfo | None = None
-        # what recovery did (reported by tests and tools)
-        self.recoveries = 0       # lost streams recovered (or tried)
-        self.replays = 0          # sequences reopened with their token history
-        self.resent_steps = 0     # steps sent again after a recovery
-        self.moved = 0            # sequences that changed server
+        self._recovery = Recovery(
+            lock=self._cond, ledger=self._ledger, owner=self._owner, connections=self._connections,
+            streams=self._streams, closes=self._closes, router=router, session=self.session,
+            budget=RecoveryBudget(retries=self.retries, backoff_s=retry_backoff_s, timeout_s=recovery_timeout_s,
+                                  reply_timeout_s=self.timeout_s),
+            is_closed=lambda: self._closed, connect=self._connect, dispatch=self._dispatch,
+            on_refused=self._refused, on_handles=self._handles)
 
     # -- context manager --------------------------------------------------------------------------
     def __enter__(self):
@@ -86,9 +86,30 @@ class ClientCore(Recovery):
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
+    # -- what recovery did (reported by tests and tools) ------------------------------------------
+    @property
+    def recoveries(self) -> int:
+        """Lost streams recovered (or tried)."""
+        return self._recovery.recoveries
+
+    @property
+    def replays(self) -> int:
+        """Sequences reopened with their token history."""
+        return self._recovery.replays
+
+    @property
+    def resent_steps(self) -> int:
+        """Steps sent again after a recovery."""
+        return self._recovery.resent_steps
+
+    @property
+    def moved(self) -> int:
+        """Sequences that changed server."""
+        return self._recovery.moved
+
     @property
     def reconnects(self) -> int:
-        return self.recoveries
+        return self._recovery.recoveries
 
     # -- connections ------------------------------------------------------------------------------
     def _connection(self, address: str) -> Connection:
@@ -235,7 +256,7 @@ class ClientCore(Recovery):
         stream = self._streams.get(address)
         item = InFlight(pb.StepRequest(seqs=[c for c, _ in now]), concurrent.futures.Future(), [],
                         internal=True, closes=[(c.seq_id, f) for c, f in now])
-        if stream is None or address in self._recovering:
+        if stream is None or self._recovery.busy(address):
             fail_all([item], MaskClientError("no stream"))   # the server state is gone or being rebuilt
             return
         stream.send(item)
@@ -346,14 +367,9 @@ class ClientCore(Recovery):
 
     def _dispatch(self, address: str, item: InFlight) -> concurrent.futures.Future:
         """(under the lock) Sends on the address's stream, or hands the step to its recovery."""
-        recovery = self._recovering.get(address)
-        if recovery is not None:
-            recovery.held.append(item)
-            return item.future
-        if address in self._lost:
-            self._lost.discard(address)
-            self._start_recovery(LostServer(address, [], [item], "stream lost between steps"))
-            return item.future
+        held = self._recovery.take(address, item)
+        if held is not None:
+            return held
         stream = self._streams.get(address)
         if stream is None:
             stream = self._streams[address] = self._new_stream(address)
@@ -361,7 +377,7 @@ class ClientCore(Recovery):
 
     def _new_stream(self, address: str) -> StepStream:
         conn = self._connection(address)
-        return StepStream(conn, self.session, conn.info(), on_lost=self._stream_lost, on_refused=self._refused,
+        return StepStream(conn, self.session, conn.info(), on_lost=self._recovery.stream_lost, on_refused=self._refused,
                           on_handles=self._handles)
 
     def _handles(self, handles: dict[str, int]) -> None:

@@ -1,7 +1,12 @@
 """Recovery: rebuilding a lost server's sequences somewhere and sending their steps again.
 
-The part of ``ClientCore`` that runs when a stream ends (see maskd_client.core for the rules):
-``_stream_lost`` (on the stream's reader thread) decides; ``_recover`` (on a thread of its own)
+``Recovery`` is the collaborator a ``ClientCore`` hands its lost streams to (see maskd_client.core
+for the rules). It is built over the core's lock and the state it shares with the core, passed in
+explicitly (the ledger, owners, connections, streams, waiting closes), the router, the session key,
+a ``RecoveryBudget`` and the core's calls it needs (connect, dispatch, refusals, handles); it owns
+what only it keeps: the recoveries under way, the servers lost between steps, its counters.
+
+``stream_lost`` (on the stream's reader thread) decides; ``_recover`` (on a thread of its own)
 asks the router for the new owners, makes the grammars ready there, sends the restores (in parts)
 on streams of their own and waits for them, then resends the steps in flight and those held
 meanwhile, in order; past the budget, ``_give_up`` fails them and takes the ledger back.
@@ -14,7 +19,7 @@ import logging
 import random
 import threading
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import grpc
 import numpy as np
@@ -22,7 +27,7 @@ import numpy as np
 from maskd.v1 import maskd_pb2 as pb
 from maskd.v1.contract import SeqStatus
 from maskd_client.connection import Connection
-from maskd_client.ledger import SequenceLedger, Undo, UndoRecord, records_of
+from maskd_client.ledger import SequenceLedger, UndoRecord, records_of
 from maskd_client.merge import chain, gather
 from maskd_client.routing import NoOwner, Router
 from maskd_client.stream import InFlight, StepStream, fail_all
@@ -47,36 +52,79 @@ class LostServer:
     reason: str = ""
 
 
-class Recovery:
-    """The recovery half of ClientCore (a mixin); what it uses of the core is declared here."""
+@dataclasses.dataclass(frozen=True)
+class RecoveryBudget:
+    """What one recovery may spend: ``retries`` attempts after the first (jittered exponential
+    backoff from ``backoff_s``), at most ``retries + 1`` sends of a step, ``timeout_s`` in all;
+    ``reply_timeout_s`` bounds each probe's and restore's answer."""
 
-    _cond: threading.Condition
-    _ledger: SequenceLedger
-    _owner: dict[str, str]
-    _connections: dict[str, Connection]
-    _streams: dict[str, StepStream]
-    _recovering: dict[str, LostServer]
-    _lost: set[str]
-    _closes: dict[str, list[tuple[pb.SeqStep, concurrent.futures.Future]]]
-    _closed: bool
-    _router: Router
-    session: str
     retries: int
-    retry_backoff_s: float
-    recovery_timeout_s: float
+    backoff_s: float
     timeout_s: float
-    recoveries: int
-    replays: int
-    resent_steps: int
-    moved: int
+    reply_timeout_s: float
 
-    if TYPE_CHECKING:
-        def _connect(self, address: str) -> Connection: ...
-        def _dispatch(self, address: str, item: InFlight) -> concurrent.futures.Future: ...
-        def _refused(self, undo: list[Undo], seq_ids: set[str], step_kept: bool = False) -> None: ...
-        def _handles(self, handles: dict[str, int]) -> None: ...
 
-    def _stream_lost(self, stream: StepStream, error: grpc.RpcError | None) -> None:
+class Recovery:
+    """Restores the sequences of a client's lost servers and resends their steps.
+
+    Every argument but ``budget`` and the callables is the client's own state, shared by reference
+    and guarded by ``lock`` (the client's condition): ``ledger`` its sequences, ``owner`` seq_id ->
+    server address, ``connections`` and ``streams`` by address, ``closes`` the closes waiting for a
+    step by address. ``is_closed`` says whether the client is shut down; ``connect`` gives a
+    connection whose server answered Info (raising Unreachable); ``dispatch`` (under the lock) sends
+    a step to an address; ``on_refused`` and ``on_handles`` are the client's handlers of a stream's
+    refusals and new handles, given to the restore streams too.
+    """
+
+    def __init__(self, *, lock: threading.Condition, ledger: SequenceLedger, owner: dict[str, str],
+                 connections: dict[str, Connection], streams: dict[str, StepStream],
+                 closes: dict[str, list[tuple[pb.SeqStep, concurrent.futures.Future]]], router: Router,
+                 session: str, budget: RecoveryBudget, is_closed: Callable[[], bool],
+                 connect: Callable[[str], Connection],
+                 dispatch: Callable[[str, InFlight], concurrent.futures.Future],
+                 on_refused: Callable[..., None],
+                 on_handles: Callable[[dict[str, int]], None]) -> None:
+        self._cond = lock
+        self._ledger = ledger
+        self._owner = owner
+        self._connections = connections
+        self._streams = streams
+        self._closes = closes
+        self._router = router
+        self._session = session
+        self._budget = budget
+        self._is_closed = is_closed
+        self._connect = connect
+        self._dispatch = dispatch
+        self._on_refused = on_refused
+        self._on_handles = on_handles
+        self._recovering: dict[str, LostServer] = {}   # under way, by lost address
+        self._lost: set[str] = set()       # ended idle: restore before the next step goes there
+        # what recovery did (reported by tests and tools)
+        self.recoveries = 0       # lost streams recovered (or tried)
+        self.replays = 0          # sequences reopened with their token history
+        self.resent_steps = 0     # steps sent again after a recovery
+        self.moved = 0            # sequences that changed server
+
+    def busy(self, address: str) -> bool:
+        """(under the lock) Whether a recovery of ``address`` is under way."""
+        return address in self._recovering
+
+    def take(self, address: str, item: InFlight) -> concurrent.futures.Future | None:
+        """(under the lock) A step for ``address`` while its server is being restored (held, sent
+        after the restores) or was lost between steps (its recovery starts now); None when the
+        address has a stream to send on."""
+        recovery = self._recovering.get(address)
+        if recovery is not None:
+            recovery.held.append(item)
+            return item.future
+        if address in self._lost:
+            self._lost.discard(address)
+            self._start_recovery(LostServer(address, [], [item], "stream lost between steps"))
+            return item.future
+        return None
+
+    def stream_lost(self, stream: StepStream, error: grpc.RpcError | None) -> None:
         """A stream ended (its reader thread): recover, fail, or note it for the next step."""
         address = stream.address
         code = error.code() if error is not None else _C.UNAVAILABLE
@@ -91,7 +139,7 @@ class Recovery:
             closes = self._closes.pop(address, []) if current else []
             user = [i for i in items if not i.internal]
             fail_all([i for i in items if i.internal], MaskClientError(details, code))
-            if self._closed or not current:
+            if self._is_closed() or not current:
                 fail_all(user, MaskClientError(f"maskd stream to {address} ended: {details}", code))
             elif code not in RETRYABLE:
                 self._undo_items(user)
@@ -104,7 +152,7 @@ class Recovery:
         for _, fut in closes:   # the server dropped those sequences with the stream anyway
             if not fut.done():
                 fut.set_result(None)
-        if current and not self._closed:
+        if current and not self._is_closed():
             log.warning("maskd stream to %s ended (%s: %s)", address, code.name, details)
 
     def _undo_items(self, items: list[InFlight]) -> None:
@@ -120,17 +168,18 @@ class Recovery:
 
     def _recover(self, rec: LostServer) -> None:
         suspects = {rec.address}
-        deadline = time.monotonic() + self.recovery_timeout_s
+        budget = self._budget
+        deadline = time.monotonic() + budget.timeout_s
         why = rec.reason
-        for attempt in range(self.retries + 1):
+        for attempt in range(budget.retries + 1):
             if attempt:
-                pause = random.uniform(0, min(2.0, self.retry_backoff_s * 2 ** attempt))   # full jitter
+                pause = random.uniform(0, min(2.0, budget.backoff_s * 2 ** attempt))   # full jitter
                 self._pause(rec.address, pause)
             with self._cond:
-                if self._closed:
+                if self._is_closed():
                     break
-                if any(i.attempts > self.retries for i in rec.in_flight):
-                    why = f"a step was sent {self.retries + 1} times without an answer ({why})"
+                if any(i.attempts > budget.retries for i in rec.in_flight):
+                    why = f"a step was sent {budget.retries + 1} times without an answer ({why})"
                     break
             try:
                 self._restore_and_resend(rec, suspects)
@@ -146,10 +195,10 @@ class Recovery:
                     why = str(exc)
                     break
                 why = describe(exc)
-            if time.monotonic() > deadline or attempt == self.retries:
+            if time.monotonic() > deadline or attempt == budget.retries:
                 break          # the last: _give_up says so
             log.warning("maskd: reconnect to %s failed (attempt %d of %d), trying again: %s", rec.address,
-                        attempt + 1, self.retries + 1, why)
+                        attempt + 1, budget.retries + 1, why)
         self._give_up(rec, why)
 
     def _pause(self, address: str, seconds: float) -> None:
@@ -195,10 +244,10 @@ class Recovery:
         try:
             self._send_restores(restores, owners, targets, fresh)
             with self._cond:
-                if self._closed:
+                if self._is_closed():
                     raise MaskClientError("client is shut down")
                 for address, stream in list(fresh.items()):
-                    if address not in self._streams and stream.adopt(self._stream_lost):
+                    if address not in self._streams and stream.adopt(self.stream_lost):
                         self._streams[address] = fresh.pop(address)   # it becomes the stream there
                 for sid in keys:
                     if sid in self._owner:
@@ -222,7 +271,7 @@ class Recovery:
     def _probe(self, address: str) -> None:
         """One Info call that the server at ``address`` must answer: Unreachable when it does not."""
         try:
-            self._connect(address).ping(self.timeout_s)
+            self._connect(address).ping(self._budget.reply_timeout_s)
         except MaskClientError as exc:
             if exc.code in RETRYABLE:
                 raise Unreachable(address, str(exc)) from exc
@@ -257,13 +306,13 @@ class Recovery:
                 stream = fresh.get(address)
                 if stream is None:
                     conn = targets[address]
-                    stream = fresh[address] = StepStream(conn, self.session, conn.info(), on_lost=_fail_restores,
-                                                         on_refused=self._refused, on_handles=self._handles)
+                    stream = fresh[address] = StepStream(conn, self._session, conn.info(), on_lost=_fail_restores,
+                                                         on_refused=self._on_refused, on_handles=self._on_handles)
                 futures.append((address, stream.send(InFlight(pb.StepRequest(seqs=entries),
                                                               concurrent.futures.Future(), [], internal=True))))
         for address, fut in futures:
             try:
-                result = reply_within(fut, self.timeout_s, address)
+                result = reply_within(fut, self._budget.reply_timeout_s, address)
             except concurrent.futures.TimeoutError as exc:
                 if fut.done():
                     raise
@@ -306,7 +355,7 @@ class Recovery:
             self._recovering.pop(rec.address, None)
             items = rec.in_flight + rec.held
             self._undo_items(items)
-            if not self._closed:
+            if not self._is_closed():
                 self._lost.add(rec.address)
         fail_all(items, MaskClientError(f"maskd at {rec.address} was lost and not restored: {why}", _C.UNAVAILABLE))
         log.error("maskd: recovery of %s failed: %s", rec.address, why)
