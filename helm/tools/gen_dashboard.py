@@ -38,9 +38,10 @@ def ts(title, desc, targets, unit, x, w=12, h=8, extra_defaults=None, stack=Fals
         "id": nid(), "type": "timeseries", "title": title, "description": desc, "datasource": DS,
         "gridPos": {"h": h, "w": w, "x": x, "y": y[0]},
         "fieldConfig": {"defaults": defaults, "overrides": []},
-        "options": {"legend": {"displayMode": "table", "placement": "bottom", "calcs": ["mean", "max", "lastNotNull"], "showLegend": True},
+        "options": {"legend": {"displayMode": "table", "placement": "bottom", "calcs": ["mean", "max", "lastNotNull"],
+                               "showLegend": True},
                     "tooltip": {"mode": "multi", "sort": "desc"}},
-        "targets": [target(e, l, chr(65 + i)) for i, (e, l) in enumerate(targets)],
+        "targets": [target(expr, legend, chr(65 + i)) for i, (expr, legend) in enumerate(targets)],
     })
 
 
@@ -90,26 +91,30 @@ def build() -> dict:
          f'sum(rate(maskd_step_seconds_count{{{SEL}}}[{RI}]))', "reqps", 4)
     stat("Step latency p99", "99th percentile of server time per decode step.",
          q(0.99, "maskd_step_seconds"), "s", 8,
-         thresholds=[{"color": "green", "value": None}, {"color": "orange", "value": 0.005}, {"color": "red", "value": 0.02}])
+         thresholds=[{"color": "green", "value": None}, {"color": "orange", "value": 0.005},
+                     {"color": "red", "value": 0.02}])
     stat("Live sequences", "Open sequences, all servers.", f'sum(maskd_live_sequences{{{SEL}}})', "none", 12)
     stat("Waiting for grammar", "Sequences whose grammar is still compiling.",
          f'sum(maskd_waiting_sequences{{{SEL}}})', "none", 16,
          thresholds=[{"color": "green", "value": None}, {"color": "orange", "value": 1}])
-    stat("Errors / s", "All maskd errors, every kind.", f'sum(rate(maskd_errors_total{{{SEL}}}[{RI}])) or vector(0)', "reqps", 20,
+    stat("Errors / s", "All maskd errors, every kind.", f'sum(rate(maskd_errors_total{{{SEL}}}[{RI}])) or vector(0)',
+         "reqps", 20,
          thresholds=[{"color": "green", "value": None}, {"color": "red", "value": 0.01}])
     y[0] += 4
 
     # ---------------------------------------------------------------- latency
     row("Latency")
     ts("Step latency (p50 / p99 / p99.9)",
-       "Server time per decode step, request parsed to reply built: histogram_quantile over rate of maskd_step_seconds_bucket.",
+       "Server time per decode step, request parsed to reply built: histogram_quantile over rate of "
+       "maskd_step_seconds_bucket.",
        [(q(0.5, "maskd_step_seconds"), "p50"), (q(0.99, "maskd_step_seconds"), "p99"),
         (q(0.999, "maskd_step_seconds"), "p99.9")], "s", 0)
     ts("Step latency p99 by pod", "Finds the slow replica.",
        [(q(0.99, "maskd_step_seconds", "le, pod"), "{{pod}}")], "s", 12)
     y[0] += 8
     ts("Mask fill time (p50 / p99)",
-       "Batched mask fill per step (maskd_mask_fill_seconds). The gap to step latency is protocol and encoding overhead.",
+       "Batched mask fill per step (maskd_mask_fill_seconds). The gap to step latency is protocol and encoding "
+       "overhead.",
        [(q(0.5, "maskd_mask_fill_seconds"), "p50"), (q(0.99, "maskd_mask_fill_seconds"), "p99")], "s", 0)
     ts("Compile time by backend (p50 / p99)",
        "Grammar compile time (maskd_compile_seconds). Long xgrammar compiles are why the shared cache exists.",
@@ -139,24 +144,34 @@ def build() -> dict:
 
     # ---------------------------------------------------------------- sequences
     row("Sequences and streams")
-    ts("Live and waiting sequences", "maskd_live_sequences and maskd_waiting_sequences (grammar not compiled yet), all servers.",
-       [(f'sum(maskd_live_sequences{{{SEL}}})', "live"), (f'sum(maskd_waiting_sequences{{{SEL}}})', "waiting")], "none", 0)
-    ts("Live sequences and open streams by pod", "Balance across replicas: maskd_live_sequences and maskd_open_streams.",
+    ts("Live and waiting sequences",
+       "maskd_live_sequences and maskd_waiting_sequences (grammar not compiled yet), all servers.",
+       [(f'sum(maskd_live_sequences{{{SEL}}})', "live"), (f'sum(maskd_waiting_sequences{{{SEL}}})', "waiting")],
+       "none", 0)
+    ts("Live sequences and open streams by pod",
+       "Balance across replicas: maskd_live_sequences and maskd_open_streams.",
        [(f'sum by (pod) (maskd_live_sequences{{{SEL}}})', "live {{pod}}"),
         (f'sum by (pod) (maskd_open_streams{{{SEL}}})', "streams {{pod}}")], "none", 12)
     y[0] += 8
 
     # ---------------------------------------------------------------- wire
     row("Mask rows on the wire")
-    ts("Bytes per row", "Mean bytes sent per mask row, overall and by encoding (maskd_row_bytes sum / count). Dense rows of a 129k vocabulary are 16,160 B.",
-       [(f'sum(rate(maskd_row_bytes_sum{{{SEL}}}[{RI}])) / sum(rate(maskd_row_bytes_count{{{SEL}}}[{RI}]))', "mean, all encodings"),
-        (f'sum by (encoding) (rate(maskd_row_bytes_sum{{{SEL}}}[{RI}])) / sum by (encoding) (rate(maskd_row_bytes_count{{{SEL}}}[{RI}]))', "mean {{encoding}}"),
+    ts("Bytes per row",
+       "Mean bytes sent per mask row, overall and by encoding (maskd_row_bytes sum / count). Dense rows of a 129k "
+       "vocabulary are 16,160 B.",
+       [(f'sum(rate(maskd_row_bytes_sum{{{SEL}}}[{RI}])) / sum(rate(maskd_row_bytes_count{{{SEL}}}[{RI}]))',
+         "mean, all encodings"),
+        (f'sum by (encoding) (rate(maskd_row_bytes_sum{{{SEL}}}[{RI}])) '
+         f'/ sum by (encoding) (rate(maskd_row_bytes_count{{{SEL}}}[{RI}]))', "mean {{encoding}}"),
         (q(0.99, "maskd_row_bytes"), "p99, all encodings")], "bytes", 0)
     ts("Rows sent / s by encoding", "maskd_rows_sent_total by encoding (dense, id lists, dictionary references).",
        [(f'sum by (encoding) (rate(maskd_rows_sent_total{{{SEL}}}[{RI}]))', "{{encoding}}")], "ops", 12, stack=True)
     y[0] += 8
-    ts("Row dictionary hit ratio", "Share of rows answered by a reference to a row the stream already carried (maskd_row_dictionary_lookups_total).",
-       [(f'sum(rate(maskd_row_dictionary_lookups_total{{result="hit", {SEL}}}[{RI}])) / sum(rate(maskd_row_dictionary_lookups_total{{{SEL}}}[{RI}]))', "hit ratio")],
+    ts("Row dictionary hit ratio",
+       "Share of rows answered by a reference to a row the stream already carried "
+       "(maskd_row_dictionary_lookups_total).",
+       [(f'sum(rate(maskd_row_dictionary_lookups_total{{result="hit", {SEL}}}[{RI}])) '
+         f'/ sum(rate(maskd_row_dictionary_lookups_total{{{SEL}}}[{RI}]))', "hit ratio")],
        "percentunit", 0, extra_defaults={"min": 0, "max": 1})
     ts("Mask bandwidth", "Bytes of mask rows sent per second (maskd_row_bytes_sum).",
        [(f'sum by (pod) (rate(maskd_row_bytes_sum{{{SEL}}}[{RI}]))', "{{pod}}")], "Bps", 12, stack=True)
@@ -165,7 +180,8 @@ def build() -> dict:
     # ---------------------------------------------------------------- complete JSON-schema mode
     row("JSON Schema validation (complete mode)")
     ts("Document checks per step (p50 / p99)",
-       "maskd_validation_seconds: decoding, early checks of closed sub-documents and final checks before EOS, run beside the mask fill.",
+       "maskd_validation_seconds: decoding, early checks of closed sub-documents and final checks before EOS, run "
+       "beside the mask fill.",
        [(q(0.5, "maskd_validation_seconds"), "p50"), (q(0.99, "maskd_validation_seconds"), "p99")], "s", 0)
     ts("Sequences failed by the validator / s", "maskd_validation_failures_total by kind (final, early, eos, draft).",
        [(f'sum by (kind) (rate(maskd_validation_failures_total{{{SEL}}}[{RI}]))', "{{kind}}")], "ops", 12, stack=True)
@@ -173,14 +189,16 @@ def build() -> dict:
 
     # ---------------------------------------------------------------- errors
     row("Errors")
-    ts("Errors by kind", "maskd_errors_total by kind: rejected tokens, divergence, limits, compile failures, shared-cache faults...",
+    ts("Errors by kind",
+       "maskd_errors_total by kind: rejected tokens, divergence, limits, compile failures, shared-cache faults...",
        [(f'sum by (kind) (rate(maskd_errors_total{{{SEL}}}[{RI}]))', "{{kind}}")], "ops", 0, w=24, stack=True)
     y[0] += 8
 
     dashboard = {
         "title": "maskd",
         "uid": "maskd-overview",
-        "description": "maskd token-mask servers: step latency, mask fill, compiles, grammar cache, sequences, bytes on the wire, errors.",
+        "description": "maskd token-mask servers: step latency, mask fill, compiles, grammar cache, sequences, "
+                       "bytes on the wire, errors.",
         "tags": ["maskd", "llm", "structured-output"],
         "timezone": "browser",
         "editable": True,

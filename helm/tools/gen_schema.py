@@ -26,8 +26,13 @@ resources = {"type": "object", "additionalProperties": False, "properties": {
     "requests": {"type": "object", "additionalProperties": {"$ref": "#/definitions/quantity"}},
     "limits": {"type": "object", "additionalProperties": {"$ref": "#/definitions/quantity"}},
     "claims": arr}}
-dns_name = {"type": "string", "pattern": r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$", "maxLength": 253}
-int_or_percent = {"anyOf": [{"type": "integer", "minimum": 0}, {"type": "string", "pattern": r"^[0-9]+%$"}, {"type": "null"}]}
+dns_name = {"type": "string", "pattern": r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$",
+            "maxLength": 253}
+int_or_percent = {"anyOf": [{"type": "integer", "minimum": 0}, {"type": "string", "pattern": r"^[0-9]+%$"},
+                            {"type": "null"}]}
+scalar = {"type": ["string", "number", "boolean"]}
+scalar_map = {"type": "object", "additionalProperties": scalar}
+service_type = {"type": "string", "enum": ["ClusterIP", "NodePort", "LoadBalancer"]}
 duration = {"type": "string", "pattern": r"^([0-9]+(ms|s|m|h))+$"}
 
 
@@ -74,7 +79,8 @@ def strict(props, required=()):
 
 
 secret_ref_rule = lambda: {"if": {"properties": {"enabled": {"const": True}}, "required": ["enabled"]},
-                           "then": {"properties": {"secretName": {"$ref": "#/definitions/dnsName"}}, "required": ["secretName"]}}
+                           "then": {"properties": {"secretName": {"$ref": "#/definitions/dnsName"}},
+                                    "required": ["secretName"]}}
 
 # auth.enabled needs a token's secret or a tokens file's secret (both may be set).
 auth_secret_rule = lambda: {
@@ -93,7 +99,8 @@ SCHEMA = {
     "properties": {
         "global": obj,
         "mode": {"type": "string", "enum": ["standalone", "ray"],
-                 "description": "standalone: Deployment of `maskd serve`; ray: KubeRay RayCluster + `maskd cluster up`."},
+                 "description": "standalone: Deployment of `maskd serve`; "
+                                "ray: KubeRay RayCluster + `maskd cluster up`."},
         "nameOverride": {"type": "string"},
         "fullnameOverride": {"type": "string"},
         "commonLabels": strmap,
@@ -102,7 +109,8 @@ SCHEMA = {
                          "digest": {"type": "string", "pattern": r"^$|^[a-z0-9]+:[a-f0-9]{32,}$"},
                          "pullPolicy": {"type": "string", "enum": ["Always", "IfNotPresent", "Never"]}},
                         ["repository", "pullPolicy"]),
-        "imagePullSecrets": {"type": "array", "items": {"anyOf": [{"type": "string"}, strict({"name": {"type": "string"}}, ["name"])]}},
+        "imagePullSecrets": {"type": "array", "items": {"anyOf": [{"type": "string"},
+                                                                  strict({"name": {"type": "string"}}, ["name"])]}},
         "serviceAccount": strict({"create": {"type": "boolean"}, "name": {"type": "string"}, "annotations": strmap,
                                   "automountServiceAccountToken": {"type": "boolean"}}),
         "server": strict({
@@ -142,30 +150,31 @@ SCHEMA = {
         "podDisruptionBudget": strict({"enabled": {"type": "boolean"}, "maxUnavailable": int_or_percent,
                                        "minAvailable": int_or_percent}),
         "autoscaling": strict({"enabled": {"type": "boolean"}, "minReplicas": posint, "maxReplicas": posint,
-                               "targetCPUUtilizationPercentage": {"type": ["integer", "null"], "minimum": 1, "maximum": 1000},
+                               "targetCPUUtilizationPercentage": {"type": ["integer", "null"], "minimum": 1,
+                                                                  "maximum": 1000},
                                "metrics": arr, "behavior": obj}),
         "ray": strict({
             "rayVersion": {"type": ["string", "number"]},
             "enableInTreeAutoscaling": {"type": "boolean"},
-            "head": strict({"rayStartParams": {"type": "object", "additionalProperties": {"type": ["string", "number", "boolean"]}},
+            "head": strict({"rayStartParams": scalar_map,
                             "resources": {"$ref": "#/definitions/resources"},
-                            "serviceType": {"type": "string", "enum": ["ClusterIP", "NodePort", "LoadBalancer"]},
+                            "serviceType": service_type,
                             **sched(), "podAnnotations": strmap, "podLabels": strmap}),
             "worker": strict({"groupName": {"$ref": "#/definitions/dnsName"}, "threads": opt_posint,
                               "replicas": nonneg, "minReplicas": nonneg, "maxReplicas": posint,
                               "customResources": {"type": "object", "minProperties": 1,
                                                   "propertyNames": {"pattern": "^[A-Za-z_][A-Za-z0-9_]*$"},
                                                   "additionalProperties": {"type": "number", "exclusiveMinimum": 0}},
-                              "rayStartParams": {"type": "object", "additionalProperties": {"type": ["string", "number", "boolean"]}},
+                              "rayStartParams": scalar_map,
                               "resources": {"$ref": "#/definitions/resources"},
                               **sched(), "topologySpreadConstraints": arr,
                               "podAnnotations": strmap, "podLabels": strmap,
                               "terminationGracePeriodSeconds": nonneg},
                              ["groupName", "replicas", "minReplicas", "maxReplicas", "customResources"]),
-            "clusterUp": strict({"workers": opt_posint, "extraArgs": {"type": "array", "items": {"type": ["string", "number", "boolean"]}},
+            "clusterUp": strict({"workers": opt_posint, "extraArgs": {"type": "array", "items": scalar},
                                  "resources": {"$ref": "#/definitions/resources"}}),
-            "directory": strict({"port": port, "service": strict({"type": {"type": "string", "enum": ["ClusterIP", "NodePort", "LoadBalancer"]},
-                                                                   "annotations": strmap})}, ["port"]),
+            "directory": strict({"port": port, "service": strict({"type": service_type, "annotations": strmap})},
+                                ["port"]),
         }),
         "metrics": strict({
             "serviceMonitor": strict({"enabled": {"type": "boolean"}, "labels": strmap, "interval": duration,

@@ -8,8 +8,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from maskd.tools.demo import hf_tokenizer, tiny_llama, validate  # noqa: E402
 from maskd.server import MaskServer, ServerConfig  # noqa: E402
+from maskd.tools.demo import hf_tokenizer, tiny_llama, validate  # noqa: E402
 from maskd_client import MaskClient, SeqStatus  # noqa: E402
 from maskd_client.hf import MaskdLogitsProcessor, MaskdSequenceFailed  # noqa: E402
 
@@ -139,14 +139,14 @@ def test_padded_batch_with_two_schemas(server, tok, model, eos):
 
 def test_beam_search_raises(server, tok, model):
     enc = tok(["JSON:"], return_tensors="pt")
-    with MaskdLogitsProcessor(server.address, [spec(PERSON)]) as proc:
-        with pytest.raises(ValueError, match="num_beams"):
-            model.generate(**enc, max_new_tokens=8, num_beams=2, do_sample=False,
-                           logits_processor=transformers.LogitsProcessorList([proc]))
-    with MaskdLogitsProcessor(server.address, spec(PERSON), batch_size=1) as proc:
-        with pytest.raises(ValueError, match="beam search"):
-            model.generate(**enc, max_new_tokens=8, num_beams=3, do_sample=False,
-                           logits_processor=transformers.LogitsProcessorList([proc]))
+    with (MaskdLogitsProcessor(server.address, [spec(PERSON)]) as proc,
+          pytest.raises(ValueError, match="num_beams")):
+        model.generate(**enc, max_new_tokens=8, num_beams=2, do_sample=False,
+                       logits_processor=transformers.LogitsProcessorList([proc]))
+    with (MaskdLogitsProcessor(server.address, spec(PERSON), batch_size=1) as proc,
+          pytest.raises(ValueError, match="beam search")):
+        model.generate(**enc, max_new_tokens=8, num_beams=3, do_sample=False,
+                       logits_processor=transformers.LogitsProcessorList([proc]))
 
 
 def test_processor_is_single_use(server, tok, model):
@@ -159,9 +159,9 @@ def test_processor_is_single_use(server, tok, model):
 
 def test_grammar_that_does_not_compile_fails_the_row(server, tok, model):
     enc = tok(["x", "y"], return_tensors="pt", padding=True)
-    with MaskdLogitsProcessor(server.address, [spec(COLOR), {"lark": "start: ( nope"}]) as proc:
-        with pytest.raises(MaskdSequenceFailed) as info:
-            model.generate(**enc, max_new_tokens=8, **proc.generate_kwargs())
+    with (MaskdLogitsProcessor(server.address, [spec(COLOR), {"lark": "start: ( nope"}]) as proc,
+          pytest.raises(MaskdSequenceFailed) as info):
+        model.generate(**enc, max_new_tokens=8, **proc.generate_kwargs())
     assert info.value.row == 1
     assert "compile" in str(info.value)
 

@@ -24,12 +24,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 jsonschema = pytest.importorskip("jsonschema")
-referencing = pytest.importorskip("referencing")
+pytest.importorskip("referencing")
 import referencing.exceptions  # noqa: E402
 
 from maskd.server import Limits, MaskServer, ServerConfig  # noqa: E402
-from maskd_client.apply import apply_token_bitmask_inplace  # noqa: E402
 from maskd_client import MaskClient, SeqStatus  # noqa: E402
+from maskd_client.apply import apply_token_bitmask_inplace  # noqa: E402
 
 MASKBENCH = pathlib.Path(__file__).parents[2] / ".." / "shared" / "maskbench-dev"
 N_FILES = 28
@@ -48,9 +48,9 @@ def _checker(schema):
     """A jsonschema validator for the schema, or (None, why) when jsonschema cannot check it."""
     if not isinstance(schema, (dict, bool)):
         return None, "not a schema"
-    if isinstance(schema, dict) and "$schema" in schema:
-        if jsonschema.validators.validator_for(schema, default=None) is None:
-            return None, f"unknown meta-schema {schema['$schema']!r}"
+    if (isinstance(schema, dict) and "$schema" in schema
+            and jsonschema.validators.validator_for(schema, default=None) is None):
+        return None, f"unknown meta-schema {schema['$schema']!r}"
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     try:
         cls.check_schema(schema)
@@ -217,4 +217,4 @@ def test_finished_outputs_validate(server):
     assert not invalid, summary + "\n" + "\n".join(invalid)
     # Not vacuous: most schemas produce at least one finished, checked output.
     names_checked = {seqs[sid]["name"] for sid in checked}
-    assert len(names_checked) >= len(checkers) // 2, summary + f"; {len(names_checked)} schemas checked" 
+    assert len(names_checked) >= len(checkers) // 2, summary + f"; {len(names_checked)} schemas checked"

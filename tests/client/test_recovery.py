@@ -119,7 +119,7 @@ def test_sixteen_sequences_in_flight_survive_fast_restarts(cl100k):
         port = free_port()
         procs = [serve(port)]
 
-        def on_step(n, kill_at=kill_at, procs=procs):
+        def on_step(n, kill_at=kill_at, procs=procs, port=port):
             if n == kill_at:
                 procs[-1].send_signal(signal.SIGKILL)
                 procs[-1].wait(10)

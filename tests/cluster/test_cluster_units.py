@@ -343,7 +343,7 @@ def test_client_recovers_while_the_directory_is_down(mini_cluster):
     specs = generation_specs(6, [f"nd-{i}" for i in range(6)])
     target = "directory:" + mini_cluster.address
     with MaskClient(target) as mc:
-        reference, failures, steps = generate(mc, specs, seed=11)
+        reference, failures, _ = generate(mc, specs, seed=11)
     assert not failures
     longest = max(reference, key=lambda sid: len(reference[sid]))
     assert len(reference[longest]) > 3

@@ -60,7 +60,7 @@ def _strict(node: Any, cel_paths: list[tuple[str, ...]], path: tuple[str, ...] =
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _crd(api_version: str, kind: str) -> tuple[jsonschema.Draft7Validator, tuple[tuple[str, ...], ...], str]:
     file = CRD_FILES[(api_version, kind)]
     crd = yaml.safe_load((CRD_DIR / file).read_text())

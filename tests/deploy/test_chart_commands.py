@@ -39,9 +39,9 @@ import yaml
 
 helm = pytest.importorskip("helm_python", reason="helm-python-sdk is not installed")
 psutil = pytest.importorskip("psutil")
-from maskd_client.health import SERVING, Unreachable, check  # noqa: E402
-
 from dockerfile import REPO  # noqa: E402
+
+from maskd_client.health import SERVING, Unreachable, check  # noqa: E402
 
 CHART = REPO / "helm" / "maskd"
 BIN = os.path.dirname(sys.executable)   # maskd, ray: the console scripts of this environment

@@ -42,9 +42,9 @@ def _major_minor(version: str) -> tuple[int, int]:
 
 # Objects are validated against the oldest Kubernetes the chart declares (Chart.yaml kubeVersion)
 # and the newest whose schemas kubernetes-validate ships.
-K8S_MIN = "%d.%d.0" % _major_minor(re.search(r">=\s*(\S+)", yaml.safe_load(
-    (CHART / "Chart.yaml").read_text())["kubeVersion"]).group(1))
-K8S_LATEST = "%d.%d.0" % _major_minor(kv_utils.latest_version())
+K8S_MIN = "{}.{}.0".format(*_major_minor(re.search(r">=\s*(\S+)", yaml.safe_load(
+    (CHART / "Chart.yaml").read_text())["kubeVersion"]).group(1)))
+K8S_LATEST = "{}.{}.0".format(*_major_minor(kv_utils.latest_version()))
 K8S_VERSIONS = sorted({K8S_MIN, K8S_LATEST}, key=_major_minor)
 
 METRICS = [
@@ -292,8 +292,9 @@ def test_server_values_flow_into_args_probes_and_service(chart):
         "nodeSelector": {"node.kubernetes.io/pool": "cpu-maskd"},
         "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "maskd", "effect": "NoSchedule"}],
         "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{
-            "weight": 100, "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname",
-                                               "labelSelector": {"matchLabels": {"app.kubernetes.io/name": "maskd"}}}}]}},
+            "weight": 100, "podAffinityTerm": {
+                "topologyKey": "kubernetes.io/hostname",
+                "labelSelector": {"matchLabels": {"app.kubernetes.io/name": "maskd"}}}}]}},
         "podDisruptionBudget": {"maxUnavailable": None, "minAvailable": "50%"},
     }
     docs = render(chart, values)
@@ -497,7 +498,8 @@ def test_ray_mode(chart):
     assert "ray health-check" in script  # waits for the GCS instead of crash-looping
     assert env_map(side)["RAY_ADDRESS"]["value"] == "$(MY_POD_IP):6379"
     # The driver needs the head's session directory (/tmp/ray): both containers share /tmp.
-    tmp_mounts = {c["name"]: m["name"] for c in hspec["containers"] for m in c["volumeMounts"] if m["mountPath"] == "/tmp"}
+    tmp_mounts = {c["name"]: m["name"] for c in hspec["containers"] for m in c["volumeMounts"]
+                  if m["mountPath"] == "/tmp"}
     assert tmp_mounts["ray-head"] == tmp_mounts["maskd-cluster"]
     assert {p["name"]: p["containerPort"] for p in side["ports"]} == {"directory": 50050}
 
@@ -542,7 +544,8 @@ def test_ray_mode_with_tls_auth_and_monitoring(chart):
     assert words[-2:] == ["--note", "it's quoted"]
     # ServiceMonitor scrapes the worker pods (the maskd actors), not the directory.
     sm = one(docs, "ServiceMonitor")
-    assert sm["spec"]["selector"]["matchLabels"].items() <= one(docs, "Service", f"{FULLNAME}-workers")["metadata"]["labels"].items()
+    workers = one(docs, "Service", f"{FULLNAME}-workers")
+    assert sm["spec"]["selector"]["matchLabels"].items() <= workers["metadata"]["labels"].items()
     assert one(docs, "ConfigMap")["metadata"]["labels"]["grafana_dashboard"] == "1"
 
 
@@ -641,7 +644,8 @@ def test_crd_files_name_their_source():
     readme = (pathlib.Path(__file__).parent / "crds" / "README.md").read_text()
     for (api, kind), file in CRD_FILES.items():
         crd = yaml.safe_load((pathlib.Path(__file__).parent / "crds" / file).read_text())
-        assert crd["spec"]["names"]["kind"] == kind and api.split("/")[1] in [v["name"] for v in crd["spec"]["versions"]]
+        assert crd["spec"]["names"]["kind"] == kind
+        assert api.split("/")[1] in [v["name"] for v in crd["spec"]["versions"]]
         assert file in readme
     assert "kuberay" in readme and "v1.7.0" in readme and "prometheus-operator" in readme
 
@@ -671,7 +675,8 @@ def test_generated_files_are_in_sync(script, shipped):
 
 
 def test_dashboard_queries_only_metrics_the_server_exports():
-    metrics_mod = pytest.importorskip("maskd.server.metrics", reason="maskd server extras (prometheus-client) not installed")
+    metrics_mod = pytest.importorskip("maskd.server.metrics",
+                                      reason="maskd server extras (prometheus-client) not installed")
     exported = set()
     for family in metrics_mod.Metrics().registry.collect():
         suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"]}.get(family.type, [""])
@@ -762,7 +767,8 @@ ALL_SERVER_VALUES = {"port": 7000, "metricsPort": 9100, "tokenizer": "cl100k", "
                      "compileThreads": 3, "maxMessageBytes": 134217728, "maxGrammarBytes": 2097152,
                      "compileTimeoutSeconds": 12.5, "maxStreams": 512, "cacheEntries": 4096, "rowDictSize": 512,
                      "maxTokensPerStep": 8192, "maxDraftTokens": 8, "maxRowsPerStep": 4096,
-                     "maxSequencesPerSession": 1000, "maxRowBuffersPerSession": 12, "logLevel": "info", "cacheBytes": 1 << 28,
+                     "maxSequencesPerSession": 1000, "maxRowBuffersPerSession": 12, "logLevel": "info",
+                     "cacheBytes": 1 << 28,
                      "compileIsolation": "process", "compileNice": 10, "maxStreamsPerTenant": 32, "maxSequences": 20000,
                      "maxSequencesPerTenant": 5000, "maxTokensPerRequest": 100000, "maxGrammarDepth": 64,
                      "maxCompilesQueued": 900, "maxCompilesQueuedPerTenant": 90, "maxCompilesRunningPerTenant": 2,
@@ -798,8 +804,8 @@ def test_server_values_cover_every_server_flag(chart):
     assert cfg.json_schema_mode == "strict"
     assert cfg.allow_hub_download is True
     # false renders the negative flag; null (the default) renders nothing
-    off = container(one(render(chart, {"server": {"allowHubDownload": False}}), "Deployment")["spec"]["template"]["spec"],
-                    "maskd")["args"]
+    deployment = one(render(chart, {"server": {"allowHubDownload": False}}), "Deployment")
+    off = container(deployment["spec"]["template"]["spec"], "maskd")["args"]
     assert "--no-allow-hub-download" in off and config_mod.from_flags(
         config_mod.ServerConfig, _parse(parser, off)).allow_hub_download is False
     assert not [a for a in container(one(render(chart), "Deployment")["spec"]["template"]["spec"], "maskd")["args"]

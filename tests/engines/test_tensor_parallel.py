@@ -14,9 +14,9 @@ import pytest
 import torch.multiprocessing as mp
 import tp_rank
 
+from conftest import hold_compiles
 from maskd.server import MaskServer, ServerConfig
 from maskd.specs import GrammarSpec
-from conftest import hold_compiles
 
 DOCS = [({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}, '{"ok": true}'),
         ({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}, '{"ok":false}'),

@@ -61,8 +61,10 @@ def _registry_tags():
     """Every structural tag vLLM 0.33 hands its backend for tool calls: each model format of its
     registry (xgrammar's builtins and vLLM's own), tool_choice required / named / auto with strict
     tools, with and without reasoning."""
-    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionNamedToolChoiceParam, \
-        ChatCompletionToolsParam
+    from vllm.entrypoints.openai.chat_completion.protocol import (
+        ChatCompletionNamedToolChoiceParam,
+        ChatCompletionToolsParam,
+    )
     from vllm.tool_parsers import structural_tag_registry as registry
     from vllm.tool_parsers.tool_strict_level import ToolStrictLevel
 

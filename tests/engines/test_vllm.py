@@ -22,10 +22,10 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.structured_output.backend_types import StructuredOutputGrammar
 
+from conftest import hold_compiles
 from maskd.server import MaskServer, ServerConfig
 from maskd.specs import GrammarSpec
 from maskd_client import vllm as plugin
-from conftest import hold_compiles
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
           "additionalProperties": False}

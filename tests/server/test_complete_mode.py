@@ -276,7 +276,7 @@ def test_grammars_compiled_whole_get_the_final_check_only(complete, mc, cl100k):
     only the validator's check of the finished document."""
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     before = complete.metrics.registry.get_sample_value("maskd_validation_seconds_count") or 0
-    n, r = drive(mc, "plain", {"json_schema": schema}, cl100k.encode('{"a": 1}'))
+    _, r = drive(mc, "plain", {"json_schema": schema}, cl100k.encode('{"a": 1}'))
     assert r.seqs["plain"].status is FINISHED
     checker = complete.cache.get(mc.register({"json_schema": schema})).compiled.checker
     assert checker is not None and not checker.scans
@@ -336,11 +336,11 @@ def test_xgrammar_backend_checks_what_it_loosens(cl100k):
     keeps EOS off it: the array has ended, so the sequence fails."""
     schema = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
     eos = cl100k.eos_token_ids[0]
-    with MaskServer(ServerConfig(port=0, tokenizer="cl100k", threads=1, compile_threads=1, backend="xgrammar")) as srv, \
-            MaskClient(srv.address) as mc:
-        n, r = drive(mc, "dup", {"json_schema": schema}, cl100k.encode("[1, 1]"))
+    config = ServerConfig(port=0, tokenizer="cl100k", threads=1, compile_threads=1, backend="xgrammar")
+    with MaskServer(config) as srv, MaskClient(srv.address) as mc:
+        _, r = drive(mc, "dup", {"json_schema": schema}, cl100k.encode("[1, 1]"))
         assert r.seqs["dup"].status is FAILED and "non-unique" in r.seqs["dup"].reason
-        n, r = drive(mc, "ok", {"json_schema": schema}, cl100k.encode("[1, 2]"))
+        _, r = drive(mc, "ok", {"json_schema": schema}, cl100k.encode("[1, 2]"))
         assert r.seqs["ok"].status in (READY, FINISHED) and bit(r, "ok", eos)
 
 

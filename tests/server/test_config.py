@@ -75,10 +75,9 @@ def test_errors_are_counted_by_kind_and_logged_and_the_reply_is_timed_once(caplo
     with MaskServer(ServerConfig(port=0, tokenizer="cl100k", threads=1, compile_threads=1)) as server, \
             grpc.insecure_channel(server.address) as ch:
         stub = pb_grpc.MaskServiceStub(ch)
-        with caplog.at_level(logging.INFO, logger="maskd"):
-            with pytest.raises(grpc.RpcError):
-                stub.RegisterGrammar(pb.RegisterGrammarRequest(
-                    spec=GrammarSpec.from_dict({"lark": "start: nowhere"}).to_proto(), wait=True))
+        with caplog.at_level(logging.INFO, logger="maskd"), pytest.raises(grpc.RpcError):
+            stub.RegisterGrammar(pb.RegisterGrammarRequest(
+                spec=GrammarSpec.from_dict({"lark": "start: nowhere"}).to_proto(), wait=True))
         assert any("does not compile" in r.getMessage() for r in caplog.records)
         spec = GrammarSpec.from_dict({"regex": "[0-9]+"}).to_proto()
         reqs = [pb.StepRequest(seqs=[pb.SeqStep(seq_id="a", step=0, spec=spec)]),

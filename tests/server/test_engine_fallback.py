@@ -70,7 +70,7 @@ def test_xml_argument_styles_compile_with_xgrammar_and_their_rows_are_xgrammars(
 
 
 def test_a_batch_mixing_both_engines_fills_and_consumes_each_sequence_with_its_own(engines, deepseek):
-    served, alone = engines
+    served, _ = engines
     json_spec = GrammarSpec.create("json_schema", TOOLS[0]["function"]["parameters"])
     tag_spec = tool_tag("qwen_3_coder")
     plain, tagged = served.compile(json_spec), served.compile(tag_spec)

@@ -163,10 +163,12 @@ def test_structural_tag_formats_llguidance_lacks_go_to_xgrammar(engine, cl100k):
     # with xgrammar (engines/fallback.py), and a spec xgrammar refuses too carries both messages
     from maskd.server.engines.llguidance_engine import LLGuidanceEngine
 
-    empty = GrammarSpec.create("structural_tag", {"type": "structural_tag", "format": {"type": "dispatch", "rules": []}})
+    empty = GrammarSpec.create("structural_tag",
+                               {"type": "structural_tag", "format": {"type": "dispatch", "rules": []}})
     with pytest.raises(UnsupportedSpec, match="'dispatch' is not supported on llguidance"):
         LLGuidanceEngine(cl100k, threads=1).compile(empty)
-    with pytest.raises(GrammarCompileError, match="rules must be non-empty.*'dispatch' is not supported on llguidance"):
+    with pytest.raises(GrammarCompileError,
+                       match=r"rules must be non-empty.*'dispatch' is not supported on llguidance"):
         engine.compile(empty)
     dispatch = GrammarSpec.create("structural_tag", {"type": "structural_tag", "format": {
         "type": "dispatch", "rules": [["<a>", {"type": "const_string", "value": "A"}]]}})

@@ -118,7 +118,7 @@ def test_a_runaway_compile_is_stopped_and_not_cached():
                                  limits=Limits(compile_timeout_s=0.3))) as srv, \
             grpc.insecure_channel(srv.address) as ch:
         stub = pb_grpc.MaskServiceStub(ch)
-        for attempt in range(2):
+        for _ in range(2):
             with pytest.raises(grpc.RpcError) as err:
                 register(stub, {"json_schema": schema})
             assert err.value.code() == C.RESOURCE_EXHAUSTED and "exceeded the 0.3 s limit" in err.value.details()

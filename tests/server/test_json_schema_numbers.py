@@ -8,9 +8,9 @@ import json
 import time
 
 import pytest
+from test_complete_mode import complete, strict  # noqa: F401 -- the servers in both modes
 
 from maskd_client import MaskClient, SeqStatus
-from test_complete_mode import complete, strict  # noqa: F401 -- the servers in both modes
 
 READY, FINISHED, FAILED, WAITING = SeqStatus.READY, SeqStatus.FINISHED, SeqStatus.FAILED, SeqStatus.WAITING
 BIG = 2 ** 53 + 1   # 9007199254740993: no double holds it
@@ -94,7 +94,7 @@ NUMBER_BOUNDS = ("exponent under a bound", "exponent in an object", "bound not e
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=BOUNDS_OPEN) if c in NUMBER_BOUNDS else c for c in CASES])
-def test_valid_documents_pass_and_invalid_ones_never_end(complete, cl100k, case):
+def test_valid_documents_pass_and_invalid_ones_never_end(complete, cl100k, case):  # noqa: F811 (a fixture)
     schema, valid, invalid, _ = CASES[case]
     eos = cl100k.eos_token_ids[0]
     with MaskClient(complete.address, want_forced_tokens=False) as mc:
@@ -116,7 +116,7 @@ def test_valid_documents_pass_and_invalid_ones_never_end(complete, cl100k, case)
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_strict_mode_keeps_llguidances_grammar(strict, cl100k, case):
+def test_strict_mode_keeps_llguidances_grammar(strict, cl100k, case):  # noqa: F811 (a fixture)
     """Strict mode compiles each of these schemas with llguidance's own grammar, which refuses the
     first valid document (what complete mode fixes); documents it takes still end only when valid."""
     schema, valid, _, verdict = CASES[case]

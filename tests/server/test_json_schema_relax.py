@@ -17,10 +17,10 @@ from maskd.server.json_schema.relax import (
     inline_intersected_refs,
     map_schemas,
     merge_object_intersections,
-    open_cycles,
-    unordered_constants,
     merge_pattern_properties,
+    open_cycles,
     relax,
+    unordered_constants,
     without_all_of,
 )
 from maskd.specs import GrammarSpec
@@ -276,7 +276,8 @@ EXTENDED = {"$schema": "http://json-schema.org/draft-07/schema#", "definitions":
                "oneOf": [{"$ref": "#/definitions/one"}, {"$ref": "#/definitions/two"}]},
     "one": {"properties": {"t": {"const": "one"}}}, "two": {"properties": {"t": {"const": "two"}}}},
     "type": "object", "properties": {"items": {"type": "array", "items": {"$ref": "#/definitions/item"}},
-                                     "base": {"$ref": "#/definitions/base"}, "tagged": {"$ref": "#/definitions/tagged"}},
+                                     "base": {"$ref": "#/definitions/base"},
+                                     "tagged": {"$ref": "#/definitions/tagged"}},
     "propertyNames": {"maxLength": 8}}
 
 
@@ -285,7 +286,7 @@ def test_a_reference_intersected_in_an_allof_is_copied_and_written_out():
     properties) becomes a copy of its target, so the intersection is written out and the target is
     intersected by reference nowhere: every object here takes its keys in any order. Exact: the same
     documents before and after."""
-    ok = lambda p: True   # noqa: E731
+    ok = lambda p: True
     inlined = inline_intersected_refs(EXTENDED, ok)
     item = inlined["definitions"]["item"]["allOf"][0]
     assert item["properties"]["id"] == {"type": "string"} and "$ref" not in item

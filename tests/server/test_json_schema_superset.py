@@ -8,8 +8,6 @@ import json
 import os
 import random
 
-import pytest
-
 from conftest import MASKBENCH, needs_maskbench
 from maskd.server.engines import GrammarCompileError, create_engine
 from maskd.server.json_schema.validation import SchemaValidator

@@ -277,6 +277,7 @@ def test_no_dead_ends_on_maskbench_dev_relaxed_schemas(cl100k, style):
     dead, summary = report(outcomes)
     assert len(outcomes) == seeds * len(jobs) and len(jobs) > 100   # the relaxed schemas' valid instances as guides
     # None left (issue 20): 0 of 2,400 writers with MASKD_DEAD_END_SEEDS=20 (5 of 360 at the stop
-    # before: a branch-dependent constraint, a date-time leap second; see docs/decisions/0022-complete-mode-row-vetoes.md).
+    # before: a branch-dependent constraint, a date-time leap second; see
+    # docs/decisions/0022-complete-mode-row-vetoes.md).
     assert not dead, summary
     assert sum(o.status == "finished" and o.strayed for o in outcomes) >= len(outcomes) // 3, summary

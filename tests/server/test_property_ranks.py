@@ -159,7 +159,7 @@ def test_ranks_after_another_ranks_close(stub, scripts, data, picks):
                 lag[sid] = n + 1
                 sent += 1
                 continue
-            at, last = closed_at[sid]
+            _, last = closed_at[sid]
             if data.draw(st.booleans(), label="close again"):
                 assert b.send(pb.SeqStep(seq_id=sid, step=n, close=True)).results[0].status == pb.SEQ_STATUS_CLOSED
                 sent += 1

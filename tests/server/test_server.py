@@ -11,9 +11,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from conftest import allowed_ids
 from maskd.rowcodec import RowBlockDecoder
 from maskd.server import Limits, MaskServer, ServerConfig
-from maskd.v1.contract import SESSION_METADATA_KEY
 from maskd.specs import GrammarSpec
 from maskd.v1 import maskd_pb2 as pb
+from maskd.v1.contract import SESSION_METADATA_KEY
 
 C = grpc.StatusCode
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
@@ -22,8 +22,9 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required
 
 @pytest.fixture(scope="module")
 def server():
+    limits = Limits(max_message_bytes=1 << 20, max_grammar_bytes=4096)
     srv = MaskServer(ServerConfig(port=0, tokenizer="cl100k", threads=2, compile_threads=1,
-                                  metrics_port=0, limits=Limits(max_message_bytes=1 << 20, max_grammar_bytes=4096))).start()
+                                  metrics_port=0, limits=limits)).start()
     yield srv
     srv.stop(grace=1.0)
 

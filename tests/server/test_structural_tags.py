@@ -64,7 +64,7 @@ def test_a_tool_call_in_free_text(setup):
 
 
 def test_rows_leave_text_free_until_the_trigger_then_force_the_begin(setup):
-    tok, engine, tag, begin, args, end = setup
+    tok, engine, tag, begin, _, _ = setup
     trigger = tag["format"]["triggers"][0]
     m = engine.new_matcher(engine.compile(GrammarSpec.create("structural_tag", tag)))
     free = row(engine, m)

@@ -189,7 +189,8 @@ CHAIN_DOCUMENTS = [
 @pytest.fixture(scope="module")
 def chains(deepseek):
     engine = LLGuidanceEngine(deepseek, threads=1, json_schema_mode="strict")
-    spec = GrammarSpec.from_dict({"template": {"schema": CHAINS, "arguments": CHAIN_ARGUMENTS}, "whitespace": "compact"})
+    spec = GrammarSpec.from_dict({"template": {"schema": CHAINS, "arguments": CHAIN_ARGUMENTS},
+                                  "whitespace": "compact"})
     parts = engine.composed_parts(spec)
     assert parts is not None, "a compact template is composed"
     composed = engine.compose(spec, parts, [engine.compile(engine.piece_spec(spec, t)) for t in parts.pieces])
@@ -253,7 +254,7 @@ def test_a_template_with_a_new_argument_composes_from_the_router_and_pieces_the_
         document = {"thought": "ok", "action": {"city": "Oslo"}, "steps": [{"do": "x}"}], "meta": {"extra": {"id": 4}}}
         tokens = deepseek.ll.tokenize_bytes(json.dumps(document).encode())
         r, row = first_row(mc, "good", request)
-        for i, t in enumerate(tokens):
+        for t in tokens:
             assert allowed(row, t), f"token {deepseek.ll.decode_bytes([t])!r} of a valid document refused"
             r = mc.step({"good": [t]})
             assert r.seqs["good"].status in (SeqStatus.READY, SeqStatus.FINISHED), r.seqs["good"]

@@ -17,7 +17,7 @@ from maskd.specs import GrammarSpec
 from maskd.v1 import maskd_pb2 as pb
 from maskd.v1 import maskd_pb2_grpc as pb_grpc
 from maskd.v1.contract import SESSION_METADATA_KEY
-from maskd_client import MaskClient, MaskClientError, SeqStatus
+from maskd_client import MaskClient, MaskClientError
 
 C = grpc.StatusCode
 TOKEN_A, TOKEN_B = "alice-token-0123456789", "bob-token-9876543210xx"
@@ -189,7 +189,7 @@ def test_mtls_client_certificates_name_the_tenant(tmp_path, cl100k):
         req = [pb.StepRequest(seqs=[pb.SeqStep(seq_id="s", step=0, spec=SPEC)])]
         md = [(SESSION_METADATA_KEY, "same")]
         with channel("alice") as ch:
-            assert list(pb_grpc.MaskServiceStub(ch).Session(iter(req), metadata=md))[0].results[0].status in (
+            assert next(iter(pb_grpc.MaskServiceStub(ch).Session(iter(req), metadata=md))).results[0].status in (
                 pb.SEQ_STATUS_WAITING, pb.SEQ_STATUS_READY)
         assert {t for t, _ in srv.service.sessions._sessions} <= {"alice"}
         with channel("bob") as ch:

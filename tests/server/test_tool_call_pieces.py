@@ -19,18 +19,19 @@ import time
 import llguidance
 import numpy as np
 import pytest
-from conftest import MASKBENCH, needs_maskbench
 
+from conftest import MASKBENCH, needs_maskbench
 from maskd.server import MaskServer, ServerConfig
 from maskd.server.engines import GrammarCompileError
 from maskd.server.engines.llguidance_engine import LLGuidanceEngine
 from maskd.server.json_schema import CallArrayChecker, document_checker
 from maskd.specs import GrammarSpec
-from maskd_client import MaskClient, MaskClientError, SeqStatus
+from maskd_client import MaskClient, SeqStatus
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"location": {"type": "string"}, "unit": {"type": "string", "enum": ["c", "f"]}},
+        "type": "object",
+        "properties": {"location": {"type": "string"}, "unit": {"type": "string", "enum": ["c", "f"]}},
         "required": ["location"]}}},
     {"type": "function", "function": {"name": "search", "parameters": {
         "type": "object", "properties": {
@@ -248,8 +249,8 @@ def test_a_tool_whose_parameters_are_forced_whole_gives_the_whole_grammars_rows_
                  [{"name": "get_weather", "parameters": {"location": "x"}}, {"name": "fixed", "parameters": {"k": 1}}]]
         assert valid_outputs(grammars, deepseek, random.Random(7), calls[:1] if single else calls, forced=True) > 40
         rng = random.Random(8)
-        random_walks(grammars, deepseek.ll, walks=6, steps=40, choose=lambda allowed: int(rng.choice(allowed)),
-                     forced=True)
+        random_walks(grammars, deepseek.ll, walks=6, steps=40,
+                     choose=lambda allowed, rng=rng: int(rng.choice(allowed)), forced=True)
 
 
 def test_a_call_naming_a_tool_outside_the_set_is_refused(grammars, deepseek):
@@ -354,7 +355,7 @@ def test_names_that_share_their_starts_on_random_walks(named, deepseek):
 
 
 def test_a_name_outside_the_set_is_refused_where_it_leaves_the_names(named, deepseek):
-    grammars, names = named
+    grammars, _ = named
     engine, _, composed, _ = grammars
     for wrong in ('[{"name": "get_w"', '[{"name": "getx', '[{"name": "fs.reads', '[{"name": "b'):
         tokens = [t for ch in wrong for t in deepseek.ll.tokenize_bytes(ch.encode())]

@@ -32,7 +32,7 @@ def test_scanner_reports_every_closed_value_whatever_the_chunks():
     assert by_path[("a", 1, "b")] == b'"x\\"]}y"'
     assert by_path[("a", 1, "c")] == b"[true, null]"
     assert by_path[("d",)] == b"-2.5e3" and by_path[('k"ey',)] == b"{}" and by_path[("e",)] == b'"\\\\"'
-    for ctx, a, b in first:
+    for _, a, b in first:
         json.loads(DOC[a:b])   # every range is a whole JSON value
     for _ in range(50):
         assert scan_in_chunks(DOC, rng)[0] == first
@@ -133,7 +133,8 @@ def test_members_narrow_a_union_to_the_branch_they_allow(cl100k):
 # A union whose branches have dependencies between members (OpenAPI 1.2's data types, simplified).
 DATA_TYPES = {"type": "object", "oneOf": [{"$ref": "#/definitions/ref"}, {"$ref": "#/definitions/prim"}],
               "definitions": {
-                  "ref": {"required": ["$ref"], "properties": {"$ref": {"type": "string"}}, "additionalProperties": False},
+                  "ref": {"required": ["$ref"], "properties": {"$ref": {"type": "string"}},
+                          "additionalProperties": False},
                   "prim": {"required": ["type"], "additionalProperties": False,
                            "properties": {"type": {"enum": ["integer", "string"]}, "format": {"type": "string"},
                                           "minimum": {"type": "string"}},
@@ -311,7 +312,8 @@ def test_a_serialized_grammar_with_garbage_checks_is_refused_with_a_message(cl10
     spec = GrammarSpec.create("json_schema", {"type": "integer"})
     good = engine.serialize(engine.compile(spec))
     assert good.startswith(_CHECKED_MAGIC) and engine.deserialize(spec, good).checker is not None
-    grammar = good[len(_CHECKED_MAGIC) + 8 + int.from_bytes(good[len(_CHECKED_MAGIC):len(_CHECKED_MAGIC) + 8], "little"):]
+    head = len(_CHECKED_MAGIC)
+    grammar = good[head + 8 + int.from_bytes(good[head:head + 8], "little"):]
     data = _CHECKED_MAGIC + len(garbage).to_bytes(8, "little") + garbage + grammar
     with pytest.raises(GrammarCompileError, match="serialized grammar's document checks"):
         engine.deserialize(spec, data)

@@ -255,7 +255,8 @@ def test_reasoning_prefix(engine, cl100k):
     assert m.is_accepting()
     m = engine.new_matcher(engine.compile(spec))
     assert m.validate(cl100k.encode("true")) == 0  # the reasoning block comes first
-    m = engine.new_matcher(engine.compile(GrammarSpec.create("choice", ["yes", "no"], reasoning=("<think>", "</think>"))))
+    m = engine.new_matcher(engine.compile(GrammarSpec.create("choice", ["yes", "no"],
+                                                             reasoning=("<think>", "</think>"))))
     assert m.consume(cl100k.encode("<think>hmm</think>no")) is None and m.is_stopped()
 
 

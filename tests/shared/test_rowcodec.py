@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 from maskd import rowcodec
-from maskd.rowcodec import (ALLOWED_IDS, DENSE, DICT_REF, REJECTED_IDS, RowBlockDecoder, RowBlockEncoder,
-                            RowCodecError)
+from maskd.rowcodec import ALLOWED_IDS, DENSE, DICT_REF, REJECTED_IDS, RowBlockDecoder, RowBlockEncoder, RowCodecError
 
 DEEPSEEK_WIDTH = 129280
 DEEPSEEK_WORDS = 4040

@@ -535,7 +535,8 @@ def test_tool_call_format_gives_the_models_structural_tag():
     assert fmt["at_least_one"] and not fmt["stop_after_first"]
     assert [t["begin"] for t in fmt["tags"]] == [f"<tool_call>\n<function={t['function']['name']}>\n" for t in TOOLS]
     # at most one call; "auto" (the default with tools): free text, calls optional; "none": nothing
-    single = json.loads(GrammarSpec.from_request({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False,
+    single = json.loads(GrammarSpec.from_request({"tools": TOOLS, "tool_choice": "required",
+                                                  "parallel_tool_calls": False,
                                                   "tool_call_format": "qwen_3_coder"}).text)
     assert single["format"]["stop_after_first"]
     auto = json.loads(GrammarSpec.from_request({"tools": TOOLS, "tool_call_format": "qwen_3_coder"}).text)

@@ -10,10 +10,9 @@ import pathlib
 
 import pytest
 
-from maskd.tools.bench import common
-from maskd.cli import main
-
 from conftest import MASKBENCH, needs_maskbench
+from maskd.cli import main
+from maskd.tools.bench import common
 
 SAMPLE = str(common.SAMPLE_DIR)
 
@@ -257,7 +256,8 @@ def test_profile_parse():
     from maskd.tools.bench.profile import parse_raw, step_path, top_entries
 
     raw = ("_stream_response_in_pool (grpc/_server.py:843);MaskService.Session (/x/maskd/server/service.py:84);"
-           "Session.step (/x/maskd/server/session.py:85);LLGuidanceEngine.fill_batch (/x/maskd/server/engines/llguidance_engine.py:158) 6\n"
+           "Session.step (/x/maskd/server/session.py:85);"
+           "LLGuidanceEngine.fill_batch (/x/maskd/server/engines/llguidance_engine.py:158) 6\n"
            "_stream_response_in_pool (grpc/_server.py:843);MaskService.Session (/x/maskd/server/service.py:82);"
            "_RequestIterator.__next__ (grpc/_server.py:500);Condition.wait (threading.py:327) 5\n"
            "_serve (grpc/_server.py:1000) 9\n"
@@ -267,7 +267,8 @@ def test_profile_parse():
     busy, n_busy, n_wait = step_path(stacks)
     assert (n_busy, n_wait) == (8, 5)
     tops = top_entries(busy, n_busy, 5)
-    assert tops["own_by_function"][0]["entry"] == "LLGuidanceEngine.fill_batch (maskd/server/engines/llguidance_engine.py)"
+    assert tops["own_by_function"][0]["entry"] == \
+        "LLGuidanceEngine.fill_batch (maskd/server/engines/llguidance_engine.py)"
     assert tops["own_by_function"][0]["share"] == pytest.approx(0.75)
     assert tops["key_functions"]["MaskService.Session (maskd/server/service.py)"] == pytest.approx(0.75)
 
@@ -361,7 +362,7 @@ def test_bench_vllm_tool_sets_replace_one_tool_each_in_an_order_of_their_own():
     sets = vllm_workloads.tool_sets(pool, 5, 6, "r0")
     base_names = set(GrammarSpec.create("json_schema", base).parts.names)
     assert len(base_names) == 5
-    for i, schema in enumerate(sets):
+    for schema in sets:
         names = GrammarSpec.create("json_schema", schema).parts.names    # vLLM's call array: composed by maskd
         assert len(names) == 5 and len(base_names - set(names)) == 1 and len(set(names) - base_names) == 1
     assert len({json.dumps(s) for s in sets}) == 6
