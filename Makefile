@@ -96,9 +96,10 @@ test-engines: engines-setup
 test-vllm: vllm-setup
 	$(VLLM_PY) -m pytest -q -ra --durations=15 tests/vllm_engine
 
-# ruff and mypy over the runtime packages, and the import contracts (pyproject.toml)
+# ruff over every Python file CI runs (the runtime packages, the tests, the chart's generators),
+# mypy over the runtime packages, and the import contracts (pyproject.toml)
 lint: setup
-	$(VENV)/bin/ruff check maskd client cluster
+	$(VENV)/bin/ruff check maskd client cluster tests helm/tools
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports --config pyproject.toml --no-cache
 
