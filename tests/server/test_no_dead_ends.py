@@ -250,6 +250,26 @@ def test_a_big_integer_cannot_grow_into_its_widened_neighbours(server, cl100k, w
         assert r.seqs[sid].accepting and _bit(r, sid, cl100k.eos_token_ids[0])
 
 
+def test_an_empty_string_written_by_one_token_is_checked_like_a_closing_quote(server, cl100k):
+    """Issue 50 (o11666's dead end with the invent writer, MaskBench-dev seeds 1-20): the token '""'
+    opens and closes a string at once; "" matches both branches of the items' oneOf, so once
+    written no document can pass. The rows refuse '""' (and ' ""' after a comma) where an item
+    starts, keep '"' (a string that passes one branch may follow) and '""' where "" passes."""
+    schema = {"type": "object", "properties": {"items": {"type": "array", "items": {
+        "oneOf": [{"const": ""}, {"type": "string", "maxLength": 3}]}}, "names": {"type": "array"}}, **NOT}
+    empty, spaced, quote = (cl100k.encode(t)[0] for t in ('""', ' ""', '"'))
+    assert cl100k.decode([empty]) == '""' and cl100k.decode([spaced]) == ' ""'
+    with MaskClient(server.address, want_forced_tokens=False) as mc:
+        sid = "empty"
+        mc.open(sid, {"json_schema": schema})
+        r = _feed(mc, cl100k, sid, _step_until_ready(mc, sid, []), '{"items": [')
+        assert not _bit(r, sid, empty) and _bit(r, sid, quote)
+        r = _feed(mc, cl100k, sid, r, '"ab",')
+        assert not _bit(r, sid, spaced) and not _bit(r, sid, empty)
+        r = _feed(mc, cl100k, sid, r, '"x"], "names": [')
+        assert _bit(r, sid, empty)   # no oneOf there: "" passes
+
+
 @needs_maskbench
 @pytest.mark.parametrize("style", STYLES)
 def test_no_dead_ends_on_maskbench_dev_relaxed_schemas(cl100k, style):

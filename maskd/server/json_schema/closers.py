@@ -88,7 +88,7 @@ class CloserTable:
         key_leads: list[int] = []
         digits: dict[int, bytes] = {}
         empty: dict[str, list[int]] = {lead + k: [] for lead in WHOLE_LEADS
-                                       for k in ("{}", "[]", "{}+", "[]+", "null", "true", "false")}
+                                       for k in ("{}", "[]", "{}+", "[]+", "null", "true", "false", '""')}
         enders: dict[str, tuple[list[int], list[bytes]]] = {"string": ([], []), "escaped string": ([], []),
                                                              "number": ([], [])}
         for t in range(tokenizer.vocab_size):
@@ -126,6 +126,8 @@ class CloserTable:
                     if (value.startswith(literal) and not value[len(literal):len(literal) + 1].isalnum()) \
                             or (value and literal.startswith(value)):
                         empty[lead + literal.decode()].append(t)   # writes the literal, or starts it
+                if value[:2] == b'""':
+                    empty[lead + '""'].append(t)   # an empty string, opened and closed by one token
                 if value[:2] in (b"{}", b"[]"):
                     empty[lead + value[:2].decode()].append(t)
                     if _lowest(value[2:], False) < 0:
@@ -152,8 +154,9 @@ class CloserTable:
         self.escaped = np.array(escaped, dtype=np.int8)   # scanned from right after a string's backslash
         # Tokens that write a whole value where a value starts: an empty object / array ("{}", " []",
         # "{}}", ...; "{}+" / "[]+": those that also close the container the value is in) or a literal
-        # (" null", or its start: "n", "nu": only the literal can follow); keys with a lead (":{}",
-        # ",null") are the tokens that write the colon after a key, or the comma after an item, first.
+        # (" null", or its start: "n", "nu": only the literal can follow) or an empty string ('""', opened
+        # and closed by one token); keys with a lead (":{}", ",null") are the tokens that write the colon
+        # after a key, or the comma after an item, first.
         self.empty = {k: np.array(v, dtype=np.int64) for k, v in empty.items()}
         # Tokens that end the string / number being written, with what each adds to it first
         # ('29",' ends a string with 29; "escaped string": scanned from right after a backslash, 'n",'

@@ -36,7 +36,8 @@ _CLOSE_CHECK_BYTES = 1 << 16
 # many; past that (a string the grammar leaves free: dozens of '…"' tokens) only as it stands.
 _ENDINGS_CHECKED = 16
 # Values one token may write whole where a value starts (CloserTable.empty holds those tokens).
-_WHOLE_VALUES: tuple[tuple[str, Any], ...] = (("{}", {}), ("[]", []), ("null", None), ("true", True), ("false", False))
+_WHOLE_VALUES: tuple[tuple[str, Any], ...] = (("{}", {}), ("[]", []), ("null", None), ("true", True), ("false", False),
+                                              ('""', ""))
 
 
 def _whole_value_lead(sc: JsonScanner) -> str | None:
