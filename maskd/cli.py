@@ -17,7 +17,7 @@ import maskd
 log = logging.getLogger("maskd.cli")
 # Subcommands whose modules carry extra dependencies register themselves: (module, name).
 _OPTIONAL = (("maskd.tools.conformance", "conformance"), ("maskd.tools.demo", "demo"),
-             ("maskd.tools.tiny_model", "tiny-model"),
+             ("maskd.tools.tiny_model", "tiny-model"), ("maskd.tools.real_model", "real-model"),
              ("maskd.tools.bench.cli", "bench"), ("maskd.tools.soak", "soak and chaos"),
              ("maskd_cluster.cli", "cluster"))
 

@@ -75,18 +75,10 @@ def add_parser(sub) -> None:
     p.add_argument("--hidden-size", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--train-json", metavar="MASKBENCH_DIR",
-                   help="train the model briefly on the valid instances of the train half of these MaskBench "
-                        "files (see maskd.tools.json_training); --hidden-size and --layers stay the defaults")
-    p.add_argument("--steps", type=int, default=300, help="training steps with --train-json")
     p.set_defaults(func=cmd_tiny_model)
 
 
 def cmd_tiny_model(args) -> int:
-    if args.train_json:
-        from maskd.tools.json_training import train
-        path = train(args.out, args.train_json, steps=args.steps, seed=args.seed)
-    else:
-        path = build(args.out, hidden_size=args.hidden_size, layers=args.layers, seed=args.seed)
+    path = build(args.out, hidden_size=args.hidden_size, layers=args.layers, seed=args.seed)
     print(path)
     return 0

@@ -24,7 +24,7 @@ from typing import Any
 REPO = pathlib.Path(__file__).resolve().parents[2]
 VLLM_VENV = REPO / ".venv-vllm"
 MODEL_DIR = REPO / ".cache" / "tiny-llama-deepseek"
-JSON_MODEL_DIR = REPO / ".cache" / "tiny-llama-deepseek-json"   # trained on MaskBench JSON (json_training.py)
+REAL_MODEL_DIR = REPO / ".cache" / "smollm2-135m-instruct"         # a real pretrained model (real_model.py)
 MODEL = "tiny"
 READY_TIMEOUT_S = 600      # a loaded 2-core CI machine: 30-70 s usually
 THINK_END = "</think>"
@@ -38,10 +38,10 @@ def model_dir() -> pathlib.Path:
     return build(MODEL_DIR)
 
 
-def json_model_dir(maskbench: str | os.PathLike) -> pathlib.Path:
-    """The tiny Llama trained on the train half of these MaskBench files (minutes, the first time)."""
-    from maskd.tools.json_training import train
-    return train(JSON_MODEL_DIR, maskbench, base=model_dir())
+def real_model_dir() -> pathlib.Path:
+    """SmolLM2-135M-Instruct as safetensors (``maskd real-model``; a minute, the first time)."""
+    from maskd.tools.real_model import build
+    return build(REAL_MODEL_DIR)
 
 
 def free_port() -> int:

@@ -20,8 +20,8 @@ from holds import hold_compiles
 @pytest.fixture(scope="module")
 def engine(logs, maskd_server):
     env = {"MASKD_TARGET": maskd_server.address, "MASKD_ADMISSION_WAIT_S": "1", "MASKD_WAIT_TIMEOUT_S": "120"}
-    with vllm_engine(logs, *ENGINE_OPTIONS, *TOOL_PARSER, "--kv-cache-memory-bytes", str(3 << 20), "--max-num-seqs", "32",
-                     env=env, name="maskd") as e:
+    with vllm_engine(logs, *ENGINE_OPTIONS, *TOOL_PARSER, "--kv-cache-memory-bytes", str(3 << 20),
+                     "--max-num-seqs", "32", env=env, name="maskd") as e:
         yield e
 
 

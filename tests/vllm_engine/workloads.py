@@ -67,8 +67,9 @@ _SHAPES = [
         f"mode_{i}": {"enum": ["fast", "slow"]}}, "required": [f"mode_{i}"], "additionalProperties": False},
     lambda i: {"type": "object", "properties": {f"to_{i}": {"$ref": "#/$defs/Point"}}, "required": [f"to_{i}"],
                "additionalProperties": False,
-               "$defs": {"Point": {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9},
-                                                                    "y": {"type": "integer", "minimum": 0, "maximum": 9}},
+               "$defs": {"Point": {"type": "object",
+                                   "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9},
+                                                  "y": {"type": "integer", "minimum": 0, "maximum": 9}},
                                    "required": ["x", "y"], "additionalProperties": False}}},
 ]
 
