@@ -136,6 +136,11 @@ def test_no_dead_ends_on_generated_schemas(server, cl100k, table):
     assert not dead, summary
     strayed = [o for o in outcomes if o.status == "finished" and o.strayed]
     assert len({o.name for o in strayed}) >= count // 8, summary
+    # and the rows never refuse what passes: each valid instance goes in token by token, then EOS
+    followed = write(server.address, cl100k, table, jobs, seed=0, follow=1.0, max_tokens=400)
+    guides = {name: guide for name, _, guide in jobs}
+    refused = [(o.name, o.status, o.text[-60:]) for o in followed if o.status != "finished" or o.text != guides[o.name]]
+    assert not refused, refused
 
 
 R = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
