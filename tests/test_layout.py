@@ -35,14 +35,6 @@ def test_import_contracts_hold():
 
 
 RUNTIME_PACKAGES = ("maskd", "client", "cluster")
-# Names still defined twice, all in maskd/tools (being rewritten for issue 49): name -> the modules
-# that define it. Remove an entry once its copies have names of their own; the test says when.
-PENDING_IN_TOOLS = {
-    "Engine": {"maskd/server/engines/base.py", "maskd/tools/vllm_serve.py"},
-    "Instance": {"maskd/tools/bench/common.py", "maskd/tools/conformance.py", "maskd/tools/replay.py"},
-    "_Slot": {"maskd/tools/bench/e2e.py", "maskd/tools/bench/serve.py", "maskd/tools/bench/wire.py"},
-    "_Tally": {"maskd/tools/bench/e2e.py", "maskd/tools/conformance.py"},
-}
 
 
 def _class_modules() -> dict[str, set[str]]:
@@ -61,12 +53,9 @@ def _class_modules() -> dict[str, set[str]]:
 
 def test_no_class_name_is_defined_in_two_modules():
     where = _class_modules()
-    twice = {name: modules for name, modules in where.items() if len(modules) > 1}
-    new = {name: sorted(modules) for name, modules in twice.items() if PENDING_IN_TOOLS.get(name) != modules}
-    assert not new, "one name per concept: these class names are defined in more than one module " \
-                    f"(rename each after what it is, or make the copies one class): {new}"
-    stale = sorted(set(PENDING_IN_TOOLS) - set(twice))
-    assert not stale, f"no longer defined twice: remove {stale} from PENDING_IN_TOOLS"
+    twice = {name: sorted(modules) for name, modules in where.items() if len(modules) > 1}
+    assert not twice, "one name per concept: these class names are defined in more than one module " \
+                      f"(rename each after what it is, or make the copies one class): {twice}"
 
 
 CLIENT_SCRIPT = textwrap.dedent("""

@@ -38,7 +38,8 @@ SAMPLE_DIR = pathlib.Path(__file__).parent / "samples" / "maskbench"
 
 
 @dataclasses.dataclass
-class Instance:
+class ConformanceCase:
+    """One test of a MaskBench file (valid or invalid) as tokens: its verdict is accept or reject."""
     file: str
     index: int
     valid: bool
@@ -69,13 +70,13 @@ def load_suite(data_dir: str | pathlib.Path, limit: int | None = None) -> list[t
     return suite
 
 
-def _instances(suite, compiled: set[str], encode) -> Iterator[Instance]:
+def _instances(suite, compiled: set[str], encode) -> Iterator[ConformanceCase]:
     for name, _schema, tests in suite:
         if name not in compiled:
             continue
         for i, test in enumerate(tests):
-            yield Instance(name, i, bool(test["valid"]),
-                           encode(json.dumps(test["data"], ensure_ascii=False)))
+            yield ConformanceCase(name, i, bool(test["valid"]),
+                                  encode(json.dumps(test["data"], ensure_ascii=False)))
 
 
 def _allowed(bitmask: np.ndarray, rows: np.ndarray, tokens: np.ndarray) -> np.ndarray:
@@ -83,7 +84,9 @@ def _allowed(bitmask: np.ndarray, rows: np.ndarray, tokens: np.ndarray) -> np.nd
     return ((words >> (tokens & 31)) & 1).astype(bool)
 
 
-class _Tally:
+class _VerdictTally:
+    """The verdicts of a conformance run: valid instances accepted, invalid ones rejected, the misses."""
+
     def __init__(self) -> None:
         self.valid_total = self.valid_accepted = self.invalid_total = self.invalid_rejected = 0
         self.masks = 0
@@ -96,7 +99,7 @@ class _Tally:
     def done(self) -> int:
         return self.valid_total + self.invalid_total
 
-    def verdict(self, inst: Instance, accepted: bool, why: str = "") -> None:
+    def verdict(self, inst: ConformanceCase, accepted: bool, why: str = "") -> None:
         if not accepted and "JSON schema" in why:
             self.validator_rejects += 1
         if inst.valid:
@@ -120,7 +123,7 @@ def run_through_server(target: str, tokenizer_spec: str, suite, *, batch: int = 
 
     t0 = time.perf_counter()
     tok = load_tokenizer(tokenizer_spec)
-    tally = _Tally()
+    tally = _VerdictTally()
     compile_errors: dict[str, str] = {}
     with MaskClient(target, tokenizer=tok.fingerprint, want_forced_tokens=False, timeout_s=600) as mc:
         info = mc.info()
@@ -146,7 +149,7 @@ def run_through_server(target: str, tokenizer_spec: str, suite, *, batch: int = 
                        unit="instance")
         schemas = {name: schema for name, schema, _ in suite}
         source = _instances(suite, compiled, tok.encode)
-        active: dict[str, tuple[Instance, int]] = {}   # seq -> (instance, tokens sent)
+        active: dict[str, tuple[ConformanceCase, int]] = {}   # seq -> (instance, tokens sent)
         counter = 0
         exhausted = False
         while active or not exhausted:
@@ -207,7 +210,7 @@ def run_in_process(tokenizer_spec: str, suite) -> dict:
 
     t0 = time.perf_counter()
     tok = load_tokenizer(tokenizer_spec)
-    tally = _Tally()
+    tally = _VerdictTally()
     compile_errors: dict[str, str] = {}
     for name, schema, tests in bar(suite, desc="schemas", unit="schema"):
         grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema))
@@ -217,7 +220,8 @@ def run_in_process(tokenizer_spec: str, suite) -> dict:
             compile_errors[name] = (msgs[0] if msgs else matcher.get_error()) if is_error or matcher else "error"
             continue
         for i, test in enumerate(tests):
-            inst = Instance(name, i, bool(test["valid"]), tok.encode(json.dumps(test["data"], ensure_ascii=False)))
+            inst = ConformanceCase(name, i, bool(test["valid"]),
+                                   tok.encode(json.dumps(test["data"], ensure_ascii=False)))
             m = llguidance.LLMatcher(tok.ll, grammar, log_level=0)
             n = m.validate_tokens(inst.tokens)
             tally.masks += min(n + 1, len(inst.tokens) + 1)
@@ -255,7 +259,7 @@ def schema_keywords(schema, depth: int = 0) -> set[str]:
     return found
 
 
-def passing_by_keyword(suite, compile_errors: dict, failing: set[str], tally: _Tally) -> list[dict]:
+def passing_by_keyword(suite, compile_errors: dict, failing: set[str], tally: _VerdictTally) -> list[dict]:
     """Per keyword: schemas holding it, how many pass, and the false rejects / accepts among them."""
     rows: dict[str, dict] = {}
     rejects = collections.Counter(x["file"] for x in tally.false_rejects)
@@ -272,7 +276,7 @@ def passing_by_keyword(suite, compile_errors: dict, failing: set[str], tally: _T
     return sorted(rows.values(), key=lambda r: (r["passing"] - r["schemas"], -r["schemas"], r["keyword"]))
 
 
-def _report(suite, compile_errors: dict, tally: _Tally, seconds: float, target: str, mode: str) -> dict:
+def _report(suite, compile_errors: dict, tally: _VerdictTally, seconds: float, target: str, mode: str) -> dict:
     # MaskBench's verdict per schema: it passes when it compiles, every valid instance is accepted
     # and every invalid one rejected.
     failing = set(compile_errors) | {x["file"] for x in tally.false_rejects} | {x["file"] for x in tally.false_accepts}

@@ -20,15 +20,9 @@ from maskd.tools.bench import common
 
 
 @dataclasses.dataclass
-class Instance:
-    schema: common.Schema
-    tokens: list[int]
-
-
-@dataclasses.dataclass
 class Slot:
     sid: str
-    inst: Instance
+    inst: common.Instance
     applied: int = 0              # tokens the server has applied (as of the last reply)
     send: list[int] = dataclasses.field(default_factory=list)
     matcher: Any = None           # the mirror's llguidance matcher
@@ -47,9 +41,9 @@ class Counts:
     reasons: dict = dataclasses.field(default_factory=dict)
 
 
-def load_instances(data: str, tokenizer, limit: int | None, seed: int) -> list[Instance]:
+def load_instances(data: str, tokenizer, limit: int | None, seed: int) -> list[common.Instance]:
     schemas = [s for s in common.load_schemas(data, tokenizer, limit) if s.instances]
-    pool = [Instance(s, toks) for s in schemas for toks in s.instances if toks]
+    pool = [common.Instance(s, toks) for s in schemas for toks in s.instances if toks]
     random.Random(seed).shuffle(pool)
     return pool
 
@@ -57,7 +51,7 @@ def load_instances(data: str, tokenizer, limit: int | None, seed: int) -> list[I
 class Replay:
     """B sequences replaying instances through ``client``, every row checked against the mirror."""
 
-    def __init__(self, client, tokenizer, pool: list[Instance], batch: int, tag: str = "r") -> None:
+    def __init__(self, client, tokenizer, pool: list[common.Instance], batch: int, tag: str = "r") -> None:
         import llguidance
 
         self.client, self.tok, self.pool, self.tag = client, tokenizer, pool, tag

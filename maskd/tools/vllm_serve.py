@@ -50,7 +50,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Engine:
+class VllmServer:
+    """A running ``vllm serve`` process: its URL, its process handle and its log."""
+
     def __init__(self, url: str, proc: subprocess.Popen, log: pathlib.Path) -> None:
         self.url = url
         self.proc = proc
@@ -102,7 +104,7 @@ def vllm_prefix() -> pathlib.Path:
 @contextlib.contextmanager
 def vllm_engine(log_dir: pathlib.Path, *args: str, env: Mapping[str, str] | None = None,
                 name: str = "vllm", prefix: pathlib.Path | None = None,
-                model: pathlib.Path | None = None) -> Iterator[Engine]:
+                model: pathlib.Path | None = None) -> Iterator[VllmServer]:
     """``vllm serve`` of the tiny model (or ``model``) with ``args``; ``env`` on top of this process's
     environment (MASKD_* and vLLM's own variables removed first, so only what the caller names is set)."""
     port = free_port()
@@ -123,7 +125,7 @@ def vllm_engine(log_dir: pathlib.Path, *args: str, env: Mapping[str, str] | None
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full, start_new_session=True,
                                 cwd=REPO)
-    engine = Engine(f"http://127.0.0.1:{port}", proc, log)
+    engine = VllmServer(f"http://127.0.0.1:{port}", proc, log)
     try:
         deadline = time.monotonic() + READY_TIMEOUT_S
         while True:

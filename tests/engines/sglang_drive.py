@@ -54,7 +54,7 @@ def run_conformance(backend, tok, suite, *, mode: str, batch: int = 64) -> dict:
     """MaskBench through SGLang's registry and grammar objects: the report of maskd conformance."""
     import time
     t0 = time.perf_counter()
-    tally = conformance._Tally()
+    tally = conformance._VerdictTally()
     errors: dict[str, str] = {}
     keys = {}
     for name, schema, _ in suite:

@@ -102,7 +102,7 @@ def test_passing_is_per_schema_and_broken_down_by_keyword():
              ("b.json", {"anyOf": [{"type": "string", "format": "date"}], "enum": [{"oneOf": 1}]}, []),
              ("c.json", {"not": {"type": "null"}}, []),
              ("d.json", {"type": "integer"}, [])]
-    tally = conformance._Tally()
+    tally = conformance._VerdictTally()
     tally.false_rejects = [{"file": "a.json", "test": 0, "why": ""}, {"file": "a.json", "test": 1, "why": ""}]
     tally.false_accepts = [{"file": "b.json", "test": 0}]
     report = conformance._report(suite, {"c.json": "refused"}, tally, 1.0, "t", "complete")

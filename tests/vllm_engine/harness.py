@@ -3,9 +3,9 @@ import contextlib
 from collections.abc import Iterator
 
 from maskd.tools import vllm_serve
-from maskd.tools.vllm_serve import ENGINE_OPTIONS, MODEL, THINK_END, Engine, server_metric
+from maskd.tools.vllm_serve import ENGINE_OPTIONS, MODEL, THINK_END, VllmServer, server_metric
 
-__all__ = ["EAGER", "ENGINE_OPTIONS", "MODEL", "THINK_END", "Engine", "server_metric", "vllm_engine"]
+__all__ = ["EAGER", "ENGINE_OPTIONS", "MODEL", "THINK_END", "VllmServer", "server_metric", "vllm_engine"]
 
 # tool_choice "required" needs a tool parser in vLLM, which vLLM loads only with auto tool choice on
 # (the JSON call array is then the constraint); one that leaves "required" to that array (no
@@ -21,6 +21,6 @@ EAGER = ("--enforce-eager",)
 
 
 @contextlib.contextmanager
-def vllm_engine(log_dir, *args: str, **kwargs) -> Iterator[Engine]:
+def vllm_engine(log_dir, *args: str, **kwargs) -> Iterator[VllmServer]:
     with vllm_serve.vllm_engine(log_dir, *args, *EAGER, **kwargs) as engine:
         yield engine

@@ -48,10 +48,12 @@ class Schema:
 
 @dataclasses.dataclass
 class Instance:
-    """One valid MaskBench instance to replay: its schema, the spec as sent, its tokens."""
+    """One valid MaskBench instance to replay: its schema, its tokens, and the spec as sent (the
+    bench modes build the message up front; None in ``maskd.tools.replay``, which opens with
+    ``schema.spec``)."""
     schema: Schema
-    spec_pb: Any
     tokens: list[int]
+    spec_pb: Any = None
 
 
 def instance_pool(schemas: Sequence[Schema], errors: Iterable[str], seed: int | None, what: str,
@@ -63,7 +65,7 @@ def instance_pool(schemas: Sequence[Schema], errors: Iterable[str], seed: int | 
     from maskd.specs import GrammarSpec
 
     failed = set(errors)
-    pool = [Instance(s, specs[s.name] if specs else GrammarSpec.from_dict(s.spec).to_proto(), toks)
+    pool = [Instance(s, toks, specs[s.name] if specs else GrammarSpec.from_dict(s.spec).to_proto())
             for s in schemas if s.name not in failed for toks in s.instances if toks]
     random.Random(seed).shuffle(pool)
     if not pool:

@@ -76,7 +76,8 @@ STOP_STRING = "<|stop|>"       # a stop string that never occurs: the check runs
 
 
 @dataclasses.dataclass
-class _Slot:
+class _DecodeSlot:
+    """A batch position of the simulated decode loop: its instance, how far it is sampled, its output."""
     sid: str
     inst: common.Instance
     arrival: int
@@ -93,15 +94,15 @@ class _Replay:
         self.cursor = start
         self.slots = [self._fresh() for _ in range(batch)]
 
-    def _fresh(self) -> _Slot:
+    def _fresh(self) -> _DecodeSlot:
         inst = self.pool[self.cursor % len(self.pool)]
         self.cursor += 1
-        return _Slot(f"{self.tag}-{self.cursor}", inst, self.cursor)
+        return _DecodeSlot(f"{self.tag}-{self.cursor}", inst, self.cursor)
 
-    def next_token(self, s: _Slot) -> int:
+    def next_token(self, s: _DecodeSlot) -> int:
         return s.inst.tokens[s.pos] if s.pos < len(s.inst.tokens) else self.eos
 
-    def refill(self, i: int) -> _Slot:
+    def refill(self, i: int) -> _DecodeSlot:
         self.slots[i] = self._fresh()
         return self.slots[i]
 
@@ -112,7 +113,7 @@ class _HostWork:
     def __init__(self, tok) -> None:
         self.decode = tok.ll.decode_bytes
 
-    def __call__(self, slots: list[_Slot], sampled: list[int | None]) -> None:
+    def __call__(self, slots: list[_DecodeSlot], sampled: list[int | None]) -> None:
         for s, t in zip(slots, sampled):
             if t is None:
                 continue
@@ -127,7 +128,8 @@ class _HostWork:
 
 
 @dataclasses.dataclass
-class _Tally:
+class _LoopStats:
+    """What one mode's decode loop counted and timed (tokens, mask checks, waits, host work)."""
     tokens: int = 0
     masks_checked: int = 0
     violations: int = 0
@@ -157,7 +159,7 @@ class _Tally:
         self.periods.append(t - t_prev)
 
 
-def _sample(replay: _Replay, rows: np.ndarray | None, row_of: list[int] | None, tally: _Tally,
+def _sample(replay: _Replay, rows: np.ndarray | None, row_of: list[int] | None, tally: _LoopStats,
             measured: bool) -> tuple[list[int | None], list[tuple[int, int]], list[int]]:
     """Each slot's next token, checked against its row when there are rows. Returns (sampled per
     slot, [(slot, token)] to consume next step, slots refilled)."""
@@ -193,9 +195,9 @@ def _sample(replay: _Replay, rows: np.ndarray | None, row_of: list[int] | None, 
     return sampled, consumed, refilled
 
 
-def _loop_unstructured(ctx, batch: int, forward_s: float, steps: int, warmup: int) -> _Tally:
+def _loop_unstructured(ctx, batch: int, forward_s: float, steps: int, warmup: int) -> _LoopStats:
     replay = _Replay(ctx.pool, batch, ctx.eos, "u")
-    tally = _Tally()
+    tally = _LoopStats()
     t_prev = time.perf_counter()
     for k in bar(range(warmup + steps), desc=f"unstructured B={batch}", unit="step"):
         measured = k >= warmup
@@ -213,14 +215,14 @@ def _loop_unstructured(ctx, batch: int, forward_s: float, steps: int, warmup: in
     return tally
 
 
-def _loop_inprocess(ctx, batch: int, forward_s: float, steps: int, warmup: int, overlapped: bool) -> _Tally:
+def _loop_inprocess(ctx, batch: int, forward_s: float, steps: int, warmup: int, overlapped: bool) -> _LoopStats:
     replay = _Replay(ctx.pool, batch, ctx.eos, "o" if overlapped else "c")
     engine = common.InProcessEngine(ctx.tok, ctx.worker_threads, batch)
     for s in ctx.pool:
         engine.template(s.schema)            # compiled ahead, like grammars registered with a server
     for i, s in enumerate(replay.slots):
         engine.open(i, s.inst.schema)
-    tally = _Tally()
+    tally = _LoopStats()
     consumed: list[tuple[int, int]] = []
     row_of = list(range(batch))
     t_prev = time.perf_counter()
@@ -258,7 +260,7 @@ def _loop_inprocess(ctx, batch: int, forward_s: float, steps: int, warmup: int, 
     return tally
 
 
-def _send_then_host(ctx, mc, request, replay: _Replay, sampled: list, tally: _Tally | None, done: bool,
+def _send_then_host(ctx, mc, request, replay: _Replay, sampled: list, tally: _LoopStats | None, done: bool,
                     t0: float, t1: float, t_prev: float):
     """The next step goes out (before the host work, as a worker sends it right after sampling);
     the step's times are tallied when ``tally`` is given. Returns (its future, the step's end)."""
@@ -272,11 +274,11 @@ def _send_then_host(ctx, mc, request, replay: _Replay, sampled: list, tally: _Ta
     return fut, t
 
 
-def _loop_maskd(ctx, batch: int, forward_s: float, steps: int, warmup: int) -> _Tally:
+def _loop_maskd(ctx, batch: int, forward_s: float, steps: int, warmup: int) -> _LoopStats:
     from maskd_client import MaskClient, SeqStatus
 
     replay = _Replay(ctx.pool, batch, ctx.eos, f"m{batch}-{int(forward_s * 1e3)}")
-    tally = _Tally()
+    tally = _LoopStats()
     with MaskClient(ctx.address, want_forced_tokens=False, timeout_s=600) as mc:
         for s in replay.slots:
             mc.open(s.sid, s.inst.spec_pb)
@@ -312,13 +314,13 @@ def _loop_maskd(ctx, batch: int, forward_s: float, steps: int, warmup: int) -> _
     return tally
 
 
-def _loop_maskd_drafts(ctx, batch: int, forward_s: float, steps: int, warmup: int) -> _Tally:
+def _loop_maskd_drafts(ctx, batch: int, forward_s: float, steps: int, warmup: int) -> _LoopStats:
     from maskd_client import MaskClient, SeqStatus, StepInput
 
     # Its own server, and instances that server has not seen while the pool lasts (a run goes on
     # where the one before stopped): learned drafts come only from other documents of the grammar.
     replay = _Replay(ctx.pool, batch, ctx.eos, f"d{batch}-{int(forward_s * 1e3)}", start=ctx.drafts_cursor)
-    tally = _Tally()
+    tally = _LoopStats()
     k, saturation = ctx.drafts, ctx.saturation_tokens
     materialize = common.Materializer(batch * (1 + k), (ctx.tok.logits_width + 31) // 32)
     with MaskClient(ctx.drafts_address, want_forced_tokens=False, timeout_s=600) as mc:
@@ -405,15 +407,15 @@ def _loop_maskd_drafts(ctx, batch: int, forward_s: float, steps: int, warmup: in
     return tally
 
 
-def _loop_maskd_opportunistic(ctx, batch: int, forward_s: float, steps: int, warmup: int) -> _Tally:
+def _loop_maskd_opportunistic(ctx, batch: int, forward_s: float, steps: int, warmup: int) -> _LoopStats:
     from maskd_client import MaskClient, SeqStatus, StepInput
 
     replay = _Replay(ctx.pool, batch, ctx.eos, f"p{batch}-{int(forward_s * 1e3)}")
     rng = np.random.default_rng(batch)
-    tally = _Tally()
+    tally = _LoopStats()
     nothing = StepInput((), sampled_unmasked=True)      # an open, or a slot with nothing to check
 
-    def sample_unmasked(s: _Slot) -> tuple[int, bool]:
+    def sample_unmasked(s: _DecodeSlot) -> tuple[int, bool]:
         """The model's token from unmasked logits: (token, whether it is off the grammar)."""
         if rng.random() < ctx.off_grammar:
             return ctx.off_grammar_token, True
@@ -509,7 +511,7 @@ class _Context:
     off_grammar_token: int = 0    # a token no JSON grammar allows anywhere (a raw control byte)
 
 
-def _summary(mode: str, tally: _Tally) -> dict:
+def _summary(mode: str, tally: _LoopStats) -> dict:
     seconds = float(np.sum(tally.periods))
     out = {
         "mode": mode,

@@ -40,7 +40,8 @@ DEFAULT_STEPS = 200
 
 
 @dataclasses.dataclass
-class _Slot:
+class _ClientSlot:
+    """A batch position stepped through the MaskClient session: its sequence and what it sends next."""
     sid: str
     inst: common.Instance
     applied: int = 0          # tokens the server has applied (as of the last reply)
@@ -76,9 +77,9 @@ class _Batch:
         self.mirror = mirror
         self.violations = self.eos_violations = self.failed = self.waiting = self.completed = 0
         self.masks_checked = 0
-        self.slots: list[_Slot] = [self._new_slot() for _ in range(batch)]
+        self.slots: list[_ClientSlot] = [self._new_slot() for _ in range(batch)]
 
-    def _new_slot(self) -> _Slot:
+    def _new_slot(self) -> _ClientSlot:
         inst = self.pool[self.cursor % len(self.pool)]
         self.cursor += 1
         sid = f"{self.tag}-{self.counter}"
@@ -86,7 +87,7 @@ class _Batch:
         self.mc.open(sid, inst.spec_pb)
         if self.mirror is not None:
             self.mirror.template(inst.schema)   # compiled ahead, like a registered grammar
-        return _Slot(sid, inst)
+        return _ClientSlot(sid, inst)
 
     def request(self) -> tuple[dict, list]:
         req = {s.sid: list(s.send) for s in self.slots}

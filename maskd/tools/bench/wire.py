@@ -118,9 +118,10 @@ class _Shadows:
 
 
 @dataclasses.dataclass
-class _Slot:
+class _StreamSlot:
+    """A batch position on the bare gRPC stream: its sequence, step counter and server handle."""
     sid: str
-    inst: object
+    inst: common.Instance
     applied: int = 0
     step: int = 0
     send: tuple = ()
@@ -151,7 +152,7 @@ def _run_batch(address, pool, batch: int, max_rows: int | None, eos: int, width:
         if inst is None:
             return None
         counter += 1
-        return _Slot(f"w{batch}-{counter}", inst)
+        return _StreamSlot(f"w{batch}-{counter}", inst)
 
     slots = [s for s in (fresh() for _ in range(batch)) if s is not None]
     rows_bar = bar(total=max_rows, desc=f"B={batch} rows", unit="row")
