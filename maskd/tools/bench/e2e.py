@@ -40,7 +40,7 @@ The modes differ only in where the masks come from:
     ``--saturation-tokens`` (256): decoding is memory bound, so a pass costs about one decode step
     until the batch reaches S tokens, then grows with them. The instance's tokens stand in for a
     model that writes the tokenizer's own tokenization; a real model's acceptance is measured in
-    a real engine (``maskd bench vllm``, tests/vllm_engine/test_grammar_drafts.py).
+    a real engine (``maskd bench vllm``, tests/vllm_engine/test_real_model.py).
 ``maskd-opportunistic``
     opportunistic masking (DOMINO §3.5): the loop samples first, from unmasked logits, and sends
     the token for the server to check (``StepInput(sampled_unmasked=True)``) while the next forward

@@ -38,7 +38,7 @@ RECORDS = {"type": "object", "properties": {"records": {"type": "array", "items"
                                                         "maxItems": 4}},
            "required": ["records"], "additionalProperties": False}
 # Schema-driven JSON of one account (six required keys: enums, a boolean, an integer): grammar drafts'
-# workload (tests/vllm_engine/test_grammar_drafts.py, docs/decisions/0011-grammar-drafts.md).
+# workload (tests/vllm_engine/test_real_model.py, docs/decisions/0011-grammar-drafts.md).
 ACCOUNT = {"type": "object", "properties": {
     "id": {"type": "integer", "minimum": 0, "maximum": 999},
     "status": {"enum": ["active", "inactive", "pending"]},
