@@ -8,6 +8,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from maskd.tools.demo import is_right as answer_is_right
+
 
 class Person(BaseModel):
     name: str
@@ -97,12 +99,4 @@ def messages(p: Extraction) -> list[dict[str, str]]:
 
 
 def is_right(p: Extraction, parsed: BaseModel | None) -> bool:
-    return parsed is not None and _norm(parsed.model_dump(mode="json")) == _norm(p.answer)
-
-
-def _norm(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _norm(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_norm(v) for v in value]
-    return value.strip().lower() if isinstance(value, str) else value
+    return parsed is not None and answer_is_right(parsed.model_dump(mode="json"), p.answer)
