@@ -22,7 +22,7 @@ import numpy as np
 from maskd.rowcodec import RowBlockDecoder
 from maskd.specs import NEWEST_PARTS_REVISION
 from maskd.v1 import maskd_pb2 as pb
-from maskd.v1.contract import SeqStatus, ServerInfo
+from maskd.v1.contract import ACCEPTING_BIT, RESAMPLE_BIT, STATUS_MASK, SeqStatus, ServerInfo
 from maskd_client.connection import Connection
 from maskd_client.ledger import Undo
 from maskd_client.types import MaskClientError, SeqResult, StepResult, grpc_code
@@ -210,9 +210,9 @@ def result_of(reply: pb.StepResponse, item: InFlight, bitmask: np.ndarray) -> St
     packed = np.frombuffer(reply.statuses, dtype=np.uint8)
     if len(packed) != n_plain:
         raise ValueError(f"{len(packed)} columnar answers for {n_plain} columnar entries")
-    plain_status = packed & 0x0F
+    plain_status = packed & STATUS_MASK
     if item.request.columnar_sampled_unmasked:   # rows only where a token was refused
-        has_rows = (packed & 0x20) > 0
+        has_rows = (packed & RESAMPLE_BIT) > 0
     else:
         has_rows = (plain_status == SeqStatus.READY) | (plain_status == SeqStatus.FINISHED)
     first_plain_row = sum(details[sid].num_rows for sid in rich_ids if details[sid].row >= 0)
@@ -228,7 +228,7 @@ def result_of(reply: pb.StepResponse, item: InFlight, bitmask: np.ndarray) -> St
         for i in np.flatnonzero(has_rows).tolist():
             sid = plain_ids[i]
             details[sid] = SeqResult(sid, int(steps[i]), SeqStatus(int(plain_status[i])), int(plain_row[i]), 1, [],
-                                     accepting=bool(packed[i] & 0x10), resample=True)
+                                     accepting=bool(packed[i] & ACCEPTING_BIT), resample=True)
     forced: dict[str, list[int]] = {}
     if reply.forced_counts:
         counts = np.frombuffer(reply.forced_counts, dtype="<u4")
@@ -238,7 +238,7 @@ def result_of(reply: pb.StepResponse, item: InFlight, bitmask: np.ndarray) -> St
             forced[plain_ids[i]] = flat[ends[i] - int(counts[i]):ends[i]]
     if not rich_ids:
         return StepResult(None, bitmask, reply.server_seconds, ids=list(plain_ids), status=plain_status,
-                          row=plain_row, num_rows=has_rows.astype(np.int32), accepting=(packed & 0x10) > 0,
+                          row=plain_row, num_rows=has_rows.astype(np.int32), accepting=(packed & ACCEPTING_BIT) > 0,
                           steps=steps.astype(np.int64), details=details, forced=forced)
     rich = [details[sid] for sid in rich_ids]
     return StepResult(None, bitmask, reply.server_seconds, ids=rich_ids + list(plain_ids),
@@ -246,7 +246,8 @@ def result_of(reply: pb.StepResponse, item: InFlight, bitmask: np.ndarray) -> St
                       row=np.concatenate([np.array([d.row for d in rich], np.int32), plain_row]),
                       num_rows=np.concatenate([np.array([d.num_rows for d in rich], np.int32),
                                                has_rows.astype(np.int32)]),
-                      accepting=np.concatenate([np.array([d.accepting for d in rich], bool), (packed & 0x10) > 0]),
+                      accepting=np.concatenate([np.array([d.accepting for d in rich], bool),
+                                                (packed & ACCEPTING_BIT) > 0]),
                       steps=np.concatenate([np.array([d.step for d in rich], np.int64), steps.astype(np.int64)]),
                       details=details, forced=forced)
 

@@ -11,15 +11,14 @@ SeqResult.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from maskd.v1 import maskd_pb2 as pb
-from maskd.v1.contract import Code, SeqStatus
+from maskd.v1.contract import ACCEPTING_BIT, RESAMPLE_BIT, Code, SeqStatus
 
-ACCEPTING_BIT = 0x10
-RESAMPLE_BIT = 0x20
 _NO_DRAFTS: tuple[int, ...] = ()
 
 
@@ -139,8 +138,8 @@ def parse(request: pb.StepRequest, by_handle: dict[int, Any],
 
 
 def answer(results: list[Result], reply: pb.StepResponse, want_forced: bool, block: Any = None) -> None:
-    """Each result into the reply in its entry's form: a SeqResult, or the packed columnar fields
-    (from ``block``, a plain block (plain_block.py), when the columnar part was one)."""
+    """Each result into the reply in its entry's form: a SeqResult, or the columnar fields (from
+    ``block``, a plain block (plain_block.py), when the columnar part was one)."""
     if block is not None:
         block.write(reply, want_forced)
     columnar = []
@@ -158,12 +157,27 @@ def answer(results: list[Result], reply: pb.StepResponse, want_forced: bool, blo
             out.proposed_drafts.extend(r.proposed)
     if not columnar:
         return
-    reply.statuses = bytes([int(r.status) | (ACCEPTING_BIT if r.accepting else 0) | (RESAMPLE_BIT if r.resample else 0)
-                            for r in columnar])
-    for r in columnar:
-        if r.status == SeqStatus.ERROR or r.status == SeqStatus.FAILED:
-            reply.problems.add(index=r.index, code=int(r.code), reason=r.reason)
-    if want_forced:
-        reply.forced_counts = np.array([len(r.forced_tokens) for r in columnar], dtype="<u4").tobytes()
-        forced = [t for r in columnar for t in r.forced_tokens]
-        reply.forced_tokens = np.array(forced, dtype="<i4").tobytes()
+    status = bytes([int(r.status) | (ACCEPTING_BIT if r.accepting else 0) | (RESAMPLE_BIT if r.resample else 0)
+                    for r in columnar])
+    problems = {r.index: (r.code, r.reason) for r in columnar
+                if r.status == SeqStatus.ERROR or r.status == SeqStatus.FAILED}
+    forced = {r.index: r.forced_tokens for r in columnar if r.forced_tokens} if want_forced else None
+    write_columnar(reply, status, problems, forced)
+
+
+def write_columnar(reply: pb.StepResponse, status: bytes | bytearray, problems: Mapping[int, tuple[int, str]],
+                   forced: Mapping[int, list[int]] | None) -> None:
+    """The one writer of the columnar answers: a status byte per entry, the problems of ERROR and
+    FAILED entries by index, and (``forced`` not None: want_forced_tokens) the forced tokens."""
+    reply.statuses = bytes(status)
+    for i in sorted(problems):
+        code, reason = problems[i]
+        reply.problems.add(index=i, code=int(code), reason=reason)
+    if forced is not None:
+        counts = np.zeros(len(status), dtype="<u4")
+        flat: list[int] = []
+        for i in sorted(forced):
+            counts[i] = len(forced[i])
+            flat += forced[i]
+        reply.forced_counts = counts.tobytes()
+        reply.forced_tokens = np.array(flat, dtype="<i4").tobytes()

@@ -30,12 +30,12 @@ import logging
 
 import numpy as np
 
-from maskd.server.entries import ACCEPTING_BIT, Result
+from maskd.server.entries import Result, write_columnar
 from maskd.server.json_schema import DocumentChecks
-from maskd.server.sequence import MAX_KEPT_ANSWERS, RECENT_STEPS, Answer, SequenceState
+from maskd.server.sequence import Answer, SequenceState, internal_reason, keep_answer
 from maskd.server.step_routing import Fill
 from maskd.v1 import maskd_pb2 as pb
-from maskd.v1.contract import Code, SeqStatus
+from maskd.v1.contract import ACCEPTING_BIT, STATUS_MASK, Code, SeqStatus
 
 log = logging.getLogger("maskd.server.session")
 READY, WAITING, FAILED, FINISHED = SeqStatus.READY, SeqStatus.WAITING, SeqStatus.FAILED, SeqStatus.FINISHED
@@ -141,7 +141,7 @@ class PlainBlock:
         matchers, rows = [], []
         status, row, problems = self.status, self.row, self.problems
         r = first_row
-        for i, (seq, m, step, t) in enumerate(zip(self.seqs, self.matchers, self.steps, self.tokens)):
+        for i, (seq, m, step) in enumerate(zip(self.seqs, self.matchers, self.steps)):
             if i not in problems:
                 try:
                     stopped = m.is_stopped()
@@ -151,7 +151,6 @@ class PlainBlock:
                     self.fault(i, "reading the grammar state", exc, refusals)
                 else:
                     seq.finished = stopped
-                    seq.last_status = FINISHED if stopped else READY
                     status[i] = (FINISHED if stopped else READY) | (ACCEPTING_BIT if accepting else 0)
                     if forced:
                         self.forced[i] = forced
@@ -168,24 +167,8 @@ class PlainBlock:
             # The sequence's step (record_step's part for a plain one), its answer kept as (block, i).
             if seq.step + 1 != step:
                 continue   # a fault above already ended it (fault records the step)
-            self._record(seq, i, step, t)
+            keep_answer(seq, step, (self, i))
         return matchers, rows
-
-    def _record(self, seq: SequenceState, i: int, step: int, token: int) -> None:
-        seq.step = step
-        if seq.parts is not None:
-            seq.parts = None
-        seq.last_tokens = (token,)
-        seq.last_drafts = _NO_TOKENS
-        seq.last_propose = seq.last_rollback = 0
-        seq.last_unmasked = False
-        recent = seq.recent
-        recent[step] = (self, i)
-        old = recent.get(step - RECENT_STEPS)
-        if old is not None and (isinstance(old, tuple) or old.result.status != WAITING):
-            del recent[step - RECENT_STEPS]
-        if len(recent) > MAX_KEPT_ANSWERS:
-            del recent[next(iter(recent))]
 
     def rows_filled(self) -> int:
         """How many rows the block's entries have (an entry without one has a problem)."""
@@ -243,45 +226,31 @@ class PlainBlock:
     def fail(self, i: int, reason: str, code: Code) -> None:
         """Entry i's sequence fails (it stays failed): FAILED with the reason, no row."""
         seq = self.seqs[i]
-        seq.dead_reason = reason
-        seq.dead_code = code
-        seq.last_status = SeqStatus.FAILED
-        seq.matcher = seq.doc = None
+        seq.fail(reason, code)
         self.status[i] = FAILED
         self.row[i] = -1
         self.problems[i] = (code, reason)
         self.forced.pop(i, None)
         if seq.step + 1 == self.steps[i]:
-            self._record(seq, i, self.steps[i], self.tokens[i])
+            keep_answer(seq, self.steps[i], (self, i))
 
     def fault(self, i: int, doing: str, exc: BaseException, refusals) -> None:
         """An engine fault on entry i: its sequence fails (with the reason) and nothing else does."""
         seq = self.seqs[i]
         log.error("sequence %r: engine fault while %s", seq.seq_id, doing, exc_info=exc)
         refusals["internal"] += 1
-        self.fail(i, f"internal error while {doing}: {type(exc).__name__}: {str(exc)[:200]}", Code.INTERNAL)
+        self.fail(i, internal_reason(doing, exc), Code.INTERNAL)
 
     # -- answers -----------------------------------------------------------------------------------
     def write(self, reply: pb.StepResponse, want_forced: bool) -> None:
         """The block's answers into the reply's columnar fields."""
-        reply.statuses = bytes(self.status)
-        for i in sorted(self.problems):
-            code, reason = self.problems[i]
-            reply.problems.add(index=i, code=int(code), reason=reason)
-        if want_forced:
-            counts = np.zeros(len(self.handles), dtype="<u4")
-            flat: list[int] = []
-            for i in sorted(self.forced):
-                counts[i] = len(self.forced[i])
-                flat += self.forced[i]
-            reply.forced_counts = counts.tobytes()
-            reply.forced_tokens = np.array(flat, dtype="<i4").tobytes()
+        write_columnar(reply, self.status, self.problems, self.forced if want_forced else None)
 
     def answer(self, i: int) -> Answer:
         """Entry i's answer as the per-entry path keeps it (for a repeat of its step)."""
         res = Result(i, self.seq_ids[i], self.steps[i], True)
         packed = self.status[i]
-        res.status = SeqStatus(packed & 0x0F)
+        res.status = SeqStatus(packed & STATUS_MASK)
         res.accepting = bool(packed & ACCEPTING_BIT)
         problem = self.problems.get(i)
         if problem is not None:

@@ -38,12 +38,6 @@ class SequenceState:
         "entry",
         "finished",
         "handle",
-        "last_drafts",
-        "last_propose",
-        "last_rollback",
-        "last_status",
-        "last_tokens",
-        "last_unmasked",
         "matcher",
         "parts",
         "pending",
@@ -66,12 +60,6 @@ class SequenceState:
         self.pending: list[int] = []   # tokens received while the grammar compiled
         self.dead_reason = ""          # set once the sequence failed
         self.dead_code = Code.INVALID_ARGUMENT
-        self.last_tokens: tuple = ()
-        self.last_drafts: tuple = ()
-        self.last_propose = 0
-        self.last_unmasked = False
-        self.last_rollback = 0
-        self.last_status = SeqStatus.WAITING     # readiness decided for the last step
         self.finished = False
         # Opening parts received at the current step: history offset -> hash of their tokens.
         self.parts: dict[int, int] | None = None
@@ -93,6 +81,19 @@ class SequenceState:
     @property
     def waiting(self) -> bool:
         return self.entry.state is GrammarState.COMPILING
+
+    def last_answer(self) -> Answer:
+        """The answer of the step the sequence is at: that step's inputs and the readiness decided
+        for it (``UNANSWERED`` while its open's step was refused before it applied)."""
+        answer = self.kept(self.step)
+        return UNANSWERED if answer is None else answer
+
+    def fail(self, reason: str, code: Code) -> None:
+        """The one way a sequence fails (it stays failed): the reason it answers from now on, and no
+        matcher or document any more."""
+        self.dead_reason = reason
+        self.dead_code = code
+        self.matcher = self.doc = None
 
     def kept(self, step: int) -> Answer | None:
         """The answer kept for a step (a plain block's entry made an ``Answer`` at its first read)."""
@@ -121,25 +122,42 @@ class Answer:
         self.packed: bytes | None = None
         self.block: Any = None     # the plain block it was made from (plain_block.py), if any
 
+    def same_inputs(self, msg: Entry, *, tokens: bool = True) -> bool:
+        """Whether ``msg`` asks what this answer's step asked (``tokens`` False: its drafts and
+        flags only, for a restore part, whose tokens are compared by their digest)."""
+        return (msg.drafts == self.drafts and msg.propose == self.propose and msg.unmasked == self.unmasked
+                and (not tokens or (tuple(msg.tokens) == self.tokens and msg.rollback == self.rollback)))
+
+
+def _unanswered() -> Answer:
+    result = Result(0, "", 0, False)
+    result.status = SeqStatus.WAITING
+    return Answer((), (), 0, result)
+
+
+#: What a sequence whose open was refused before its step applied answers (nothing was asked).
+UNANSWERED = _unanswered()
+
 
 def record_step(seq: SequenceState, msg: Entry, res: Result) -> None:
     """Makes ``msg`` the sequence's last step and keeps ``res`` as its answer."""
-    if msg.step != seq.step:
+    keep_answer(seq, msg.step, Answer(tuple(msg.tokens), msg.drafts, msg.rollback, res, msg.propose, msg.unmasked))
+
+
+def keep_answer(seq: SequenceState, step: int, answer: Answer | tuple) -> None:
+    """The one record of a step: ``step`` becomes the sequence's last and ``answer`` its answer
+    (an ``Answer``, or a plain block's ``(block, index)``), which also holds the step's inputs."""
+    if step != seq.step:
         seq.parts = None          # restore parts are remembered only at the step they restored
-    seq.step = msg.step
-    seq.last_tokens = tuple(msg.tokens)
-    seq.last_drafts = msg.drafts
-    seq.last_propose = msg.propose
-    seq.last_unmasked = msg.unmasked
-    seq.last_rollback = msg.rollback
-    # The answer of this step (its rows are set by the fill phase); older ones beyond the window go, except
-    # WAITING ones: steps that poll a compiling grammar come as fast as a rank sends them, so the
-    # ranks' lag in steps is not bounded there (those answers are small, and end with the compile).
+    seq.step = step
+    # Older answers beyond the window go, except WAITING ones: steps that poll a compiling grammar
+    # come as fast as a rank sends them, so the ranks' lag in steps is not bounded there (those
+    # answers are small, and end with the compile).
     recent = seq.recent
-    recent[msg.step] = Answer(seq.last_tokens, seq.last_drafts, msg.rollback, res, msg.propose, msg.unmasked)
-    old = recent.get(msg.step - RECENT_STEPS)
+    recent[step] = answer
+    old = recent.get(step - RECENT_STEPS)
     if old is not None and (isinstance(old, tuple) or old.result.status != SeqStatus.WAITING):
-        del recent[msg.step - RECENT_STEPS]
+        del recent[step - RECENT_STEPS]
     if len(recent) > MAX_KEPT_ANSWERS:
         del recent[next(iter(recent))]
 
@@ -150,8 +168,14 @@ def digest(tokens) -> int:
 
 
 def fail(res: Result, seq: SequenceState, reason: str, code: Code = Code.INVALID_ARGUMENT) -> None:
-    """The sequence failed (it stays failed): FAILED with the reason, for this step and the next."""
-    seq.last_status = res.status = SeqStatus.FAILED
-    seq.dead_code = code
+    """The sequence fails (``SequenceState.fail``) and its entry's answer says so: FAILED with the
+    reason, for this step and every later one."""
+    seq.fail(reason, code)
+    res.status = SeqStatus.FAILED
     res.code = code
     res.reason = reason
+
+
+def internal_reason(doing: str, exc: BaseException) -> str:
+    """What a sequence that an engine fault ended answers (the fault itself goes to the log)."""
+    return f"internal error while {doing}: {type(exc).__name__}: {str(exc)[:200]}"

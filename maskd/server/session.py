@@ -46,8 +46,8 @@ from maskd.server.json_schema import DocumentChecks
 from maskd.server.plain_block import PlainBlock, request_key
 from maskd.server.quotas import Quotas
 from maskd.server.row_buffers import RowBuffers
-from maskd.server.sequence import RECENT_STEPS, Answer, SequenceState, fail, record_step
-from maskd.server.step_routing import AnswerReplay, Fill, StepRouting
+from maskd.server.sequence import RECENT_STEPS, Answer, SequenceState, fail, internal_reason, record_step
+from maskd.server.step_routing import AnswerReplay, Fill, Router
 from maskd.v1 import maskd_pb2 as pb
 from maskd.v1.contract import Code, GrammarState, SeqStatus
 
@@ -74,7 +74,7 @@ class StepOutcome:
         return len(self.results) + (len(self.block) if self.block is not None else 0)
 
 
-class Session(StepRouting):
+class Session:
     def __init__(self, key: str, engine: Engine, cache: GrammarCache, limits: Limits, *, tenant: str = "",
                  quotas: Quotas | None = None, drafts: DraftModel | None = None) -> None:
         self.key = key
@@ -83,16 +83,14 @@ class Session(StepRouting):
         self.engine = engine
         self.cache = cache
         self.limits = limits
-        self.seqs: dict[str, SequenceState] = {}
-        self.by_handle: dict[int, SequenceState] = {}
-        self._handles = 0
         self.lock = threading.Lock()
         self.streams = 0
         self.vocab_limit = engine.width
-        # Closed sequences whose last answers are kept (id -> state), oldest first.
-        self.closed: collections.OrderedDict[str, SequenceState] = collections.OrderedDict()
         self.buffers = RowBuffers(engine.allocate, engine.width, self._kept_answer,
                                   max_count=limits.max_row_buffers_per_session)
+        # Phases 1 and 2 (step_routing.py), and the table of sequences they open and close.
+        self.router = Router(engine, cache, limits, self.buffers, tenant=tenant, quotas=quotas)
+        self.seqs, self.by_handle, self.closed = self.router.seqs, self.router.by_handle, self.router.closed
         self.checks = DocumentChecks(engine, cache.metrics)   # complete-mode hooks (doc_checks.py)
         # Grammar drafts: the server's drafter (one per server: every session's sequences teach it).
         self.drafts = drafts if drafts is not None else DraftModel()
@@ -120,9 +118,9 @@ class Session(StepRouting):
                         refuse(res, refusals, Code.INVALID_ARGUMENT, problem)
             elif unknown:
                 refusals["not_found"] += unknown
-            admitted = self._admit([pair for pair in pairs if not pair[1].status], refusals)
+            admitted = self.router.admit([pair for pair in pairs if not pair[1].status], refusals)
             replays: list[AnswerReplay] = []
-            moving, repeats = self._route(admitted, refusals, replays)
+            moving, repeats = self.router.route(admitted, refusals, replays)
             consume, fill, check = self._advance(moving, refusals)
             fill += repeats
             unmasked: collections.Counter = collections.Counter()
@@ -210,12 +208,11 @@ class Session(StepRouting):
                     del seq.pending[-msg.rollback:]
                 seq.pending.extend(tokens)
                 record_step(seq, msg, res)
-                seq.last_status = res.status = WAITING
+                res.status = WAITING
                 continue
             if entry.state is GrammarState.FAILED:
                 record_step(seq, msg, res)
-                seq.dead_reason = f"grammar {entry.grammar_id} does not compile: {entry.error}"
-                fail(res, seq, seq.dead_reason, entry.error_code)
+                fail(res, seq, f"grammar {entry.grammar_id} does not compile: {entry.error}", entry.error_code)
                 refusals["grammar_failed"] += 1
                 continue
             if msg.rollback and msg.rollback > seq.history_length:
@@ -243,7 +240,7 @@ class Session(StepRouting):
                 self._internal(res, seq, "advancing", exc, refusals)
                 continue
             record_step(seq, msg, res)
-            job = Fill(res, seq, matcher, tokens, seq.last_drafts, msg.propose, msg.unmasked)
+            job = Fill(res, seq, matcher, tokens, msg.drafts, msg.propose, msg.unmasked)
             (check if tokens and msg.unmasked else consume if tokens else fill).append(job)
         return consume, fill, check
 
@@ -356,10 +353,8 @@ class Session(StepRouting):
                     self._learn(seq, adv.tokens)
                 fill.append(adv)
             else:
-                seq.dead_reason = f"token rejected: {reason}"
-                seq.matcher = seq.doc = None
                 refusals["token_rejected"] += 1
-                fail(adv.res, seq, seq.dead_reason)
+                fail(adv.res, seq, f"token rejected: {reason}")
 
     def _learn(self, seq: SequenceState, tokens) -> None:
         """Accepted tokens teach the grammar's drafter (a grammar for which drafts were asked: the
@@ -438,7 +433,7 @@ class Session(StepRouting):
                 self._internal(res, seq, "reading the grammar state", exc, refusals)
                 continue
             seq.finished = stopped
-            seq.last_status = res.status = FINISHED if stopped else READY
+            res.status = FINISHED if stopped else READY
             res.accepting = accepting
             if forced:
                 res.forced_tokens.extend(forced)
@@ -530,10 +525,8 @@ class Session(StepRouting):
     def _internal(res: Result, seq: SequenceState, doing: str, exc: BaseException, refusals) -> None:
         """An engine fault on one sequence: it fails (with the reason) and nothing else does."""
         log.error("sequence %r: engine fault while %s", seq.seq_id, doing, exc_info=exc)
-        seq.dead_reason = f"internal error while {doing}: {type(exc).__name__}: {str(exc)[:200]}"
-        seq.matcher = None
         refusals["internal"] += 1
-        fail(res, seq, seq.dead_reason, Code.INTERNAL)
+        fail(res, seq, internal_reason(doing, exc), Code.INTERNAL)
 
 # -- rows ----------------------------------------------------------------------------------------
 def _drop_rows(out: np.ndarray, dropped: np.ndarray, jobs: list[Fill | AnswerReplay], block: PlainBlock | None) -> int:

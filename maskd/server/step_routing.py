@@ -6,8 +6,9 @@ retry), opens and restores in parts, step order. What comes out is the entries t
 sequence (for the engine phases in session.py), the repeats answered from the unchanged state
 (``Fill`` with no tokens) and the repeats whose kept answer still has its rows (``AnswerReplay``).
 
-``StepRouting`` is a part of ``Session`` (session.py), split out by concern: it reads and changes
-the session's sequences (``seqs``, ``by_handle``, ``closed``) and nothing of the engines' batching.
+``Router`` is the session's (session.py) collaborator for these phases: it keeps the session's
+table of sequences (``seqs``, ``by_handle``, ``closed``), opens and closes them, and knows nothing
+of the engines' batching.
 """
 from __future__ import annotations
 
@@ -56,22 +57,24 @@ class AnswerReplay:
     answer: Answer
 
 
-class StepRouting:
-    """Admission and routing of a session's step (the session's state is declared here for them)."""
-    engine: Engine
-    cache: GrammarCache
-    limits: Limits
-    tenant: str
-    quotas: Quotas | None
-    seqs: dict[str, SequenceState]
-    by_handle: dict[int, SequenceState]
-    closed: collections.OrderedDict[str, SequenceState]
-    buffers: RowBuffers
-    vocab_limit: int
-    _handles: int
+class Router:
+    """Admission and routing of a session's steps, over the session's table of sequences, which it
+    keeps: the open ones by id (``seqs``) and by handle (``by_handle``, closed ones too while their
+    last answers are kept), and the closed ones with their last answers (``closed``)."""
+
+    def __init__(self, engine: Engine, cache: GrammarCache, limits: Limits, buffers: RowBuffers, *, tenant: str = "",
+                 quotas: Quotas | None = None) -> None:
+        self.engine, self.cache, self.limits, self.buffers = engine, cache, limits, buffers
+        self.tenant, self.quotas = tenant, quotas
+        self.vocab_limit = engine.width
+        self.seqs: dict[str, SequenceState] = {}
+        self.by_handle: dict[int, SequenceState] = {}
+        # Closed sequences whose last answers are kept (id -> state), oldest first.
+        self.closed: collections.OrderedDict[str, SequenceState] = collections.OrderedDict()
+        self._handles = 0
 
     # -- phase 1: admission -----------------------------------------------------------------------
-    def _admit(self, pairs: list, refusals) -> list:
+    def admit(self, pairs: list, refusals) -> list:
         """The entries (SeqStep or columnar, with their results) that pass the request's and their
         own limits; the others are refused."""
         entries = [m for m, _ in pairs]
@@ -140,7 +143,7 @@ class StepRouting:
         return ""
 
     # -- phase 2: routing -------------------------------------------------------------------------
-    def _route(self, admitted: list, refusals, replays: list) -> tuple[list, list[Fill]]:
+    def route(self, admitted: list, refusals, replays: list) -> tuple[list, list[Fill]]:
         """Closes, repeats, opens and order checks. Returns the entries that move their sequence
         ((msg, res, seq, tokens)) and the repeats that are answered from the unchanged state;
         repeats with a kept answer go to ``replays``."""
@@ -186,7 +189,7 @@ class StepRouting:
             if seq is not None and msg.step == seq.step:
                 if opening:
                     self._route_reopen(msg, res, seq, moving, repeats, replays, refusals)
-                elif self._same_inputs(msg, seq):
+                elif seq.last_answer().same_inputs(msg):
                     self._answer_repeat(res, seq, repeats, replays)
                 else:
                     self._divergence(res, seq, refusals)
@@ -224,8 +227,7 @@ class StepRouting:
         offset = msg.history_offset
         known = seq.parts.get(offset) if seq.parts is not None else None
         if known is not None:
-            if (known == digest(msg.tokens) and msg.drafts == seq.last_drafts and msg.propose == seq.last_propose
-                    and msg.unmasked == seq.last_unmasked):
+            if known == digest(msg.tokens) and seq.last_answer().same_inputs(msg, tokens=False):
                 self._answer_repeat(res, seq, repeats, replays)
             else:
                 self._divergence(res, seq, refusals)
@@ -292,12 +294,6 @@ class StepRouting:
         except QueueFull as exc:
             return None, Code.RESOURCE_EXHAUSTED, str(exc)
 
-    @staticmethod
-    def _same_inputs(msg: Entry, seq: SequenceState) -> bool:
-        return (tuple(msg.tokens) == seq.last_tokens and msg.drafts == seq.last_drafts
-                and msg.rollback == seq.last_rollback and msg.propose == seq.last_propose
-                and msg.unmasked == seq.last_unmasked)
-
     def _replay(self, msg, res, seq: SequenceState, replays: list, refusals) -> bool:
         """A repeat of an older step (a rank that lags, a retry, a step of a closed sequence): the
         answer it had, or a divergence when its inputs differ. False when that answer is gone."""
@@ -307,8 +303,7 @@ class StepRouting:
         if msg.opens is not None and seq.entry.grammar_id != self._open_grammar_id(msg):
             refuse(res, refusals, Code.ALREADY_EXISTS,
                     f"sequence {msg.seq_id!r} is already open with grammar {seq.entry.grammar_id}")
-        elif (tuple(msg.tokens) != answer.tokens or msg.drafts != answer.drafts or msg.rollback != answer.rollback
-              or msg.propose != answer.propose or msg.unmasked != answer.unmasked):
+        elif not answer.same_inputs(msg):
             self._divergence(res, seq, refusals)
         else:
             replays.append(AnswerReplay(res, answer))
@@ -317,19 +312,18 @@ class StepRouting:
     def _answer_repeat(self, res, seq: SequenceState, repeats: list[Fill], replays: list) -> None:
         """A repeat is answered from the unchanged state; readiness is the one decided before. The
         rows come from the kept answer when they are still there (no second fill)."""
-        status = seq.last_status
-        answer = seq.kept(seq.step)
-        if status in (READY, FINISHED) and answer is not None and (answer.result.num_rows or answer.unmasked) \
-                and self.buffers.holds(answer):
+        answer = seq.last_answer()
+        status = answer.result.status
+        if status in (READY, FINISHED) and (answer.result.num_rows or answer.unmasked) and self.buffers.holds(answer):
             replays.append(AnswerReplay(res, answer))
         elif status == FAILED:
             fail(res, seq, seq.dead_reason, seq.dead_code)
         elif status == WAITING or seq.matcher is None:
             res.status = WAITING
         else:   # filled again from the unchanged state (a refused sampled_unmasked token keeps its flag)
-            res.resample = answer is not None and answer.result.resample
-            repeats.append(Fill(res, seq, seq.matcher, (), seq.last_drafts, seq.last_propose,
-                                seq.last_unmasked and not res.resample))
+            res.resample = answer.result.resample
+            repeats.append(Fill(res, seq, seq.matcher, (), answer.drafts, answer.propose,
+                                answer.unmasked and not res.resample))
 
     @staticmethod
     def _divergence(res: Result, seq: SequenceState, refusals) -> None:

@@ -17,6 +17,12 @@ AUTH_METADATA_KEY = "authorization"
 AUTH_SCHEME = "Bearer"
 #: Revision of this contract within v1; InfoResponse.contract_revision reports the server's.
 CONTRACT_REVISION = 7
+#: StepResponse.statuses, one byte per columnar entry: the bits of its SeqStatus.
+STATUS_MASK = 15
+#: StepResponse.statuses: set when EOS is allowed (SeqResult.accepting).
+ACCEPTING_BIT = 16
+#: StepResponse.statuses: set when its sampled_unmasked token was refused (SeqResult.resample).
+RESAMPLE_BIT = 32
 
 
 class Code(enum.IntEnum):

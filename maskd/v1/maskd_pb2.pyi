@@ -59,16 +59,22 @@ CONTRACT_FIELD_NUMBER: _ClassVar[int]
 contract: _descriptor.FieldDescriptor
 
 class Contract(_message.Message):
-    __slots__ = ("session_metadata_key", "auth_metadata_key", "auth_scheme", "revision")
+    __slots__ = ("session_metadata_key", "auth_metadata_key", "auth_scheme", "revision", "status_mask", "accepting_bit", "resample_bit")
     SESSION_METADATA_KEY_FIELD_NUMBER: _ClassVar[int]
     AUTH_METADATA_KEY_FIELD_NUMBER: _ClassVar[int]
     AUTH_SCHEME_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
+    STATUS_MASK_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTING_BIT_FIELD_NUMBER: _ClassVar[int]
+    RESAMPLE_BIT_FIELD_NUMBER: _ClassVar[int]
     session_metadata_key: str
     auth_metadata_key: str
     auth_scheme: str
     revision: int
-    def __init__(self, session_metadata_key: _Optional[str] = ..., auth_metadata_key: _Optional[str] = ..., auth_scheme: _Optional[str] = ..., revision: _Optional[int] = ...) -> None: ...
+    status_mask: int
+    accepting_bit: int
+    resample_bit: int
+    def __init__(self, session_metadata_key: _Optional[str] = ..., auth_metadata_key: _Optional[str] = ..., auth_scheme: _Optional[str] = ..., revision: _Optional[int] = ..., status_mask: _Optional[int] = ..., accepting_bit: _Optional[int] = ..., resample_bit: _Optional[int] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()

@@ -6,7 +6,7 @@ import numpy as np
 
 from maskd.server import entries
 from maskd.v1 import maskd_pb2 as pb
-from maskd.v1.contract import Code, SeqStatus
+from maskd.v1.contract import ACCEPTING_BIT, Code, SeqStatus
 
 
 class Seq:
@@ -69,7 +69,7 @@ def test_each_result_goes_back_in_its_entrys_form():
              list(r.forced_tokens)) for r in reply.results] == [
         ("a", 4, SeqStatus.READY, 2, 3, True, 17, 2, [5, 6]), ("b", 1, SeqStatus.ERROR, 0, 0, False, 0, 0, [])]
     assert (reply.results[1].code, reply.results[1].reason) == (Code.INVALID_ARGUMENT, "no")
-    assert list(reply.statuses) == [SeqStatus.FINISHED | entries.ACCEPTING_BIT, SeqStatus.FAILED]
+    assert list(reply.statuses) == [SeqStatus.FINISHED | ACCEPTING_BIT, SeqStatus.FAILED]
     assert [(p.index, p.code, p.reason) for p in reply.problems] == [(1, Code.INVALID_ARGUMENT, "token rejected")]
     assert np.frombuffer(reply.forced_counts, "<u4").tolist() == [1, 0]
     assert np.frombuffer(reply.forced_tokens, "<i4").tolist() == [9]

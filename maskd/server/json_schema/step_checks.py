@@ -193,10 +193,7 @@ class DocumentChecks:
         res.num_rows = 0
         res.drafts_valid = 0
         del res.forced_tokens[:]
-        seq.last_status = SeqStatus.FAILED
-        seq.dead_reason = problem
-        seq.matcher = None
-        seq.doc = None
+        seq.fail(problem, Code.INVALID_ARGUMENT)
         refusals["schema_invalid"] += 1
         self._count(kind)
 
