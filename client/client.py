@@ -32,7 +32,13 @@ class MaskClient(ClientCore):
     tokenizer: the model's tokenizer fingerprint (or an object with ``.fingerprint``): a server
         with another vocabulary is refused. None: no check.
     session: the session key; tensor-parallel ranks of one engine pass the same key.
-    retries, retry_backoff_s, recovery_timeout_s: the reconnect budget (see maskd_client.core).
+    recovery_timeout_s: how long after the server is lost its steps in flight (and those sent
+        meanwhile) wait for it to come back and take their sequences (restored from the history
+        the client holds); past it they fail with UNAVAILABLE naming the server, and while it is
+        still gone later steps fail within seconds. The history is kept: the first step after the
+        server is back restores the sequences, however long it was gone (see maskd_client.core).
+    retry_backoff_s: the first pause between two attempts (doubling, at most 1 s).
+    retries: a step is sent at most ``retries + 1`` times (one whose server is lost each time fails).
     close_linger_s: how long a close waits to ride on a step before it goes alone (0: at once).
     """
 

@@ -10,11 +10,13 @@ Recovery: a stream that ends hands its steps in flight to ``Recovery.stream_lost
 on its own thread: the router names the new owners (the same server again, or the directory's
 choice), grammars are registered there, every sequence of the lost address is reopened at its
 state before the steps in flight (``SequenceLedger.restore_requests``, on a stream of its own),
-then the steps in flight and those sent meanwhile go out again, in order. One budget bounds it
-all: ``retries`` attempts with jittered exponential backoff, at most ``retries + 1`` sends of a
-step, ``recovery_timeout_s`` in all; past it, the steps fail with the reason. Other ends (a
-server refusing the call) fail the steps in flight at once. Either way the ledger is taken back
-to what the server acknowledged, so a later step restores from a consistent state. The core holds
+then the steps in flight and those sent meanwhile go out again, in order. Its bound is time:
+the steps wait ``recovery_timeout_s`` from the loss, attempts at most 1 s apart (at once when the
+channel connects), a step sent at most ``retries + 1`` times; past it, they fail (UNAVAILABLE,
+naming the server, how long it has been gone and why). Other ends (a server refusing the call)
+fail the steps in flight at once. Either way the ledger is taken back to what the server
+acknowledged and keeps every open sequence's history: the first step after the server is back
+restores them (while it is still gone, such a step fails within seconds). The core holds
 a ``maskd_client.recovery.Recovery`` for that, built over its lock and the state they share.
 """
 from __future__ import annotations

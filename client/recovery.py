@@ -7,9 +7,17 @@ a ``RecoveryBudget`` and the core's calls it needs (connect, dispatch, refusals,
 what only it keeps: the recoveries under way, the servers lost between steps, its counters.
 
 ``stream_lost`` (on the stream's reader thread) decides; ``_recover`` (on a thread of its own)
-asks the router for the new owners, makes the grammars ready there, sends the restores (in parts)
-on streams of their own and waits for them, then resends the steps in flight and those held
-meanwhile, in order; past the budget, ``_give_up`` fails them and takes the ledger back.
+asks the router for the new owners, asks each whether it answers, makes the grammars ready there,
+sends the restores (in parts) on streams of their own and waits for them, then resends the steps in
+flight and those held meanwhile, in order; past the budget, ``_give_up`` fails them and takes the
+ledger back.
+
+The bound is time, counted from the loss: a lost server's steps wait ``recovery_timeout_s`` for
+it (or another) to take its sequences back, however many attempts that takes (a refused connect
+costs a SYN and a RST; attempts go at most ``MAX_PAUSE_S`` apart and at once when the channel
+connects). The sequences' history stays in the ledger past it: while the server is still gone,
+each later step for it fails within ``QUICK_S`` naming it, and the first step after it is back
+restores them.
 """
 from __future__ import annotations
 
@@ -38,6 +46,15 @@ _C = grpc.StatusCode
 # Stream ends worth a reconnect: the server (or the path to it) went away. Anything else is the
 # server refusing the call, which a retry would only repeat.
 RETRYABLE = frozenset((_C.UNAVAILABLE, _C.CANCELLED, _C.INTERNAL, _C.DEADLINE_EXCEEDED))
+# The most a recovery waits between two attempts (full jitter below it, doubling from the client's
+# retry_backoff_s): the channel's own reconnects are at most 1 s apart too (RECONNECT_OPTIONS), and
+# a pause ends when the channel connects.
+MAX_PAUSE_S = 1.0
+# What a step for a server lost longer than recovery_timeout_s gets: one more look, long enough
+# for a channel backing off (1 s at most) to find a server that is back, then an error naming it.
+QUICK_S = 2.0
+# A recovery that keeps failing says so this often (the first failure at once).
+LOG_EVERY_S = 10.0
 _RESTORE_OK = (_C.ALREADY_EXISTS, _C.ABORTED)   # another rank restored it first
 DEFAULT_MAX_TOKENS_PER_STEP = 4096
 
@@ -50,13 +67,17 @@ class LostServer:
     in_flight: list[InFlight]          # sent on the lost stream, never answered
     held: list[InFlight] = dataclasses.field(default_factory=list)   # sent by the caller meanwhile
     reason: str = ""
+    since: float = dataclasses.field(default_factory=time.monotonic)   # when it was lost
 
 
 @dataclasses.dataclass(frozen=True)
 class RecoveryBudget:
-    """What one recovery may spend: ``retries`` attempts after the first (jittered exponential
-    backoff from ``backoff_s``), at most ``retries + 1`` sends of a step, ``timeout_s`` in all;
-    ``reply_timeout_s`` bounds each probe's and restore's answer."""
+    """What recovering a lost server may spend. ``timeout_s``: how long after the loss its steps
+    wait for it to take their sequences back, whatever the number of attempts (past it they fail;
+    the history stays, see the module). ``backoff_s``: the first pause between attempts, doubled up
+    to ``MAX_PAUSE_S``, full jitter. ``retries``: a step is sent at most ``retries + 1`` times (one
+    whose server is lost with it each time fails). ``reply_timeout_s`` bounds each restore's and
+    grammar's answer once the server answered."""
 
     retries: int
     backoff_s: float
@@ -99,7 +120,9 @@ class Recovery:
         self._on_refused = on_refused
         self._on_handles = on_handles
         self._recovering: dict[str, LostServer] = {}   # under way, by lost address
-        self._lost: set[str] = set()       # ended idle: restore before the next step goes there
+        # address -> when it was lost: ended idle, refused the call, or not recovered in time; the
+        # next step that goes there restores its sequences first
+        self._lost: dict[str, float] = {}
         # what recovery did (reported by tests and tools)
         self.recoveries = 0       # lost streams recovered (or tried)
         self.replays = 0          # sequences reopened with their token history
@@ -118,9 +141,9 @@ class Recovery:
         if recovery is not None:
             recovery.held.append(item)
             return item.future
-        if address in self._lost:
-            self._lost.discard(address)
-            self._start_recovery(LostServer(address, [], [item], "stream lost between steps"))
+        since = self._lost.pop(address, None)
+        if since is not None:
+            self._start_recovery(LostServer(address, [], [item], "stream lost between steps", since))
             return item.future
         return None
 
@@ -144,11 +167,11 @@ class Recovery:
             elif code not in RETRYABLE:
                 self._undo_items(user)
                 fail_all(user, MaskClientError(f"maskd stream to {address} failed: {details}", code))
-                self._lost.add(address)
+                self._lost.setdefault(address, time.monotonic())
             elif user:
                 self._start_recovery(LostServer(address, user, [], details))
             else:
-                self._lost.add(address)
+                self._lost.setdefault(address, time.monotonic())
         for _, fut in closes:   # the server dropped those sequences with the stream anyway
             if not fut.done():
                 fut.set_result(None)
@@ -169,20 +192,21 @@ class Recovery:
     def _recover(self, rec: LostServer) -> None:
         suspects = {rec.address}
         budget = self._budget
-        deadline = time.monotonic() + budget.timeout_s
+        # from the loss: a server gone longer than timeout_s (given up before) gets one more look
+        deadline = max(rec.since + budget.timeout_s, time.monotonic() + QUICK_S)
         why = rec.reason
-        for attempt in range(budget.retries + 1):
-            if attempt:
-                pause = random.uniform(0, min(2.0, budget.backoff_s * 2 ** attempt))   # full jitter
-                self._pause(rec.address, pause)
+        attempts, next_log = 0, 0.0
+        while True:
+            attempts += 1
             with self._cond:
                 if self._is_closed():
+                    why = "the client is shut down"
                     break
                 if any(i.attempts > budget.retries for i in rec.in_flight):
-                    why = f"a step was sent {budget.retries + 1} times without an answer ({why})"
+                    why = f"a step was sent {budget.retries + 1} times and its server lost each time ({why})"
                     break
             try:
-                self._restore_and_resend(rec, suspects)
+                self._restore_and_resend(rec, suspects, deadline, attempts)
                 return
             except Unreachable as exc:
                 suspects.add(exc.address)
@@ -195,11 +219,17 @@ class Recovery:
                     why = str(exc)
                     break
                 why = describe(exc)
-            if time.monotonic() > deadline or attempt == budget.retries:
-                break          # the last: _give_up says so
-            log.warning("maskd: reconnect to %s failed (attempt %d of %d), trying again: %s", rec.address,
-                        attempt + 1, budget.retries + 1, why)
-        self._give_up(rec, why)
+            now = time.monotonic()
+            if now >= deadline:
+                break          # _give_up says so
+            if now >= next_log:
+                next_log = now + LOG_EVERY_S
+                log.warning("maskd at %s: no reconnect yet, %.1f s after it was lost (%d attempts so far; its "
+                            "steps wait up to %.0f s more): %s", rec.address, now - rec.since, attempts,
+                            deadline - now, why)
+            ceiling = min(MAX_PAUSE_S, budget.backoff_s * 2 ** min(attempts, 16))
+            self._pause(rec.address, min(deadline - now, random.uniform(0, ceiling)))
+        self._give_up(rec, why, attempts)
 
     def _pause(self, address: str, seconds: float) -> None:
         """The pause before a recovery's next attempt, cut short when the channel to ``address``
@@ -224,22 +254,22 @@ class Recovery:
         finally:
             conn.channel.unsubscribe(watch)
 
-    def _restore_and_resend(self, rec: LostServer, suspects: set[str]) -> None:
+    def _restore_and_resend(self, rec: LostServer, suspects: set[str], deadline: float, attempts: int) -> None:
         with self._cond:
             keys = [s for s, a in self._owner.items() if a == rec.address]
         owners = self._router.replace(suspects, keys) if keys else {}
         targets = {a: self._connect(a) for a in sorted(set(owners.values()))}
+        # Every server the sequences go to answers Info first (within what is left of the wait): one
+        # that does not is an attempt that failed, not a reconnect; once it answered, grammars and
+        # restores get their whole reply_timeout_s (a grammar may compile there for seconds).
+        for address in sorted(set(targets) or {rec.address}):
+            self._probe(address, max(0.5, min(self._budget.reply_timeout_s, deadline - time.monotonic())))
         with self._cond:
             records = [i.undo for i in rec.in_flight + rec.held]
             limit = next(iter(targets.values())).info().max_tokens_per_step if targets else 0
             restores = self._ledger.restore_requests(keys, records, limit or DEFAULT_MAX_TOKENS_PER_STEP)
         self._prepare_grammars(restores, owners, targets)
         restored = {e.seq_id for e in restores[0].seqs} if restores else set()
-        # The servers no restore goes to (nothing to restore: every sequence of the lost one had its
-        # open in flight, or none is open) answer once before the steps go again: a server that does
-        # not answer is an attempt that failed, not a reconnect.
-        for address in sorted((set(targets) or {rec.address}) - {owners[sid] for sid in restored}):
-            self._probe(address)
         fresh: dict[str, StepStream] = {}
         try:
             self._send_restores(restores, owners, targets, fresh)
@@ -259,22 +289,21 @@ class Recovery:
         finally:
             for stream in fresh.values():
                 stream.close()
-        # Here every restore was answered (or there was none and the server answered the probe).
-        resent = len(rec.in_flight) + len(rec.held)
+        # Here every server answered and every restore was answered: say what happened.
         where = ", ".join(sorted(set(owners.values()))) or rec.address
-        if restored:
-            log.warning("maskd: reconnected: %d sequences of %s restored%s (%d steps resent)", len(restored),
-                        rec.address, "" if where == rec.address else f" on {where}", resent)
-        else:
-            log.warning("maskd: reconnected to %s: no sequence to restore (%d steps resent)", where, resent)
+        moved_to = "" if where == rec.address else f" on {where}"
+        what = f"{len(restored)} sequences of {rec.address} restored{moved_to}" if restored else "nothing to restore"
+        log.warning("maskd: reconnected to %s %.1f s after it was lost (attempt %d): %s (%d steps in flight resent, "
+                    "%d held meanwhile sent)", where, time.monotonic() - rec.since, attempts, what,
+                    len(rec.in_flight), len(rec.held))
 
-    def _probe(self, address: str) -> None:
+    def _probe(self, address: str, timeout_s: float) -> None:
         """One Info call that the server at ``address`` must answer: Unreachable when it does not."""
         try:
-            self._connect(address).ping(self._budget.reply_timeout_s)
+            self._connect(address).ping(timeout_s)
         except MaskClientError as exc:
             if exc.code in RETRYABLE:
-                raise Unreachable(address, str(exc)) from exc
+                raise Unreachable(address, str(exc).removeprefix(f"maskd at {address}: ")) from exc
             raise
 
     def _prepare_grammars(self, restores: list[pb.StepRequest], owners: dict[str, str],
@@ -350,15 +379,21 @@ class Recovery:
             if item in rec.in_flight:
                 self.resent_steps += 1
 
-    def _give_up(self, rec: LostServer, why: str) -> None:
+    def _give_up(self, rec: LostServer, why: str, attempts: int) -> None:
+        """Fails the recovery's steps with what happened and takes the ledger back to what the
+        server acknowledged; the address stays lost (since ``rec.since``): the next step for it
+        restores its sequences from their history, or fails within QUICK_S while it is gone."""
         with self._cond:
             self._recovering.pop(rec.address, None)
             items = rec.in_flight + rec.held
             self._undo_items(items)
             if not self._is_closed():
-                self._lost.add(rec.address)
-        fail_all(items, MaskClientError(f"maskd at {rec.address} was lost and not restored: {why}", _C.UNAVAILABLE))
-        log.error("maskd: recovery of %s failed: %s", rec.address, why)
+                self._lost.setdefault(rec.address, rec.since)
+        lost_for = time.monotonic() - rec.since
+        message = (f"maskd at {rec.address} was lost {lost_for:.1f} s ago; its sequences were not restored after "
+                   f"{attempts} attempts (recovery_timeout_s={self._budget.timeout_s:g}): {why}")
+        fail_all(items, MaskClientError(message, _C.UNAVAILABLE))
+        log.error("%s; %d steps failed", message, len(items))
 
 
 def as_seq_steps(item: InFlight) -> list[pb.SeqStep]:
