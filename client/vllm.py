@@ -43,15 +43,20 @@ requests and leave every other request to vLLM:
   scheduled draft tokens, one row per draft position plus the bonus one) get one step there;
 * the request's grammar object records accepted tokens for the next step and reports a sequence
   the server failed (a rejected token, a document that cannot pass its schema): vLLM then ends
-  that request with finish reason ``error`` (HTTP 500, as for vLLM's own backends), never a
-  cut-short "stop"; the reason is logged;
+  that request with finish reason ``error``, never a cut-short "stop"; the reason is logged and,
+  on vLLM 0.33, rides on the output as a ``RequestError`` to the client (HTTP 500 with maskd's
+  reason; 503, retryable, where maskd did not answer); 0.32 has no such channel (HTTP 500
+  "Internal server error");
 * ``Scheduler._free_request`` closes the request's maskd sequence.
 
 Reasoning parsers keep working as with vLLM's backends: vLLM decides where the grammar starts
-(``_get_constraint_bounds``); rows before it are all-allowed and no tokens reach maskd.
+(``_get_constraint_bounds``); rows before it are all-allowed and no tokens reach maskd, except
+(vLLM 0.33, ``_masked_reasoning_ends``) the tokens that end reasoning implicitly and that the
+grammar refuses as its first token, which the grammar's first row tells.
 
 Speculative decoding: vLLM verifies only drafts its structured-output backend validated. When the
-drafter's tokens arrive (``Scheduler.update_draft_token_ids``), one maskd step for all maskd
+drafter's tokens arrive (``Scheduler.update_draft_token_ids``, or under async scheduling
+``update_draft_token_ids_in_output``), one maskd step for all maskd
 requests carries their accepted tokens and drafts; the server answers how many drafts the grammar
 accepts and a row for every draft position. Drafts are cut to that valid prefix, and the step's
 rows are the rows of the next forward pass (``grammar_bitmask`` asks again only for requests
@@ -75,9 +80,10 @@ row at each position; requests that are not maskd's get no drafts under this con
 Tested against vLLM 0.32.0 (the CPU build, a real engine in tests/engines/real) and 0.33.0
 (interfaces). What it patches: ``AsyncLLM.add_request``, ``SamplingParams._validate_structured_outputs``,
 ``StructuredOutputManager.grammar_init`` / ``grammar_bitmask``, ``Scheduler._free_request``,
-``Scheduler.update_from_output`` / ``get_grammar_bitmask`` / ``update_draft_token_ids`` and, in the
-worker, ``apply_grammar_bitmask``: a batch whose rows are all maskd's is applied with maskd's
-kernel, on CPU and on CUDA (the same logits; any other batch keeps vLLM's function).
+``Scheduler.update_from_output`` / ``get_grammar_bitmask`` / ``update_draft_token_ids`` /
+``update_draft_token_ids_in_output`` and, in the worker, ``apply_grammar_bitmask``: a batch whose
+rows are all maskd's is applied with maskd's kernel, on CPU and on CUDA (the same logits; any other
+batch keeps vLLM's function), with the stride the engine core laid them out by (``mask_stride``).
 """
 from __future__ import annotations
 
@@ -383,12 +389,17 @@ class VllmMaskdGrammar:
         self.closed = False
         self.terminated = False
         self.failure: str | None = None
+        self.retryable = False
+        self.advanced = False             # it has accepted tokens (the grammar has left its first state)
+        self.first_row: np.ndarray | None = None   # its row before any token (while not advanced)
 
     # StructuredOutputGrammar
     def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
         if self.failure is not None or self.terminated:
             return False
         self.prepared = None
+        if tokens:
+            self.advanced, self.first_row = True, None
         eos = self.owner.eos_ids
         for k, t in enumerate(tokens):
             if t in eos:
@@ -401,11 +412,19 @@ class VllmMaskdGrammar:
 
     def validate_tokens(self, tokens: list[int]) -> list[int]:
         """The prefix of these drafts the grammar accepts, as the server answered when they arrived;
-        drafts the server has not seen are dropped (an unchecked draft never reaches verification)."""
+        drafts the server has not seen are dropped (an unchecked draft never reaches verification).
+        One token before the grammar has advanced (vLLM 0.33 asks it of every token that ends
+        reasoning implicitly, ``_masked_reasoning_ends``) is answered by the grammar's first row."""
         prepared = self.prepared
-        if self.failure is not None or prepared is None or list(tokens) != prepared[0]:
+        if self.failure is not None:
             return []
-        return list(tokens[:prepared[2]])
+        if prepared is not None and list(tokens) == prepared[0]:
+            return list(tokens[:prepared[2]])
+        if len(tokens) == 1 and not self.advanced and self.first_row is not None:
+            t = int(tokens[0])
+            allowed = 0 <= t < 32 * len(self.first_row) and (int(self.first_row[t >> 5]) >> (t & 31)) & 1
+            return [t] if allowed else []
+        return []
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens > len(self.pending):
@@ -423,9 +442,13 @@ class VllmMaskdGrammar:
         raise RuntimeError("a maskd sequence is not reset; its request gets a new one")
 
     # maskd
-    def fail(self, reason: str) -> None:
+    def fail(self, reason: str, retryable: bool = False) -> None:
+        """The sequence ends: it refuses every later token, so vLLM ends the request with finish
+        reason error; where vLLM carries a RequestError (0.33) the client gets the reason
+        (``_request_errors``), retryable where maskd could not answer (not a verdict on the output)."""
         if self.failure is None:
             self.failure = reason
+            self.retryable = retryable
             log.error("maskd sequence %s failed: %s; vLLM ends its request with an error", self.seq_id, reason)
         self.close()
 
@@ -485,6 +508,7 @@ class MaskdStructuredOutputs:
         # drafts come after the tokens and go in one step with them (check_drafts).
         self.step_ahead_on = getattr(vllm_config, "speculative_config", None) is None
         self.accepted: list[VllmMaskdGrammar] = []     # grammars that accepted tokens since the last step ahead
+        self.failed: dict[str, VllmMaskdGrammar] = {}  # failed requests vLLM freed in this update (their reasons)
         self.ahead: tuple[concurrent.futures.Future, list[VllmMaskdGrammar]] | None = None
 
     # -- compiles -------------------------------------------------------------------------------
@@ -526,6 +550,10 @@ class MaskdStructuredOutputs:
         starts, total = _bitmask_layout(manager, req_ids, spec_tokens)
         out = np.full((total, self.words), -1, dtype=np.int32)
         entries: list[_Entry] = []
+        # vLLM 0.33 masks, in the rows of a request still reasoning, the tokens that end reasoning
+        # implicitly and that its grammar refuses as its first token (``_masked_reasoning_ends``)
+        masks_ends = hasattr(manager, "_masked_reasoning_ends")
+        reasoning: list[tuple[Any, int, int]] = []     # (request, its first row, its rows still reasoning)
         for req_id, start in zip(req_ids, starts):
             request = requests[req_id]
             grammar = request.structured_output_request.grammar
@@ -536,6 +564,9 @@ class MaskdStructuredOutputs:
             else:
                 drafts = strip_speculative_padding(list(raw))
                 begin, constrain = manager._get_constraint_bounds(request, drafts)
+                thinking = min(constrain, len(drafts) + 1)    # rows before the grammar's (past a -1: none)
+                if thinking and masks_ends:
+                    reasoning.append((request, start, thinking))
                 if constrain <= len(drafts):   # some position is constrained: maskd's rows from `begin` on
                     e = _Entry(grammar, start, n, range(constrain, len(drafts) + 1), begin, drafts[begin:])
                     prepared = grammar.prepared
@@ -544,15 +575,37 @@ class MaskdStructuredOutputs:
                     else:
                         entries.append(e)
                     grammar.prepared = None
+                elif thinking and masks_ends and self._needs_first_row(manager, request, grammar):
+                    entries.append(_Entry(grammar, start, n, range(0), 0, []))   # its first row, no row placed
         if entries:
             self._step(entries, out)
+        for request, start, thinking in reasoning:
+            if request.structured_output_request.grammar.failure is None:
+                masked = manager._masked_reasoning_ends(request)     # asks the grammar: validate_tokens
+                block = out[start:start + thinking].view(np.uint32)
+                for t in masked:
+                    block[:, t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
         return out
 
-    def check_drafts(self, manager: Any, requests: dict, draft_token_ids: Any) -> None:
+    @staticmethod
+    def _needs_first_row(manager: Any, request: Any, grammar: VllmMaskdGrammar) -> bool:
+        """Whether vLLM will ask this grammar, still reasoning, which implicit reasoning ends it
+        refuses first, and its first row (which answers that) is not known yet."""
+        if request.structured_output_request.masked_reasoning_end_ids is not None:
+            return False                            # vLLM asked once; the answer holds while it reasons
+        if grammar.first_row is not None or grammar.advanced:
+            return False
+        reasoner = manager._get_reasoner(request)
+        return bool(getattr(reasoner, "implicit_reasoning_end_token_ids", ()))
+
+    def check_drafts(self, manager: Any, requests: dict, draft_token_ids: Any,
+                     scheduled: dict[str, list[int]] | None = None) -> None:
         """One step for the new drafts of every maskd request (with its accepted tokens): each
         grammar keeps the answer, so vLLM's validate_tokens cuts the drafts to the valid prefix and
         the next grammar_bitmask has its rows. With grammar drafts (``GrammarDrafts``) the step asks
-        the server for them, and they replace the worker's (empty) drafts of the request."""
+        the server for them, and they replace the worker's (empty) drafts of the request.
+        ``scheduled``: the placeholders of the step the drafts fill (async scheduling): a request
+        without any is skipped, and its drafts are cut to their count, as vLLM cuts them."""
         from vllm.v1.structured_output.utils import strip_speculative_padding
 
         self.collect_ahead()
@@ -566,14 +619,17 @@ class MaskdStructuredOutputs:
             grammar = so.grammar if so is not None and so.is_grammar_ready else None
             if not isinstance(grammar, VllmMaskdGrammar) or grammar.is_terminated():
                 continue
+            limit = None if scheduled is None else len(scheduled.get(req_id) or ())
+            if limit == 0:
+                continue
             if self.propose:
                 # The grammar constrains the next token (not inside reasoning): the server proposes.
                 if manager._get_constraint_bounds(request, [])[0] == 0:
+                    propose = self.propose if limit is None else min(self.propose, limit)
                     where[grammar.seq_id] = i
-                    entries.append(_Entry(grammar, 0, 1 + self.propose, range(0, self.propose + 1), 0, [],
-                                          self.propose))
+                    entries.append(_Entry(grammar, 0, 1 + propose, range(0, propose + 1), 0, [], propose))
                 continue
-            drafts = strip_speculative_padding(list(raw))
+            drafts = strip_speculative_padding(list(raw)[:limit])
             begin, _ = manager._get_constraint_bounds(request, drafts)
             if begin >= len(drafts):
                 continue
@@ -614,7 +670,7 @@ class MaskdStructuredOutputs:
             future = self.client.step_async(request)
         except MaskClientError as exc:    # nothing was sent: each sequence fails, none goes unconstrained
             for g in grammars:
-                g.fail(f"maskd step failed: {describe(exc)}")
+                g.fail(f"maskd step failed: {describe(exc)}", retryable=True)
             return
         self.steps += 1
         self.ahead = (future, grammars)
@@ -630,7 +686,7 @@ class MaskdStructuredOutputs:
             result = reply_within(future, self.settings.timeout_s + 5, self.settings.target)
         except (MaskClientError, concurrent.futures.TimeoutError) as exc:
             for g in grammars:
-                g.fail(f"maskd step failed: {describe(exc)}")
+                g.fail(f"maskd step failed: {describe(exc)}", retryable=True)
             return
         if result.ids != [g.seq_id for g in grammars]:
             for g in grammars:
@@ -649,12 +705,15 @@ class MaskdStructuredOutputs:
         drafts the grammar accepts, per sequence that got rows."""
         request: dict[str, Any] = {}
         valid: dict[str, int] = {}
+        first: set[str] = set()
         for e in entries:
             g = e.grammar
             if not g.opened:
                 self.client.open(g.seq_id, g.spec, grammar_id=g.grammar_id)
                 g.opened = True
             tokens, g.pending = g.pending, []
+            if not tokens and not g.advanced and g.first_row is None:
+                first.add(g.seq_id)         # its row 0 is the grammar's first row
             request[g.seq_id] = StepInput(tokens, e.drafts, propose=e.propose) if e.drafts or e.propose else tokens
         by_id = {e.grammar.seq_id: e for e in entries}
         answered: set[str] = set()
@@ -679,6 +738,8 @@ class MaskdStructuredOutputs:
                     if res.status is not SeqStatus.WAITING:
                         answered.add(sid)
                     if res.has_rows:
+                        if sid in first:
+                            e.grammar.first_row = result.bitmask[res.row].copy()
                         if e.propose:
                             e.drafts = res.proposed_drafts
                         valid[sid] = self._place(e, result.bitmask[res.row:res.row + res.num_rows],
@@ -690,7 +751,7 @@ class MaskdStructuredOutputs:
                 if waiting and waited > self.settings.wait_timeout_s:
                     for sid in waiting:
                         self._give_up(by_id[sid], f"grammar still compiling after {self.settings.wait_timeout_s:g} s",
-                                      out)
+                                      out, retryable=True)
                     return valid
                 if waiting and not again:
                     pause = min(0.05, 0.001 * 2 ** attempt)
@@ -702,7 +763,7 @@ class MaskdStructuredOutputs:
         except (MaskClientError, concurrent.futures.TimeoutError) as exc:
             for sid, e in by_id.items():   # no row may go out unconstrained: these requests end here
                 if sid not in answered:
-                    self._give_up(e, f"maskd step failed: {describe(exc)}", out)
+                    self._give_up(e, f"maskd step failed: {describe(exc)}", out, retryable=True)
         return valid
 
     def _place(self, e: _Entry, rows: np.ndarray, drafts_valid: int, out: np.ndarray) -> int:
@@ -718,8 +779,8 @@ class MaskdStructuredOutputs:
             out[e.start + p] = rows[min(k, last)]   # past a refused draft: its row again (never all-zero)
         return last
 
-    def _give_up(self, e: _Entry, reason: str, out: np.ndarray) -> None:
-        e.grammar.fail(reason)
+    def _give_up(self, e: _Entry, reason: str, out: np.ndarray, retryable: bool = False) -> None:
+        e.grammar.fail(reason, retryable)
         out[e.start:e.start + e.count] = self.eos_row   # it samples EOS, vLLM sees the refusal: an error
 
     def shutdown(self) -> None:
@@ -784,12 +845,14 @@ def _grammar_output_class() -> type:
 
 
 def _get_grammar_bitmask(original: Callable, scheduler: Any, scheduler_output: Any) -> Any:
-    """(engine core) vLLM's GrammarOutput, marked when every structured-output row in it is maskd's."""
+    """(engine core) vLLM's GrammarOutput, marked when every structured-output row in it is maskd's,
+    with the stride its rows were laid out by (``mask_stride``) for the worker."""
     output = original(scheduler, scheduler_output)
     if output is not None and output.structured_output_request_ids:
         requests = scheduler.requests
         if all(_is_maskd(requests[r]) for r in output.structured_output_request_ids if r in requests):
             output.__class__ = _grammar_output_class()
+            output.mask_stride = mask_stride(scheduler.vllm_config)
     return output
 
 
@@ -804,7 +867,8 @@ def _apply_grammar_bitmask(original: Callable, scheduler_output: Any, grammar_ou
     if not marked or not vllm_apply.applies_to(logits):
         return original(scheduler_output, grammar_output, input_batch, logits)
     vllm_apply.apply_rows(grammar_output.grammar_bitmask, grammar_output.structured_output_request_ids,
-                          scheduler_output.scheduled_spec_decode_tokens, input_batch.req_ids, logits)
+                          scheduler_output.scheduled_spec_decode_tokens, input_batch.req_ids, logits,
+                          grammar_output.mask_stride)
 
 
 def _patch_apply(hook: Callable) -> None:
@@ -876,31 +940,28 @@ def _manager_grammar_bitmask(original: Callable, manager: Any, requests: dict, r
     return merged
 
 
-@functools.cache
-def _strided_bitmask() -> bool:
-    """Whether the installed vLLM's StructuredOutputManager.grammar_bitmask gives every request a block
-    of rows of one size (0.33) rather than packing each request's rows after the one before (0.32).
-
-    Read from vLLM's version tuple because nothing else tells the two apart: both allocate the same
-    buffer (``max_num_seqs * (1 + num_speculative_tokens)`` rows, ``_grammar_bitmask``), keep no stride
-    in the manager (0.33's ``mask_stride`` is a local of ``grammar_bitmask``, and its
-    ``apply_grammar_bitmask`` derives it from the row count), and return the same types."""
+def mask_stride(vllm_config: Any) -> int:
+    """The rows each request owns in a step's bitmask, decided once for the engine core (where
+    maskd's rows are laid out, ``_bitmask_layout``) and the worker (where they are applied: the
+    marked GrammarOutput carries it, ``vllm_apply.place_rows``): vLLM's own formula,
+    ``num_speculative_tokens + 1`` (0.33's ``grammar_bitmask`` ``mask_stride``, Model Runner V2's
+    ``decode_query_len``), read from vLLM's config. 0 where the installed vLLM packs each request's
+    1 + scheduled drafts rows after the one before (0.32): the one thing its config does not say,
+    so read from its version (a source tree without one is vLLM's main, which strides)."""
     from vllm.version import __version_tuple__ as version
 
     major, minor = version[0], version[1]
-    if not isinstance(major, int) or not isinstance(minor, int) or (major, minor) == (0, 0):
-        return True           # a source tree without its version: vLLM's main, which strides
-    return (major, minor) >= (0, 33)
+    packs = isinstance(major, int) and isinstance(minor, int) and (major, minor) != (0, 0) and (major, minor) < (0, 33)
+    return 0 if packs else 1 + int(vllm_config.num_speculative_tokens)
 
 
 def _bitmask_layout(manager: Any, req_ids: Sequence[str],
                     spec_tokens: dict[str, list[int]]) -> tuple[list[int], int]:
     """Where each request's rows start in the step's bitmask, and the bitmask's row count, as vLLM's own
-    grammar_bitmask lays them out: one after another, 1 + its scheduled drafts each (vLLM 0.32), or
-    request k's from row k * (1 + num_speculative_tokens), the most drafts a step may have (0.33;
-    rows past a request's 1 + drafts are never read)."""
-    if _strided_bitmask():
-        stride = 1 + int(manager.vllm_config.num_speculative_tokens)
+    grammar_bitmask lays them out: request k's from row k * ``mask_stride`` (rows past a request's
+    1 + scheduled drafts are never read), or one after another, 1 + its scheduled drafts each (0.32)."""
+    stride = mask_stride(manager.vllm_config)
+    if stride:
         return [k * stride for k in range(len(req_ids))], len(req_ids) * stride
     starts, at = [], 0
     for r in req_ids:
@@ -915,6 +976,8 @@ def _free_request(original: Callable, scheduler: Any, request: Any, *args: Any, 
         grammar = so.grammar if so.is_grammar_ready else None
         if isinstance(grammar, VllmMaskdGrammar):
             grammar.close()
+            if grammar.failure is not None:
+                grammar.owner.failed[request.request_id] = grammar
     return original(scheduler, request, *args, **kwargs)
 
 
@@ -924,16 +987,56 @@ def _update_from_output(original: Callable, scheduler: Any, *args: Any, **kwargs
         maskd.collect_ahead()
     outputs = original(scheduler, *args, **kwargs)
     if maskd is not None:
+        _request_errors(maskd, outputs)
         maskd.step_ahead()
     return outputs
 
 
-def _update_draft_token_ids(original: Callable, scheduler: Any, draft_token_ids: Any) -> Any:
+@functools.cache
+def _request_error_class() -> type | None:
+    """vLLM's RequestError where EngineCoreOutput carries one to the client (0.33), else None (0.32:
+    the request ends with finish reason error, HTTP 500 "Internal server error", the reason logged)."""
+    try:
+        from vllm.outputs import RequestError
+        from vllm.v1.engine import EngineCoreOutput
+    except ImportError:
+        return None
+    return RequestError if "error" in EngineCoreOutput.__struct_fields__ else None
+
+
+def _request_errors(maskd: MaskdStructuredOutputs, outputs: dict) -> None:
+    """(after vLLM's update_from_output) Each maskd request this step ended with finish reason error
+    because its sequence failed gets the failure's reason as the output's RequestError (code
+    ``structured_output_error``), as vLLM's scheduler gives the requests whose grammar did not compile:
+    the API server raises it to the client (HTTP 500 with the reason; 503 where retryable)."""
+    failed, maskd.failed = maskd.failed, {}
+    cls = _request_error_class()
+    if not failed or cls is None:
+        return
+    from vllm.v1.engine import FinishReason
+
+    for engine_outputs in outputs.values():
+        for out in engine_outputs.outputs:
+            grammar = failed.get(out.request_id)
+            if grammar is not None and out.finish_reason == FinishReason.ERROR and out.error is None:
+                out.error = cls(code="structured_output_error", message=f"maskd: {grammar.failure}",
+                                retryable=grammar.retryable)
+
+
+def _drafts_arrived(original: Callable, scheduler: Any, draft_token_ids: Any, *args: Any, **kwargs: Any) -> Any:
+    """Both doors by which the worker's drafts reach vLLM's scheduler: ``update_draft_token_ids``
+    (synchronous scheduling, ``EngineCore.post_step``: drafts for the next schedule) and
+    ``update_draft_token_ids_in_output(draft_token_ids, scheduler_output)`` (async scheduling,
+    ``EngineCore.step_with_batch_queue``: drafts in place of the placeholders of a step already
+    scheduled, cut to their count). maskd checks its requests' drafts first, then vLLM's own
+    method cuts them with ``validate_tokens`` (and pads the second door's with -1)."""
     manager = scheduler.structured_output_manager
     maskd = getattr(manager, "_maskd", None)
     if maskd is not None:
-        maskd.check_drafts(manager, scheduler.requests, draft_token_ids)
-    return original(scheduler, draft_token_ids)
+        scheduler_output = args[0] if args else kwargs.get("scheduler_output")
+        scheduled = None if scheduler_output is None else scheduler_output.scheduled_spec_decode_tokens
+        maskd.check_drafts(manager, scheduler.requests, draft_token_ids, scheduled)
+    return original(scheduler, draft_token_ids, *args, **kwargs)
 
 
 def _wrap(cls: type, name: str, hook: Callable) -> None:
@@ -967,7 +1070,8 @@ def register() -> None:
     _wrap(StructuredOutputManager, "grammar_init", _manager_grammar_init)
     _wrap(StructuredOutputManager, "grammar_bitmask", _manager_grammar_bitmask)
     _wrap(Scheduler, "_free_request", _free_request)
-    _wrap(Scheduler, "update_draft_token_ids", _update_draft_token_ids)
+    _wrap(Scheduler, "update_draft_token_ids", _drafts_arrived)
+    _wrap(Scheduler, "update_draft_token_ids_in_output", _drafts_arrived)
     _wrap(Scheduler, "update_from_output", _update_from_output)
     _wrap(Scheduler, "get_grammar_bitmask", _get_grammar_bitmask)
     _grammar_output_class()

