@@ -6,11 +6,15 @@ token counts, tokens: the decode step's common case, named by the handle its ope
 with). ``parse`` turns both into ``Entry`` objects, each with its ``Result`` (SeqStep entries first
 in request order, then the columnar ones by index: the order of the rows too); the phases of the
 step protocol (session.py, step_routing.py) read and write only these; ``answer`` writes each
-result back in the form its entry came in. Nothing else in the server reads a SeqStep or writes a
-SeqResult.
+result back in the form its entry came in. The decode step's common case skips the objects:
+``plain_columns`` reads its columns as lists for a plain block (plain_block.py), and
+``write_columnar`` writes the columnar answers of both forms. Besides two flags the session reads
+(whether there are columns, want_forced_tokens), nothing else on the step path reads a StepRequest
+or writes a StepResponse's answers.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -90,6 +94,54 @@ def refuse(res: Result, refusals, code: Code, message: str, kind: str | None = N
     refusals[kind or code.name.lower()] += 1
 
 
+def request_key(request: pb.StepRequest) -> tuple | None:
+    """What a repeat of a request that is all columnar is recognised by (its columns and flags,
+    byte for byte: what lockstep ranks send); None for any other request."""
+    if not request.handles or request.seqs:
+        return None
+    return (request.handles, request.steps, request.token_counts, request.tokens, request.want_forced_tokens,
+            request.columnar_sampled_unmasked)
+
+
+@dataclasses.dataclass(slots=True)
+class PlainColumns:
+    """A request's columnar part when it has the decode step's shape (every entry one token, none
+    sampled unmasked), as lists; with what its SeqStep entries add to the request's limits."""
+    handles: list[int]
+    steps: list[int]
+    tokens: list[int]
+    other_rows: int        # rows the SeqStep entries ask for
+    other_tokens: int      # tokens they carry
+    other_ids: list[str]   # the ids they name
+
+
+_ONE = np.array([1], dtype="<u4").tobytes()
+
+
+def plain_columns(request: pb.StepRequest) -> PlainColumns | None:
+    """The columnar part in the decode step's shape, or None (the per-entry phases take it)."""
+    raw = request.handles
+    n = len(raw) // 4
+    if (not n or request.columnar_sampled_unmasked or len(raw) != 4 * n or len(request.steps) != 4 * n
+            or len(request.token_counts) != 4 * n or len(request.tokens) != 4 * n or request.token_counts != _ONE * n):
+        return None
+    seqs = request.seqs
+    return PlainColumns(np.frombuffer(raw, dtype="<u4").tolist(), np.frombuffer(request.steps, dtype="<u4").tolist(),
+                        np.frombuffer(request.tokens, dtype="<i4").tolist(),
+                        sum(1 + len(m.draft_tokens) + m.propose_drafts for m in seqs) if seqs else 0,
+                        sum(len(m.tokens) + len(m.draft_tokens) for m in seqs) if seqs else 0,
+                        [m.seq_id for m in seqs])
+
+
+def refused_results(request: pb.StepRequest, refusals, reason: str) -> list[Result]:
+    """Every entry of a request refused with INTERNAL (a step that failed in a way no phase caught)."""
+    results = [Result(i, m.seq_id, m.step, False) for i, m in enumerate(request.seqs)]
+    results += [Result(i, "", 0, True) for i in range(len(request.handles) // 4)]
+    for res in results:
+        refuse(res, refusals, Code.INTERNAL, reason, kind="internal")
+    return results
+
+
 def parse(request: pb.StepRequest, by_handle: dict[int, Any],
           columnar: bool = True) -> tuple[list[tuple[Entry, Result]], int, str]:
     """Every entry of a request with its result: (entries, columnar entries whose handle is
@@ -141,7 +193,7 @@ def answer(results: list[Result], reply: pb.StepResponse, want_forced: bool, blo
     """Each result into the reply in its entry's form: a SeqResult, or the columnar fields (from
     ``block``, a plain block (plain_block.py), when the columnar part was one)."""
     if block is not None:
-        block.write(reply, want_forced)
+        write_columnar(reply, block.status, block.problems, block.forced if want_forced else None)
     columnar = []
     add = reply.results.add
     for r in results:

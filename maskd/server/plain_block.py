@@ -2,10 +2,12 @@
 live, plain sequence, with one token.
 
 Most steps of a running engine are exactly this: every sequence of the batch sampled one token from
-the row it was given. ``PlainBlock.of`` recognises such a columnar part with a few vector checks and
-one pass over its sequences; the step protocol (session.py) then consumes its tokens and fills its
-rows in the same engine calls as its other entries, with no ``Entry``/``Result``/``Answer`` per
-sequence: statuses, problems and forced tokens are arrays written straight into the reply.
+the row it was given. ``entries.plain_columns`` reads such a columnar part off the wire and
+``PlainBlock.of`` checks it against the session's sequences in one pass; the step protocol
+(session.py) then consumes its tokens and fills its rows in the same engine calls as its other
+entries, with no ``Entry``/``Result``/``Answer`` per sequence: statuses, problems and forced tokens
+are arrays that ``entries.write_columnar`` (the one writer of columnar answers) puts in the reply.
+Nothing here touches the protobuf types: entries.py is the step path's one module that does.
 
 Plain means: its grammar compiled and its matcher made, no drafts learned or proposed, not failed,
 not closed. A sequence's document (json_schema/step_checks.py: every JSON schema's finished
@@ -30,23 +32,15 @@ import logging
 
 import numpy as np
 
-from maskd.server.entries import Result, write_columnar
+from maskd.server.entries import PlainColumns, Result
 from maskd.server.json_schema import DocumentChecks
 from maskd.server.sequence import Answer, SequenceState, internal_reason, keep_answer
 from maskd.server.step_routing import Fill
-from maskd.v1 import maskd_pb2 as pb
 from maskd.v1.contract import ACCEPTING_BIT, STATUS_MASK, Code, SeqStatus
 
 log = logging.getLogger("maskd.server.session")
 READY, WAITING, FAILED, FINISHED = SeqStatus.READY, SeqStatus.WAITING, SeqStatus.FAILED, SeqStatus.FINISHED
 _NO_TOKENS: tuple[int, ...] = ()
-_ONE = np.array([1], dtype="<u4").tobytes()
-
-
-def request_key(request: pb.StepRequest) -> tuple:
-    """What a repeat of a columnar request is recognised by: its columns and flags, byte for byte."""
-    return (request.handles, request.steps, request.token_counts, request.tokens, request.want_forced_tokens,
-            request.columnar_sampled_unmasked)
 
 
 class PlainBlock:
@@ -79,36 +73,25 @@ class PlainBlock:
         self.seqs, self.matchers, self.probed = [], [], []
 
     @classmethod
-    def of(cls, request: pb.StepRequest, session) -> PlainBlock | None:
-        """The request's columnar part as a block, or None where any of it needs the per-entry phases."""
-        raw = request.handles
-        n = len(raw) // 4
-        if (not n or request.columnar_sampled_unmasked or len(raw) != 4 * n or len(request.steps) != 4 * n
-                or len(request.token_counts) != 4 * n or len(request.tokens) != 4 * n):
-            return None
-        if request.token_counts != _ONE * n:     # a token each
-            return None
-        tokens = np.frombuffer(request.tokens, dtype="<i4").tolist()
+    def of(cls, columns: PlainColumns, session) -> PlainBlock | None:
+        """The request's columnar part (read by entries.plain_columns) as a block, or None where any
+        of it needs the per-entry phases."""
+        handles, steps, tokens = columns.handles, columns.steps, columns.tokens
+        n = len(handles)
         if min(tokens) < 0 or max(tokens) >= session.vocab_limit:
             return None
-        limits = session.limits
-        if request.seqs:      # the request's limits, counted as the per-entry admission counts them
-            rows = n + sum(1 + len(m.draft_tokens) + m.propose_drafts for m in request.seqs)
-            carried = n + sum(len(m.tokens) + len(m.draft_tokens) for m in request.seqs)
-        else:
-            rows = carried = n
-        if rows > limits.max_rows_per_step or carried > limits.max_tokens_per_request:
+        limits = session.limits     # the request's limits, counted as the per-entry admission counts them
+        if (n + columns.other_rows > limits.max_rows_per_step
+                or n + columns.other_tokens > limits.max_tokens_per_request):
             return None
-        handles = np.frombuffer(raw, dtype="<u4").tolist()
         named = set(handles)
         if len(named) != n:
             return None
-        for m in request.seqs:     # a sequence named twice goes where duplicates are refused
-            other = session.seqs.get(m.seq_id)
+        for sid in columns.other_ids:     # a sequence named twice goes where duplicates are refused
+            other = session.seqs.get(sid)
             if other is not None and other.handle in named:
                 return None
         seqs = list(map(session.by_handle.get, handles))
-        steps = np.frombuffer(request.steps, dtype="<u4").tolist()
         for seq, step in zip(seqs, steps):
             if seq is None or seq.matcher is None or seq.step + 1 != step or seq.dead_reason or seq.entry.drafting:
                 return None
@@ -242,10 +225,6 @@ class PlainBlock:
         self.fail(i, internal_reason(doing, exc), Code.INTERNAL)
 
     # -- answers -----------------------------------------------------------------------------------
-    def write(self, reply: pb.StepResponse, want_forced: bool) -> None:
-        """The block's answers into the reply's columnar fields."""
-        write_columnar(reply, self.status, self.problems, self.forced if want_forced else None)
-
     def answer(self, i: int) -> Answer:
         """Entry i's answer as the per-entry path keeps it (for a repeat of its step)."""
         res = Result(i, self.seq_ids[i], self.steps[i], True)

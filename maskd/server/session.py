@@ -43,7 +43,7 @@ from maskd.server.engines import Engine
 from maskd.server.entries import Result, refuse
 from maskd.server.grammar_cache import GrammarCache
 from maskd.server.json_schema import DocumentChecks
-from maskd.server.plain_block import PlainBlock, request_key
+from maskd.server.plain_block import PlainBlock
 from maskd.server.quotas import Quotas
 from maskd.server.row_buffers import RowBuffers
 from maskd.server.sequence import RECENT_STEPS, Answer, SequenceState, fail, internal_reason, record_step
@@ -104,13 +104,14 @@ class Session:
         back as ERROR (the sequence unchanged), dead sequences as FAILED."""
         with self.lock:
             refusals: collections.Counter = collections.Counter()
-            key = request_key(request) if request.handles and not request.seqs else None
+            key = entries.request_key(request)
             if key is not None:
                 repeated = self._repeated_block(key)
                 if repeated is not None:
                     return repeated
             # The decode step's common case as arrays; anything else entry by entry (plain_block.py).
-            block = PlainBlock.of(request, self) if request.handles else None
+            columns = entries.plain_columns(request) if request.handles else None
+            block = PlainBlock.of(columns, self) if columns is not None else None
             pairs, unknown, problem = entries.parse(request, self.by_handle, columnar=block is None)
             if problem:
                 for _, res in pairs:
@@ -156,11 +157,7 @@ class Session:
     def refuse_all(self, request: pb.StepRequest, reason: str) -> StepOutcome:
         """Every entry refused with INTERNAL: the answer when a step failed in a way no phase caught."""
         refusals: collections.Counter = collections.Counter()
-        results = [Result(i, m.seq_id, m.step, False) for i, m in enumerate(request.seqs)]
-        results += [Result(i, "", 0, True) for i in range(len(request.handles) // 4)]
-        for res in results:
-            refuse(res, refusals, Code.INTERNAL, reason, kind="internal")
-        return StepOutcome(results, self.engine.allocate(0), refusals)
+        return StepOutcome(entries.refused_results(request, refusals, reason), self.engine.allocate(0), refusals)
 
     def close_all(self) -> int:
         with self.lock:
