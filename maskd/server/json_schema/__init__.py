@@ -45,7 +45,7 @@ from maskd.server.json_schema.relax import (
     inline_intersected_refs,
     relax,
 )
-from maskd.server.json_schema.step_checks import DocumentChecks
+from maskd.server.json_schema.step_checks import DocumentChecks, Verdict
 from maskd.server.json_schema.validation import SchemaValidator, ValidatorError
 
 __all__ = [
@@ -57,6 +57,7 @@ __all__ = [
     "TagSpan",
     "TemplateChecker",
     "ValidatorError",
+    "Verdict",
     "checker_from_description",
     "describe_checker",
     "document_checker",
@@ -91,7 +92,11 @@ def whole_schema(schema: Any, try_regex: TryRegex) -> tuple[Any, frozenset[str]]
     and numbers as ``grammar_numbers`` takes them. The schema itself, and no keyword, where
     neither changes anything; the engine compiles the schema itself where this does not compile."""
     words: frozenset[str] = frozenset()
-    inlined = inline_intersected_refs(schema, try_regex)   # allOf members that are references, as copies
+    inlined = schema
+    for _ in range(4):   # allOf members that are references, as copies (a copy's own such members in turn)
+        before, inlined = inlined, inline_intersected_refs(inlined, try_regex)
+        if inlined == before:
+            break
     ordered = free_all_of_order(inlined, try_regex)
     if ordered != inlined:
         schema, words = ordered, ORDER_FREE_WORDS

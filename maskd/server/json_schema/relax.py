@@ -338,7 +338,10 @@ def free_all_of_order(schema: Any, try_regex: TryRegex) -> Any:
     ``allOf`` members (or from its own ``properties`` and a member's) takes them in any order.
     llguidance merges the members' properties into one list, in the members' order, so
     ``{"b": 1, "a": "x"}`` was refused where member 1 declares ``a`` and member 2 ``b``. The
-    members are folded into the object exactly (``_meet``, as ``merge_object_intersections`` does)
+    members (an ``allOf`` inside a member spread out, ``_flat_all_of``; notes such as ``title``
+    that differ do not stop it) are folded into the object exactly (``_meet``, as
+    ``merge_object_intersections`` does; ``unevaluatedProperties`` beside them becomes
+    ``additionalProperties`` where that is exact, ``_unevaluated_as_additional``)
     and its properties become literal pattern properties (``any_key_order``): ``required`` goes to
     the validator and to the rows (an object missing a required key is kept open). Only such
     objects change: keys in the schema's order stay the rule elsewhere; an object the engine
@@ -348,28 +351,56 @@ def free_all_of_order(schema: Any, try_regex: TryRegex) -> Any:
     if not isinstance(schema, dict):
         return schema
     blocked = _intersected(schema)
+    legacy = _legacy(schema)
     out = schema
     for path, node in sorted(_walk(schema), key=lambda pn: len(pn[0]), reverse=True):
         all_of = node.get("allOf")
-        if path in blocked or not isinstance(all_of, list) or _declares(node) + sum(map(_declares, all_of)) < 2:
+        if path in blocked or not isinstance(all_of, list) \
+                or _declares(node) + sum(map(_declares_some, _flat_all_of(all_of))) < 2:
             continue
         current = node_at(out, path)
         t = current.get("type")
-        if "$ref" in current or "patternProperties" in current or not all(_fragment(b) for b in current["allOf"]) \
+        if "$ref" in current or "patternProperties" in current \
                 or not (_object_typed(current) or (isinstance(t, list) and "object" in t)):
             continue
-        merged: dict | None = _own(current)
-        for b in current["allOf"]:
-            merged = _meet(merged, b) if merged is not None else None
-        if merged is None:
-            continue
-        folded = {**{k: v for k, v in current.items() if k not in _MEET_KEYS and k != "allOf"}, **merged}
-        if not all(_required_only(folded[k]) for k in ("allOf", "anyOf", "oneOf") if k in folded):
-            continue
-        rewritten = _free_order(folded, try_regex)
+        folded = _fold_all_of(current, legacy)
+        rewritten = _free_folded(folded, try_regex) if folded is not None else None
         if rewritten is not None:
             out = _put(out, path, rewritten)
     return out
+
+
+def _free_folded(folded: dict, try_regex: TryRegex) -> dict | None:
+    """A folded object in any key order: alone (``_free_order``), or where a union of object
+    fragments came with its members, written out as the ``anyOf`` of each branch met with the
+    object, each in any order (``oneOf`` as ``anyOf``: the validator checks that one branch holds)."""
+    unions = [k for k in _UNIONS if k in folded and not _required_only(folded[k])]
+    if "allOf" in folded and not _required_only(folded["allOf"]):
+        return None
+    if not unions:
+        return _free_order(folded, try_regex)
+    if len(unions) > 1 or not all(_fragment(b) for b in folded[unions[0]]):
+        return None
+    own = _own(folded)
+    meets = [_meet(own, b) for b in folded[unions[0]]]
+    freed = [_free_order(m, try_regex) if m is not None else None for m in meets]
+    if any(f is None for f in freed):
+        return None
+    base = {k: v for k, v in folded.items() if k not in _MEET_KEYS and k not in ("allOf", "anyOf", "oneOf")}
+    return {**_objects_only(base, unions[0], folded[unions[0]]), "anyOf": freed}
+
+
+def _objects_only(node: dict, key: str, branches: list) -> dict:
+    """``node`` typed ``object`` where its ``oneOf`` of object fragments (``branches``) holds no
+    other value: a value that is not an object passes every branch without a type (fragments
+    constrain only objects), so it passes the ``oneOf`` only where exactly one branch has none. The
+    grammar takes the branches as ``anyOf``, which would let such a value in where no continuation
+    can pass (a root string where two untyped branches both hold)."""
+    t = node.get("type")
+    if key != "oneOf" or sum("type" not in b for b in branches) == 1 \
+            or not (t is None or (isinstance(t, list) and "object" in t)):
+        return node
+    return {**node, "type": "object"}
 
 
 def unordered_constants(schema: Any, try_regex: TryRegex) -> Any:
@@ -484,19 +515,18 @@ def merge_object_intersections(schema: Any, try_regex: TryRegex) -> Any:
     on one side only meets the other side's ``additionalProperties``, names meet as ``allOf``,
     ``required`` is the union. Members holding anything else that concerns keys (references,
     combinators, pattern properties, a non-object type) are left as they are."""
+    legacy = _legacy(schema)
+
     def fix(node: dict) -> dict:
         t = node.get("type")
         if "$ref" in node or "patternProperties" in node or not (_object_typed(node) or
                                                                  (isinstance(t, list) and "object" in t)):
             return node
-        all_of = node.get("allOf")
-        if isinstance(all_of, list) and all_of and all(_fragment(b) for b in all_of):
-            merged: dict | None = _own(node)
-            for b in all_of:
-                merged = _meet(merged, b) if merged is not None else None
-            if merged is None:
+        if isinstance(node.get("allOf"), list) and node["allOf"]:
+            folded = _fold_all_of(node, legacy)
+            if folded is None:
                 return node
-            node = {**{k: v for k, v in node.items() if k not in _MEET_KEYS and k != "allOf"}, **merged}
+            node = folded
         for key in ("anyOf", "oneOf"):
             branches = node.get(key)
             if not (isinstance(branches, list) and branches and isinstance(node.get("properties"), dict)
@@ -509,7 +539,8 @@ def merge_object_intersections(schema: Any, try_regex: TryRegex) -> Any:
             meets = [_meet(own, b) for b in branches]
             if any(m is None for m in meets):
                 continue
-            node = {**{k: v for k, v in node.items() if k not in _MEET_KEYS}, key: meets}
+            node = {**_objects_only({k: v for k, v in node.items() if k not in _MEET_KEYS}, key, branches),
+                    key: meets}
         return node
     return map_schemas(schema, fix)
 
@@ -528,6 +559,93 @@ def _fragment(b: Any) -> bool:
             and all(_required_only(b[k]) for k in ("allOf", "anyOf", "oneOf") if k in b)
             and "patternProperties" not in b and "unevaluatedProperties" not in b
             and isinstance(b.get("properties", {}), dict) and isinstance(b.get("required", []), list))
+
+
+# Keywords through which a subschema beside ``unevaluatedProperties`` evaluates properties.
+_IN_PLACE = ("allOf", "anyOf", "oneOf", "if", "then", "else", "dependentSchemas", "dependencies", "$ref",
+             "$dynamicRef", "$recursiveRef")
+
+
+def _legacy(schema: Any) -> bool:
+    """Whether a draft before 2019-09 is named anywhere (``unevaluatedProperties`` means nothing there)."""
+    return "draft-0" in canonical(schema)
+
+
+def _unevaluated_as_additional(node: dict, legacy: bool) -> dict:
+    """An object whose ``allOf`` members were folded into it (``allOf`` + ``unevaluatedProperties:
+    false``, the usual closed extension since draft 2019-09): with no subschema left beside it that
+    evaluates properties, ``unevaluatedProperties`` means what ``additionalProperties`` means (exact),
+    which the grammar enforces (the engine's lenient option ignores the other), so a key no member
+    declares is refused where it is written, not only at the object's end."""
+    if legacy or "unevaluatedProperties" not in node or "additionalProperties" in node \
+            or any(k in node for k in _IN_PLACE):
+        return node
+    out = {k: v for k, v in node.items() if k != "unevaluatedProperties"}
+    out["additionalProperties"] = node["unevaluatedProperties"]
+    return out
+
+
+# Keywords that say nothing of which instances pass (the validator holds the original schema).
+_NOTES = frozenset({"title", "description", "$comment", "examples", "default", "deprecated", "readOnly",
+                    "writeOnly"})
+
+
+def _flat_all_of(members: list, depth: int = 0) -> list:
+    """``allOf`` members with the ``allOf`` of a member spread out in its place: ``allOf: [{X,
+    allOf: [A, B]}, C]`` is ``allOf: [X, A, B, C]`` (exact: an intersection of intersections), so
+    members nested by a reference chain (``Dog`` is ``Pet`` and more, ``Pet`` is ``Animal`` and
+    more) meet as one list."""
+    out: list = []
+    for m in members:
+        if isinstance(m, dict) and isinstance(m.get("allOf"), list) and depth < 16:
+            rest = {k: v for k, v in m.items() if k != "allOf"}
+            out.extend([rest, *_flat_all_of(m["allOf"], depth + 1)] if rest else _flat_all_of(m["allOf"], depth + 1))
+        else:
+            out.append(m)
+    return out
+
+
+_UNIONS = ("anyOf", "oneOf")
+
+
+def _union_member(member: Any) -> tuple[str, list] | None:
+    """(``anyOf`` or ``oneOf``, its branches) for a member that is only a union of object fragments."""
+    if not isinstance(member, dict):
+        return None
+    words = [k for k in member if k not in _NOTES]
+    if len(words) != 1 or words[0] not in _UNIONS:
+        return None
+    branches = member[words[0]]
+    if not (isinstance(branches, list) and branches and all(_fragment(b) for b in branches)):
+        return None
+    return words[0], branches
+
+
+def _declares_some(member: Any) -> bool:
+    """A member that declares properties itself or in one of its union's branches."""
+    union = _union_member(member)
+    return _declares(member) or (union is not None and any(map(_declares, union[1])))
+
+
+def _fold_all_of(node: dict, legacy: bool) -> dict | None:
+    """``node`` with its ``allOf`` members folded into it exactly, or None where one cannot be:
+    members that say only what keys an object has meet (``_meet``; an ``allOf`` inside a member
+    spread out first, ``_flat_all_of``); a member that is only a union of such (``allOf: [base,
+    {"oneOf": [...]}]``) becomes the object's own union (one of each kind, where it has none), which
+    the caller writes out branch by branch."""
+    rest = {k: v for k, v in node.items() if k not in _MEET_KEYS and k != "allOf"}
+    merged: dict | None = _own(node)
+    for member in _flat_all_of(node["allOf"]):
+        if _fragment(member):
+            merged = _meet(merged, member) if merged is not None else None
+            continue
+        union = _union_member(member)
+        if union is None or union[0] in rest:
+            return None
+        rest[union[0]] = union[1]
+    if merged is None or any(k in merged and k not in node for k in _UNIONS if k in rest):
+        return None   # a member's own union would stand where the lifted one does
+    return _unevaluated_as_additional({**rest, **merged}, legacy)
 
 
 def _own(node: dict) -> dict:
@@ -551,7 +669,7 @@ def _meet(a: dict, b: dict) -> dict | None:
     props = {name: _and(pa.get(name, xa), pb.get(name, xb)) for name in [*pa, *(n for n in pb if n not in pa)]}
     out = {k: v for k, v in a.items() if k not in _MEET_KEYS}
     for k, v in b.items():
-        if k in _MEET_KEYS:
+        if k in _MEET_KEYS or (k in _NOTES and k in out):   # a note is no constraint: the first one stays
             continue
         if k in out and out[k] != v and k != "type":
             return None
