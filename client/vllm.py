@@ -41,6 +41,17 @@ requests and leave every other request to vLLM:
   vLLM's bitmask beside the rows of vLLM's own backend. Requests the step ahead did not cover (a
   first step, a grammar that was compiling) and every step under speculative decoding (the
   scheduled draft tokens, one row per draft position plus the bonus one) get one step there;
+* ``Scheduler.schedule``: a slow or stopped maskd holds only maskd's requests. The schedule waits
+  for the answer to the step sent ahead at most ``MASKD_STEP_DEADLINE_S`` (0.1 s; maskd normally
+  answers in 3-5 ms) from its send; past it, maskd's requests (running and waiting) are taken out
+  of ``running`` / ``waiting`` for that one call and put back where they were: the step schedules
+  every other request and asks no maskd row (none is ever given an unconstrained one), and they
+  keep their KV blocks and state (to vLLM, running requests it did not schedule; the running slots
+  they hold are not given to others). They are scheduled again at the first schedule after maskd
+  answers; a step not answered within ``MASKD_TIMEOUT_S`` + 5 s of its send fails its sequences
+  (retryable). Not covered: async scheduling (a step's rows are asked after the next step is
+  scheduled), speculative decoding (no step ahead) and a first step while none is in flight still
+  wait for maskd in the step;
 * the request's grammar object records accepted tokens for the next step and reports a sequence
   the server failed (a rejected token, a document that cannot pass its schema): vLLM then ends
   that request with finish reason ``error``, never a cut-short "stop"; the reason is logged and,
@@ -79,7 +90,7 @@ row at each position; requests that are not maskd's get no drafts under this con
 
 Tested against vLLM 0.32.0 (the CPU build, a real engine in tests/engines/real) and 0.33.0
 (interfaces). What it patches: ``AsyncLLM.add_request``, ``SamplingParams._validate_structured_outputs``,
-``StructuredOutputManager.grammar_init`` / ``grammar_bitmask``, ``Scheduler._free_request``,
+``StructuredOutputManager.grammar_init`` / ``grammar_bitmask``, ``Scheduler.schedule`` / ``_free_request``,
 ``Scheduler.update_from_output`` / ``get_grammar_bitmask`` / ``update_draft_token_ids`` /
 ``update_draft_token_ids_in_output`` and, in the worker, ``apply_grammar_bitmask``: a batch whose
 rows are all maskd's is applied with maskd's kernel, on CPU and on CUDA (the same logits; any other
@@ -119,6 +130,7 @@ ADMISSION_KEYS = (REGISTERED_KEY, SPEC_KEY)   # admission's words, never a clien
 BACKEND = "maskd"       # StructuredOutputsParams._backend of maskd's requests
 REQUESTS_ENV = "MASKD_VLLM_REQUESTS"
 ADMISSION_WAIT_ENV = "MASKD_ADMISSION_WAIT_S"
+STEP_DEADLINE_ENV = "MASKD_STEP_DEADLINE_S"   # how long vLLM's schedule waits for maskd's answers
 log = logging.getLogger("maskd_client.vllm")
 
 
@@ -509,7 +521,13 @@ class MaskdStructuredOutputs:
         self.step_ahead_on = getattr(vllm_config, "speculative_config", None) is None
         self.accepted: list[VllmMaskdGrammar] = []     # grammars that accepted tokens since the last step ahead
         self.failed: dict[str, VllmMaskdGrammar] = {}  # failed requests vLLM freed in this update (their reasons)
-        self.ahead: tuple[concurrent.futures.Future, list[VllmMaskdGrammar]] | None = None
+        # (the step's reply, its grammars, when it was sent)
+        self.ahead: tuple[concurrent.futures.Future, list[VllmMaskdGrammar], float] | None = None
+        # vLLM's schedule waits this long (from the send) for the step sent ahead; past it, maskd's
+        # requests are held out of that step (``_schedule``), the others decode
+        self.deadline_s = _wait_seconds(STEP_DEADLINE_ENV, 0.1)
+        self.holding_since: float | None = None      # when a late answer first held maskd's requests
+        self.holds = 0                               # schedules that held maskd's requests out
 
     # -- compiles -------------------------------------------------------------------------------
     def grammar(self, request: Any) -> concurrent.futures.Future:
@@ -673,20 +691,57 @@ class MaskdStructuredOutputs:
                 g.fail(f"maskd step failed: {describe(exc)}", retryable=True)
             return
         self.steps += 1
-        self.ahead = (future, grammars)
+        self.ahead = (future, grammars, time.monotonic())
+
+    def answered(self) -> bool:
+        """(before vLLM schedules a step) Whether maskd's requests may be scheduled: no step is in
+        flight, or its answer came within ``deadline_s`` of its send (it is collected: the rows wait
+        in the grammars), or it is past the long bound (``timeout_s`` + 5 s: its grammars fail, and
+        are scheduled to end with that error). False: the answer is late, and maskd's requests are
+        held out of this step; waits at most what is left of ``deadline_s``."""
+        if self.ahead is None:
+            return True
+        future, _, sent = self.ahead
+        left = sent + self.deadline_s - time.monotonic()
+        if left > 0 and not future.done():
+            concurrent.futures.wait([future], timeout=left)
+        now = time.monotonic()
+        if not future.done() and now < sent + self.settings.timeout_s + 5:
+            if self.holding_since is None:
+                self.holding_since = sent
+                log.warning("maskd at %s has not answered a step in %.2f s (%s=%g): maskd's requests are held "
+                            "out of vLLM's steps until it answers, the others go on", self.settings.target,
+                            now - sent, STEP_DEADLINE_ENV, self.deadline_s)
+            self.holds += 1
+            return False
+        came = future.done()
+        self.collect_ahead()
+        if self.holding_since is not None:
+            if came:
+                log.warning("maskd at %s answered %.2f s after the step was sent: its requests are scheduled again",
+                            self.settings.target, now - self.holding_since)
+            else:
+                log.error("maskd at %s did not answer a step within %g s: the requests it held end with a "
+                          "retryable error", self.settings.target, self.settings.timeout_s + 5)
+            self.holding_since = None
+        return True
 
     def collect_ahead(self) -> None:
-        """Waits for the step sent ahead and gives each grammar its rows (or its failure); a grammar
-        still compiling is asked again by grammar_bitmask."""
+        """Waits for the step sent ahead (up to ``timeout_s`` + 5 s from its send) and gives each
+        grammar its rows (or its failure); a grammar still compiling is asked again by grammar_bitmask."""
         if self.ahead is None:
             return
-        future, grammars = self.ahead
+        future, grammars, sent = self.ahead
         self.ahead = None
+        bound = self.settings.timeout_s + 5
         try:
-            result = reply_within(future, self.settings.timeout_s + 5, self.settings.target)
+            result = reply_within(future, max(0.0, sent + bound - time.monotonic()), self.settings.target)
         except (MaskClientError, concurrent.futures.TimeoutError) as exc:
+            # the whole bound, not what was left of it when collected
+            error: Exception = exc if future.done() else concurrent.futures.TimeoutError(
+                f"no reply from maskd at {self.settings.target} within {bound:g} s")
             for g in grammars:
-                g.fail(f"maskd step failed: {describe(exc)}", retryable=True)
+                g.fail(f"maskd step failed: {describe(error)}", retryable=True)
             return
         if result.ids != [g.seq_id for g in grammars]:
             for g in grammars:
@@ -983,8 +1038,8 @@ def _free_request(original: Callable, scheduler: Any, request: Any, *args: Any, 
 
 def _update_from_output(original: Callable, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
     maskd = getattr(scheduler.structured_output_manager, "_maskd", None)
-    if maskd is not None:
-        maskd.collect_ahead()
+    if maskd is not None and maskd.ahead is not None and maskd.ahead[0].done():
+        maskd.collect_ahead()      # never waits here: a late answer holds maskd's requests (_schedule)
     outputs = original(scheduler, *args, **kwargs)
     if maskd is not None:
         _request_errors(maskd, outputs)
@@ -1021,6 +1076,75 @@ def _request_errors(maskd: MaskdStructuredOutputs, outputs: dict) -> None:
             if grammar is not None and out.finish_reason == FinishReason.ERROR and out.error is None:
                 out.error = cls(code="structured_output_error", message=f"maskd: {grammar.failure}",
                                 retryable=grammar.retryable)
+
+
+def _schedule(original: Callable, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    """Scheduler.schedule, where maskd's requests sit this step out while maskd's answer to the step
+    sent ahead is late (``MaskdStructuredOutputs.answered``: past ``MASKD_STEP_DEADLINE_S``): for
+    this call they are taken out of ``running`` and ``waiting`` (keeping their KV blocks and state,
+    not preempted; vLLM's running slots they hold are not given to others), so the step schedules
+    every other request and asks no maskd rows, and they are put back where they were. vLLM treats
+    them as running requests it did not schedule this step (as when its token budget runs out)."""
+    maskd = getattr(scheduler.structured_output_manager, "_maskd", None)
+    if maskd is None or maskd.answered():
+        return original(scheduler, *args, **kwargs)
+    running, waiting = scheduler.running, scheduler.waiting
+    held_running = [r for r in running if _is_maskd(r)]
+    held_waiting = [r for r in waiting if _is_maskd(r)]
+    if not held_running and not held_waiting:
+        return original(scheduler, *args, **kwargs)
+    before_running, before_waiting = list(running), list(waiting)
+    held = {id(r) for r in held_running}
+    running[:] = [r for r in running if id(r) not in held]
+    if held_waiting:
+        waiting.remove_requests(held_waiting)
+    slots = len(held_running)
+    scheduler.max_num_running_reqs -= slots
+    active = hasattr(scheduler, "max_num_active_reqs")
+    if active:
+        scheduler.max_num_active_reqs -= slots
+    try:
+        return original(scheduler, *args, **kwargs)
+    finally:
+        scheduler.max_num_running_reqs += slots
+        if active:
+            scheduler.max_num_active_reqs += slots
+        _put_back_running(scheduler, before_running, held)
+        if held_waiting:
+            _put_back_waiting(scheduler.waiting, before_waiting, held_waiting)
+
+
+def _put_back_running(scheduler: Any, before: list, held: set[int]) -> None:
+    """``running`` as it was, less those this schedule preempted, with those it admitted after."""
+    after = scheduler.running
+    present = {id(r) for r in after}
+    was = {id(r) for r in before}
+    after[:] = [r for r in before if id(r) in held or id(r) in present] + [r for r in after if id(r) not in was]
+
+
+def _put_back_waiting(queue: Any, before: list, held: list) -> None:
+    """The held requests back in vLLM's waiting queue: in an FCFS queue (a deque) each before the
+    request that followed it (or at the end); a priority queue orders them itself."""
+    if not isinstance(queue, collections.deque):
+        for r in held:
+            queue.add_request(r)
+        return
+    held_ids = {id(r) for r in held}
+    present = {id(r) for r in queue}
+    anchored: dict[int, list] = {}
+    pending: list = []
+    for r in before:
+        if id(r) in held_ids:
+            pending.append(r)
+        elif id(r) in present and pending:
+            anchored[id(r)], pending = pending, []
+    rebuilt: list = []
+    for r in queue:
+        rebuilt.extend(anchored.pop(id(r), ()))
+        rebuilt.append(r)
+    rebuilt.extend(pending)
+    queue.clear()
+    queue.extend(rebuilt)
 
 
 def _drafts_arrived(original: Callable, scheduler: Any, draft_token_ids: Any, *args: Any, **kwargs: Any) -> Any:
@@ -1073,6 +1197,7 @@ def register() -> None:
     _wrap(Scheduler, "update_draft_token_ids", _drafts_arrived)
     _wrap(Scheduler, "update_draft_token_ids_in_output", _drafts_arrived)
     _wrap(Scheduler, "update_from_output", _update_from_output)
+    _wrap(Scheduler, "schedule", _schedule)
     _wrap(Scheduler, "get_grammar_bitmask", _get_grammar_bitmask)
     _grammar_output_class()
     _patch_apply(_apply_grammar_bitmask)

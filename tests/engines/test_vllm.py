@@ -102,6 +102,7 @@ def test_the_patch_points_exist_with_the_signatures_it_wraps():
         (Scheduler, "update_draft_token_ids", ["self", "draft_token_ids"]),
         (Scheduler, "update_draft_token_ids_in_output", ["self", "draft_token_ids", "scheduler_output"]),
         (Scheduler, "get_grammar_bitmask", ["self", "scheduler_output"]),
+        (Scheduler, "schedule", ["self", "throttle_prefills"]),
     ]:
         fn = getattr(cls, name)
         if name != "_get_constraint_bounds":
@@ -908,3 +909,117 @@ def test_a_failure_mid_generation_reaches_the_client_with_maskds_reason(
     assert lost.error.message.startswith("maskd: maskd step failed: UNAVAILABLE: maskd at 127.0.0.1:1")
     assert isinstance(lost.error.to_exception(), RetryableRequestError)   # HTTP 503
     assert not maskd.failed
+
+
+def test_a_maskd_request_whose_rows_are_late_sits_the_step_out_while_the_others_decode(
+        target, server, vllm_config, cl100k_tokens, monkeypatch):
+    # vLLM's own Scheduler as EngineCore.step drives it: the step sent ahead after update_from_output
+    # has no answer within MASKD_STEP_DEADLINE_S, so the next schedule leaves maskd's requests out
+    # (running and waiting, in their places), schedules vLLM's own, and asks no maskd row; once the
+    # answer is in, maskd's requests are scheduled again with the rows it brought.
+    monkeypatch.setenv("MASKD_WAIT_TIMEOUT_S", "10")
+    monkeypatch.setenv(plugin.STEP_DEADLINE_ENV, "0.05")
+    import llguidance.torch
+
+    scheduler = _scheduler(vllm_config(0))
+    # vLLM's backend for its own requests (_TaggedGrammar) allocates the manager's bitmask
+    scheduler.structured_output_manager.backend = _Scheduled(
+        allocate_token_bitmask=lambda n: llguidance.torch.allocate_token_bitmask(n, server.engine.width))
+    regex, text = LAYOUT_SPECS["a"]
+    tokens = cl100k_tokens(text)
+    _add(scheduler, _maskd_request(server, "m", regex))
+    scheduler.add_request(_vllms_request("v", 1))
+    step = scheduler.schedule()
+    assert set(step.num_scheduled_tokens) == {"m", "v"}
+    scheduler.get_grammar_bitmask(step)
+    maskd = scheduler.structured_output_manager._maskd
+    assert maskd.deadline_s == 0.05
+    # maskd stops answering: the step sent ahead waits on a gate
+    gate = threading.Event()
+    real = maskd.client.step_async
+    late: list[concurrent.futures.Future] = []
+
+    def stalled(request, *args, **kwargs):
+        answer = real(request, *args, **kwargs)
+        held: concurrent.futures.Future = concurrent.futures.Future()
+        late.append(held)
+        threading.Thread(target=lambda: (gate.wait(30), held.set_result(answer.result(30)))).start()
+        return held
+
+    monkeypatch.setattr(maskd.client, "step_async", stalled)
+    scheduler.update_from_output(step, _sampled(("m", tokens[:1]), ("v", [7])))
+    assert len(late) == 1 and not late[0].done()
+    _add(scheduler, _maskd_request(server, "w", regex))        # a new maskd request waits too
+    scheduler.add_request(_vllms_request("x", 2))
+    order = [r.request_id for r in scheduler.running]
+    bitmasks = []
+    for _ in range(3):
+        began = time.monotonic()
+        step = scheduler.schedule()
+        assert time.monotonic() - began < 1.0                   # never the whole step's wait on maskd
+        assert "m" not in step.num_scheduled_tokens and "w" not in step.num_scheduled_tokens
+        assert "v" in step.num_scheduled_tokens
+        output = scheduler.get_grammar_bitmask(step)
+        assert type(output) is not plugin.MaskdGrammarOutput      # vLLM's rows only, no maskd row
+        assert set(output.structured_output_request_ids) <= {"v", "x"}
+        bitmasks.append(output)
+        scheduler.update_from_output(step, _sampled(*((r, [7]) for r in step.num_scheduled_tokens)))
+        assert [r.request_id for r in scheduler.running][:len(order)] == order      # in their places
+        assert [r.request_id for r in scheduler.waiting] in ([], ["w"])
+    assert "w" in [r.request_id for r in scheduler.waiting]
+    assert scheduler.requests["m"].num_output_tokens == 1              # no token for m while held
+    assert maskd.holds == 3 and maskd.holding_since is not None
+    # maskd answers: m (with the rows that came) and w are scheduled again, with maskd's rows
+    gate.set()
+    late[0].result(30)
+    step = scheduler.schedule()
+    assert {"m", "w", "v"} <= set(step.num_scheduled_tokens)
+    steps = maskd.steps
+    output = scheduler.get_grammar_bitmask(step)
+    assert maskd.holding_since is None
+    rows = dict(zip(output.structured_output_request_ids, output.grammar_bitmask))
+    expected = _server_rows(server, regex, tokens[:1])
+    assert np.array_equal(rows["m"], expected[1])       # the row after "123" that the late answer brought
+    assert np.array_equal(rows["w"], expected[0])       # w's first row, from its first step
+    assert not (rows["m"] == -1).all() and not (rows["w"] == -1).all()
+    assert maskd.steps == steps + 1                     # only w needed a step here: m's rows came ahead
+    for request in scheduler.requests.values():
+        grammar = request.structured_output_request.grammar
+        assert getattr(grammar, "failure", None) is None
+
+
+def test_a_maskd_request_held_past_the_long_bound_ends_with_the_retryable_error_naming_maskd(
+        target, server, vllm_config, cl100k_tokens, monkeypatch):
+    # maskd never answers the step sent ahead: its request is held (not scheduled) until the step's
+    # long bound (MASKD_TIMEOUT_S + 5 s from its send), then scheduled to end: EOS rows, finish
+    # reason error, the RequestError retryable and naming maskd (never an unconstrained row)
+    from vllm.exceptions import RetryableRequestError
+    from vllm.v1.engine import FinishReason
+
+    monkeypatch.setenv("MASKD_WAIT_TIMEOUT_S", "10")
+    monkeypatch.setenv(plugin.STEP_DEADLINE_ENV, "0.01")
+    scheduler = _scheduler(vllm_config(0))
+    regex, text = LAYOUT_SPECS["a"]
+    tokens = cl100k_tokens(text)
+    _add(scheduler, _maskd_request(server, "m", regex))
+    step = scheduler.schedule()
+    scheduler.get_grammar_bitmask(step)
+    maskd = scheduler.structured_output_manager._maskd
+    never: concurrent.futures.Future = concurrent.futures.Future()
+    monkeypatch.setattr(maskd.client, "step_async", lambda *args, **kwargs: never)
+    scheduler.update_from_output(step, _sampled(("m", tokens[:1])))
+    assert not scheduler.schedule().num_scheduled_tokens          # held
+    future, grammars, sent = maskd.ahead
+    bound = maskd.settings.timeout_s + 5
+    maskd.ahead = (future, grammars, sent - bound)                  # as if it had waited that long
+    step = scheduler.schedule()
+    assert "m" in step.num_scheduled_tokens
+    output = scheduler.get_grammar_bitmask(step)
+    (row,) = output.grammar_bitmask
+    assert np.array_equal(row, maskd.eos_row)
+    outputs = scheduler.update_from_output(step, _sampled(("m", [min(maskd.eos_ids)])))
+    (out,) = outputs[0].outputs
+    assert out.finish_reason == FinishReason.ERROR and out.error.retryable
+    assert out.error.message == (f"maskd: maskd step failed: TimeoutError: no reply from maskd at "
+                                 f"{server.address} within {bound:g} s")
+    assert isinstance(out.error.to_exception(), RetryableRequestError)
