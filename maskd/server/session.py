@@ -42,7 +42,7 @@ from maskd.server.drafts import CONTEXT, DraftModel
 from maskd.server.engines import Engine
 from maskd.server.entries import Result, refuse
 from maskd.server.grammar_cache import GrammarCache
-from maskd.server.json_schema import DocumentChecks
+from maskd.server.json_schema import DocumentChecks, Verdict
 from maskd.server.plain_block import PlainBlock
 from maskd.server.quotas import Quotas
 from maskd.server.row_buffers import RowBuffers
@@ -303,7 +303,7 @@ class Session:
             pairs = kept
         checking = self.checks.start([probe for probe, _ in pairs])
         if checking is not None:
-            self.checks.finish(checking, out, refusals)
+            self._apply_verdicts(self.checks.finish(checking, out), refusals)
         allowed: dict[int, bool] = {}
         for probe, job in pairs:
             if probe.res.status == FAILED:      # the document cannot pass from here: as in a fill
@@ -495,7 +495,7 @@ class Session:
                     row = _drop_rows(out, failed, jobs, block)
             if checking is not None:
                 had_rows = [(adv.res, adv.res.first_row, adv.res.num_rows) for adv in filled if adv.res.num_rows]
-                self.checks.finish(checking, out, refusals)
+                self._apply_verdicts(self.checks.finish(checking, out), refusals)
                 failed = np.zeros(row, dtype=bool)
                 for res, r, n in had_rows:
                     if res.status == FAILED:         # the document cannot pass: its rows go too
@@ -512,6 +512,24 @@ class Session:
             handles, steps = (handles + block_handles, steps + block_steps) if handles else (block_handles, block_steps)
         self.buffers.record(buffer, handles, steps)
         return out, self.buffers.encoding(buffer)
+
+    @staticmethod
+    def _apply_verdicts(verdicts: list[Verdict], refusals) -> None:
+        """Complete mode's verdicts (json_schema/step_checks.py) into the checked entries' answers
+        and sequences (a plain block's entries take theirs from their probes: PlainBlock.checked)."""
+        for verdict in verdicts:
+            res = verdict.job.res
+            if verdict.failed:          # its rows are emptied already
+                res.accepting = False
+                res.num_rows = res.drafts_valid = 0
+                del res.forced_tokens[:]
+                fail(res, verdict.job.seq, verdict.failed)
+                refusals["schema_invalid"] += 1
+                continue
+            if verdict.no_eos:
+                res.accepting = False
+            if verdict.drafts_valid is not None:
+                res.drafts_valid = verdict.drafts_valid
 
     def _kept_answer(self, handle: int, step: int) -> Answer | None:
         """The answer a live sequence keeps for a step (the ring must not lose its rows)."""

@@ -55,7 +55,7 @@ from maskd.tool_specs import ToolCallParts
 log = logging.getLogger("maskd.server.engines.llguidance")
 
 # Bumped when maskd changes how a spec maps onto llguidance (it is part of every grammar id).
-_MAPPING_REVISION = 4
+_MAPPING_REVISION = 5
 # A serialized grammar with document checks: magic, 8-byte length, the checker's description, grammar.
 _CHECKED_MAGIC = b"maskd-checked-grammar-v2\n"
 # x-guidance options that loosen the schema: only complete mode relaxes (and then validates).

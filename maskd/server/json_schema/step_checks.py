@@ -10,11 +10,14 @@ Only sequences whose grammar is a relaxation (``CompiledGrammar.checker`` set) h
 - ``start`` / ``finish``: around the batched mask fill. ``start`` reads the matchers' states and
   hands the checks (decoding the new bytes, early checks of closed sub-documents, the final check
   where EOS is grammatical) to a validation thread, which runs while the fill runs natively with
-  the GIL released; ``finish`` waits for it and applies the verdicts: EOS is cleared from the rows
-  of documents that do not pass, and a sequence whose document cannot pass any more (a failed
-  sub-document, a grammar that allows nothing but EOS, or a root value that has ended so that only
-  whitespace could follow) fails with the validator's message.
-  Both happen in the step that brought the tokens, so every rank and every replay sees the same.
+  the GIL released; ``finish`` waits for it, edits the rows (EOS cleared from the rows of documents
+  that do not pass, tokens that would close a sub-document that cannot pass taken out, the rows of
+  a document that cannot pass any more emptied) and returns a ``Verdict`` per entry it changed:
+  which sequences fail and why (a failed sub-document, a grammar that allows nothing but EOS, or a
+  root value that has ended so that only whitespace could follow), which lose EOS, whose drafts are
+  cut. The step protocol applies them to the entries' answers and sequences; nothing here writes
+  to those. Both happen in the step that brought the tokens, so every rank and every replay sees
+  the same.
 
 Metrics: ``maskd_validation_seconds`` (the checks of one step, off and on the fill's time) and
 ``maskd_validation_failures{kind}`` (final, early, eos, draft).
@@ -22,6 +25,7 @@ Metrics: ``maskd_validation_seconds`` (the checks of one step, off and on the fi
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import threading
 import time
 import weakref
@@ -32,7 +36,6 @@ import numpy as np
 
 from maskd.server.json_schema.closers import CloserTable
 from maskd.server.json_schema.documents import DocumentBuffer
-from maskd.v1.contract import Code, SeqStatus
 
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
@@ -62,6 +65,16 @@ def _run(jobs: list[_Job]) -> float:
     for job in jobs:
         job.problem = job.doc.final() if job.want_final else job.doc.advance()
     return time.perf_counter() - t0
+
+
+@dataclasses.dataclass(slots=True)
+class Verdict:
+    """What the checks decided for one checked entry (``job``, the step's ``Fill``); its rows are
+    edited already, the session applies the rest."""
+    job: Any
+    failed: str = ""                  # the document cannot pass any more: its sequence fails with this
+    no_eos: bool = False              # EOS taken out of its row: the document does not pass yet
+    drafts_valid: int | None = None   # its drafts cut to this many (an EOS draft on a document that does not pass)
 
 
 class DocumentChecks:
@@ -98,7 +111,6 @@ class DocumentChecks:
         problem = self._timed(doc.final)
         if problem is not None:
             self._count("eos")
-            seq.doc = None
             return f"EOS on a document that does not pass: {problem}"
         doc.extend(tokens[eos_at:])   # kept so that a rollback takes back the same tokens
         return None
@@ -117,62 +129,72 @@ class DocumentChecks:
             return None
         return _pool().submit(_run, jobs), jobs
 
-    def finish(self, pending, out: np.ndarray, refusals) -> None:
+    def finish(self, pending, out: np.ndarray) -> list[Verdict]:
+        """Waits for the checks ``start`` handed off, edits the rows and returns the verdicts."""
         future, jobs = pending
         seconds = future.result()
         if self.metrics is not None:
             self.metrics.validation_seconds.observe(seconds)
+        verdicts: list[Verdict] = []
         for job in jobs:
             adv = job.adv
             res = adv.res
+            verdict = Verdict(adv)
             if job.problem is not None:
                 final = job.want_final and job.doc.doomed is None
                 if not final or job.stopped or job.doc.closed():
-                    self._fail(adv, out, job.problem, refusals, "final" if final else "early")
+                    verdicts.append(self._fail(verdict, out, job.problem, "final" if final else "early"))
                     continue
                 # EOS is grammatical but the document does not pass: more output may still make it pass.
                 self._clear_eos(out, res.first_row)
-                res.accepting = False
+                verdict.no_eos = True
                 if not out[res.first_row].any():
-                    self._fail(adv, out, job.problem, refusals, "final")
+                    verdicts.append(self._fail(verdict, out, job.problem, "final"))
                     continue
-            if job.doc.checker.closers is not None and self._keep_open(adv, job.doc, out, refusals):
-                continue
+            if job.doc.checker.closers is not None:
+                why = self._keep_open(adv, job.doc, out)
+                if why is not None:
+                    verdicts.append(self._fail(verdict, out, why, "early"))
+                    continue
             if adv.drafts:
-                self._check_drafts(adv, out)
+                verdict.drafts_valid = self._check_drafts(adv, out)
+            if verdict.no_eos or verdict.drafts_valid is not None:
+                verdicts.append(verdict)
+        return verdicts
 
     # -- helpers --------------------------------------------------------------------------------------
-    def _keep_open(self, adv, doc: DocumentBuffer, out: np.ndarray, refusals) -> bool:
+    def _keep_open(self, adv, doc: DocumentBuffer, out: np.ndarray) -> str | None:
         """Takes out of the row the tokens that would close (or write whole) a sub-document that
         does not pass, so no output is closed into a state no continuation can make valid (draft
-        rows keep what the grammar allows). True when that left nothing and the sequence failed."""
+        rows keep what the grammar allows). The reason to fail when that left nothing, else None."""
         row = out[adv.res.first_row]
         vetoes = doc.checker.row_vetoes(doc.state, doc.data, row)
         if not vetoes:
-            return False
+            return None
         for ids in vetoes:
             CloserTable.clear(row, ids)
         if row.any():
-            return False
+            return None
         why = str(getattr(doc.state, "veto", "")) or "no continuation passes"
-        self._fail(adv, out, f"the document does not match the JSON schema and nothing the grammar allows "
-                             f"here can make it: {why}", refusals, "early")
-        return True
+        return f"the document does not match the JSON schema and nothing the grammar allows here can make it: {why}"
 
-    def _check_drafts(self, adv, out: np.ndarray) -> None:
+    def _check_drafts(self, adv, out: np.ndarray) -> int | None:
         """Draft positions: EOS only where the document with the drafts up to there passes, and no
-        draft EOS counts as valid on a document that does not pass."""
+        draft EOS counts as valid on a document that does not pass (its drafts are cut there: the
+        new count, None when none was cut)."""
         res, doc, drafts = adv.res, adv.seq.doc, list(adv.drafts)
-        for j, t in enumerate(drafts[:res.drafts_valid]):
+        valid = res.drafts_valid
+        for j, t in enumerate(drafts[:valid]):
             if int(t) in self.eos and doc.final_with(drafts[:j]) is not None:
                 self._count("draft")
-                res.drafts_valid = j
+                valid = j
                 out[res.first_row + 1 + j: res.first_row + res.num_rows] = 0
                 break
-        for j in range(min(len(drafts), res.drafts_valid)):
+        for j in range(min(len(drafts), valid)):
             row = res.first_row + 1 + j
             if self._eos_allowed(out[row]) and doc.final_with(drafts[:j + 1]) is not None:
                 self._clear_eos(out, row)
+        return valid if valid != res.drafts_valid else None
 
     def _eos_allowed(self, row: np.ndarray) -> bool:
         return any((int(row[t >> 5]) >> (t & 31)) & 1 for t in self.eos)
@@ -183,19 +205,12 @@ class DocumentChecks:
             if t >> 5 < out.shape[1]:
                 words[row, t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
 
-    def _fail(self, adv, out: np.ndarray, problem: str, refusals, kind: str) -> None:
-        res, seq = adv.res, adv.seq
+    def _fail(self, verdict: Verdict, out: np.ndarray, problem: str, kind: str) -> Verdict:
+        res = verdict.job.res
         out[res.first_row: res.first_row + res.num_rows] = 0
-        res.status = SeqStatus.FAILED
-        res.code = Code.INVALID_ARGUMENT
-        res.reason = problem
-        res.accepting = False
-        res.num_rows = 0
-        res.drafts_valid = 0
-        del res.forced_tokens[:]
-        seq.fail(problem, Code.INVALID_ARGUMENT)
-        refusals["schema_invalid"] += 1
+        verdict.failed = problem
         self._count(kind)
+        return verdict
 
     def _timed(self, fn):
         t0 = time.perf_counter()
