@@ -41,10 +41,13 @@ requests and leave every other request to vLLM:
   vLLM's bitmask beside the rows of vLLM's own backend. Requests the step ahead did not cover (a
   first step, a grammar that was compiling) and every step under speculative decoding (the
   scheduled draft tokens, one row per draft position plus the bonus one) get one step there;
-* ``Scheduler.schedule``: a slow or stopped maskd holds only maskd's requests. The schedule waits
-  for the answer to the step sent ahead at most ``MASKD_STEP_DEADLINE_S`` (0.1 s; maskd normally
-  answers in 3-5 ms) from its send; past it, maskd's requests (running and waiting) are taken out
-  of ``running`` / ``waiting`` for that one call and put back where they were: the step schedules
+* ``Scheduler.schedule``, opt-in (``MASKD_STEP_DEADLINE_S`` set, e.g. 0.1): a slow or stopped
+  maskd holds only maskd's requests. It costs the overlap above: the schedule waits for the answer
+  to the step sent ahead, before the forward pass instead of beside it (on a GPU, maskd's step
+  time is then added to every step; off by default for that reason). The schedule waits at most
+  ``MASKD_STEP_DEADLINE_S`` (maskd normally answers in 3-5 ms here) from its send; past it,
+  maskd's requests (running and waiting) are taken out of ``running`` / ``waiting`` for that one
+  call and put back where they were: the step schedules
   every other request and asks no maskd row (none is ever given an unconstrained one), and they
   keep their KV blocks and state (to vLLM, running requests it did not schedule; the running slots
   they hold are not given to others). They are scheduled again at the first schedule after maskd
@@ -130,7 +133,7 @@ ADMISSION_KEYS = (REGISTERED_KEY, SPEC_KEY)   # admission's words, never a clien
 BACKEND = "maskd"       # StructuredOutputsParams._backend of maskd's requests
 REQUESTS_ENV = "MASKD_VLLM_REQUESTS"
 ADMISSION_WAIT_ENV = "MASKD_ADMISSION_WAIT_S"
-STEP_DEADLINE_ENV = "MASKD_STEP_DEADLINE_S"   # how long vLLM's schedule waits for maskd's answers
+STEP_DEADLINE_ENV = "MASKD_STEP_DEADLINE_S"   # opt-in: how long vLLM's schedule waits for maskd's answers
 log = logging.getLogger("maskd_client.vllm")
 
 
@@ -523,9 +526,10 @@ class MaskdStructuredOutputs:
         self.failed: dict[str, VllmMaskdGrammar] = {}  # failed requests vLLM freed in this update (their reasons)
         # (the step's reply, its grammars, when it was sent)
         self.ahead: tuple[concurrent.futures.Future, list[VllmMaskdGrammar], float] | None = None
-        # vLLM's schedule waits this long (from the send) for the step sent ahead; past it, maskd's
-        # requests are held out of that step (``_schedule``), the others decode
-        self.deadline_s = _wait_seconds(STEP_DEADLINE_ENV, 0.1)
+        # Opt-in: vLLM's schedule waits this long (from the send) for the step sent ahead; past it,
+        # maskd's requests are held out of that step (``_schedule``), the others decode. None (unset
+        # or 0): the step's rows are waited for beside the forward pass (grammar_bitmask), as always.
+        self.deadline_s = _wait_seconds(STEP_DEADLINE_ENV, 0.0) or None
         self.holding_since: float | None = None      # when a late answer first held maskd's requests
         self.holds = 0                               # schedules that held maskd's requests out
 
@@ -702,6 +706,7 @@ class MaskdStructuredOutputs:
         if self.ahead is None:
             return True
         future, _, sent = self.ahead
+        assert self.deadline_s is not None
         left = sent + self.deadline_s - time.monotonic()
         if left > 0 and not future.done():
             concurrent.futures.wait([future], timeout=left)
@@ -1038,8 +1043,8 @@ def _free_request(original: Callable, scheduler: Any, request: Any, *args: Any, 
 
 def _update_from_output(original: Callable, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
     maskd = getattr(scheduler.structured_output_manager, "_maskd", None)
-    if maskd is not None and maskd.ahead is not None and maskd.ahead[0].done():
-        maskd.collect_ahead()      # never waits here: a late answer holds maskd's requests (_schedule)
+    if maskd is not None and maskd.ahead is not None and (maskd.deadline_s is None or maskd.ahead[0].done()):
+        maskd.collect_ahead()      # with a step deadline never waits here: a late answer holds maskd's requests
     outputs = original(scheduler, *args, **kwargs)
     if maskd is not None:
         _request_errors(maskd, outputs)
@@ -1086,7 +1091,7 @@ def _schedule(original: Callable, scheduler: Any, *args: Any, **kwargs: Any) -> 
     every other request and asks no maskd rows, and they are put back where they were. vLLM treats
     them as running requests it did not schedule this step (as when its token budget runs out)."""
     maskd = getattr(scheduler.structured_output_manager, "_maskd", None)
-    if maskd is None or maskd.answered():
+    if maskd is None or maskd.deadline_s is None or maskd.answered():
         return original(scheduler, *args, **kwargs)
     running, waiting = scheduler.running, scheduler.waiting
     held_running = [r for r in running if _is_maskd(r)]

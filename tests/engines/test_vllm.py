@@ -988,6 +988,43 @@ def test_a_maskd_request_whose_rows_are_late_sits_the_step_out_while_the_others_
         assert getattr(grammar, "failure", None) is None
 
 
+def test_without_a_step_deadline_the_schedule_never_waits_for_maskd_and_its_rows_come_beside_the_forward(
+        target, server, vllm_config, cl100k_tokens, monkeypatch):
+    # The default: MASKD_STEP_DEADLINE_S unset. The step sent ahead is still out when vLLM schedules
+    # the next step: the schedule neither waits for it nor holds maskd's request (the rows are waited
+    # for in grammar_bitmask, which EngineCore.step runs while the forward pass is on the device).
+    monkeypatch.delenv(plugin.STEP_DEADLINE_ENV, raising=False)
+    monkeypatch.setenv("MASKD_WAIT_TIMEOUT_S", "10")
+    scheduler = _scheduler(vllm_config(0))
+    regex, text = LAYOUT_SPECS["a"]
+    tokens = cl100k_tokens(text)
+    _add(scheduler, _maskd_request(server, "m", regex))
+    step = scheduler.schedule()
+    scheduler.get_grammar_bitmask(step)
+    maskd = scheduler.structured_output_manager._maskd
+    assert maskd.deadline_s is None
+    gate = threading.Event()
+    real = maskd.client.step_async
+    late: list[concurrent.futures.Future] = []
+
+    def slow(request, *args, **kwargs):
+        answer = real(request, *args, **kwargs)
+        held: concurrent.futures.Future = concurrent.futures.Future()
+        late.append(held)
+        threading.Thread(target=lambda: (gate.wait(30), held.set_result(answer.result(30)))).start()
+        return held
+
+    monkeypatch.setattr(maskd.client, "step_async", slow)
+    scheduler.update_from_output(step, _sampled(("m", tokens[:1])))
+    assert len(late) == 1 and not late[0].done()
+    step = scheduler.schedule()                       # the answer is still out: scheduled all the same
+    assert "m" in step.num_scheduled_tokens and not late[0].done() and maskd.holds == 0
+    gate.set()                                        # (the forward pass); grammar_bitmask takes the rows
+    output = scheduler.get_grammar_bitmask(step)
+    rows = dict(zip(output.structured_output_request_ids, output.grammar_bitmask))
+    assert np.array_equal(rows["m"], _server_rows(server, regex, tokens[:1])[1])
+
+
 def test_a_maskd_request_held_past_the_long_bound_ends_with_the_retryable_error_naming_maskd(
         target, server, vllm_config, cl100k_tokens, monkeypatch):
     # maskd never answers the step sent ahead: its request is held (not scheduled) until the step's

@@ -74,7 +74,7 @@ def stream(url: str, body: dict, times: list, text: list, started: threading.Eve
 
 def test_a_stopped_maskd_stalls_only_maskds_requests(logs, maskd_process):
     proc, target = maskd_process
-    env = {"MASKD_TARGET": target}
+    env = {"MASKD_TARGET": target, "MASKD_STEP_DEADLINE_S": "0.1"}     # the hold is opt-in
     with vllm_engine(logs, *ENGINE_OPTIONS, "--max-num-seqs", "16", env=env, name="maskd-stalled") as engine:
         regex = {"structured_outputs": {"regex": WORDS}}
         assert engine.complete({"prompt": "warm", "max_tokens": 400, **regex})   # the grammar compiled
