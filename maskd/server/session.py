@@ -47,7 +47,7 @@ from maskd.server.plain_block import PlainBlock
 from maskd.server.quotas import Quotas
 from maskd.server.row_buffers import RowBuffers
 from maskd.server.sequence import RECENT_STEPS, Answer, SequenceState, fail, internal_reason, record_step
-from maskd.server.step_routing import AnswerReplay, Fill, Router
+from maskd.server.step_routing import AnswerReplay, Fill, StepRouter
 from maskd.v1 import maskd_pb2 as pb
 from maskd.v1.contract import Code, GrammarState, SeqStatus
 
@@ -89,7 +89,7 @@ class Session:
         self.buffers = RowBuffers(engine.allocate, engine.width, self._kept_answer,
                                   max_count=limits.max_row_buffers_per_session)
         # Phases 1 and 2 (step_routing.py), and the table of sequences they open and close.
-        self.router = Router(engine, cache, limits, self.buffers, tenant=tenant, quotas=quotas)
+        self.router = StepRouter(engine, cache, limits, self.buffers, tenant=tenant, quotas=quotas)
         self.seqs, self.by_handle, self.closed = self.router.seqs, self.router.by_handle, self.router.closed
         self.checks = DocumentChecks(engine, cache.metrics)   # complete-mode hooks (doc_checks.py)
         # Grammar drafts: the server's drafter (one per server: every session's sequences teach it).

@@ -6,7 +6,7 @@ retry), opens and restores in parts, step order. What comes out is the entries t
 sequence (for the engine phases in session.py), the repeats answered from the unchanged state
 (``Fill`` with no tokens) and the repeats whose kept answer still has its rows (``AnswerReplay``).
 
-``Router`` is the session's (session.py) collaborator for these phases: it keeps the session's
+``StepRouter`` is the session's (session.py) collaborator for these phases: it keeps the session's
 table of sequences (``seqs``, ``by_handle``, ``closed``), opens and closes them, and knows nothing
 of the engines' batching.
 """
@@ -57,7 +57,7 @@ class AnswerReplay:
     answer: Answer
 
 
-class Router:
+class StepRouter:
     """Admission and routing of a session's steps, over the session's table of sequences, which it
     keeps: the open ones by id (``seqs``) and by handle (``by_handle``, closed ones too while their
     last answers are kept), and the closed ones with their last answers (``closed``)."""
