@@ -299,7 +299,7 @@ def test_vllm_step_timeouts_name_the_timeout(caplog):
     """vLLM's engine-core backend: "maskd step failed: ;" was the whole reason of a timed-out step."""
     caplog.set_level(logging.ERROR)
     vllm, backend, g = _vllm_backend()
-    backend.ahead = (_NoReply(), [g])            # a step sent ahead
+    backend.ahead = (_NoReply(), [g], time.monotonic())     # a step sent ahead (its reply, grammars, send time)
     backend.collect_ahead()
     want = "maskd step failed: TimeoutError: no reply from maskd at 10.0.0.9:50051 within 35 s"
     assert g.failure == want
