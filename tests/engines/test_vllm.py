@@ -911,6 +911,24 @@ def test_a_failure_mid_generation_reaches_the_client_with_maskds_reason(
     assert not maskd.failed
 
 
+def _gated_replies(monkeypatch, maskd) -> tuple[threading.Event, list[concurrent.futures.Future]]:
+    """maskd's real answers held back until the gate is set: each step's reply (in ``late``) comes
+    only then, as from a maskd that stopped answering and came back."""
+    gate = threading.Event()
+    real = maskd.client.step_async
+    late: list[concurrent.futures.Future] = []
+
+    def gated(request, *args, **kwargs):
+        answer = real(request, *args, **kwargs)
+        held: concurrent.futures.Future = concurrent.futures.Future()
+        late.append(held)
+        threading.Thread(target=lambda: (gate.wait(30), held.set_result(answer.result(30)))).start()
+        return held
+
+    monkeypatch.setattr(maskd.client, "step_async", gated)
+    return gate, late
+
+
 def test_a_maskd_request_whose_rows_are_late_sits_the_step_out_while_the_others_decode(
         target, server, vllm_config, cl100k_tokens, monkeypatch):
     # vLLM's own Scheduler as EngineCore.step drives it: the step sent ahead after update_from_output
@@ -934,19 +952,7 @@ def test_a_maskd_request_whose_rows_are_late_sits_the_step_out_while_the_others_
     scheduler.get_grammar_bitmask(step)
     maskd = scheduler.structured_output_manager._maskd
     assert maskd.deadline_s == 0.05
-    # maskd stops answering: the step sent ahead waits on a gate
-    gate = threading.Event()
-    real = maskd.client.step_async
-    late: list[concurrent.futures.Future] = []
-
-    def stalled(request, *args, **kwargs):
-        answer = real(request, *args, **kwargs)
-        held: concurrent.futures.Future = concurrent.futures.Future()
-        late.append(held)
-        threading.Thread(target=lambda: (gate.wait(30), held.set_result(answer.result(30)))).start()
-        return held
-
-    monkeypatch.setattr(maskd.client, "step_async", stalled)
+    gate, late = _gated_replies(monkeypatch, maskd)     # maskd stops answering until the gate opens
     scheduler.update_from_output(step, _sampled(("m", tokens[:1]), ("v", [7])))
     assert len(late) == 1 and not late[0].done()
     _add(scheduler, _maskd_request(server, "w", regex))        # a new maskd request waits too
@@ -1003,18 +1009,7 @@ def test_without_a_step_deadline_the_schedule_never_waits_for_maskd_and_its_rows
     scheduler.get_grammar_bitmask(step)
     maskd = scheduler.structured_output_manager._maskd
     assert maskd.deadline_s is None
-    gate = threading.Event()
-    real = maskd.client.step_async
-    late: list[concurrent.futures.Future] = []
-
-    def slow(request, *args, **kwargs):
-        answer = real(request, *args, **kwargs)
-        held: concurrent.futures.Future = concurrent.futures.Future()
-        late.append(held)
-        threading.Thread(target=lambda: (gate.wait(30), held.set_result(answer.result(30)))).start()
-        return held
-
-    monkeypatch.setattr(maskd.client, "step_async", slow)
+    gate, late = _gated_replies(monkeypatch, maskd)
     scheduler.update_from_output(step, _sampled(("m", tokens[:1])))
     assert len(late) == 1 and not late[0].done()
     step = scheduler.schedule()                       # the answer is still out: scheduled all the same
