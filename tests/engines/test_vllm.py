@@ -10,6 +10,7 @@ import inspect
 import itertools
 import json
 import os
+import re
 import threading
 import time
 
@@ -1055,3 +1056,13 @@ def test_a_maskd_request_held_past_the_long_bound_ends_with_the_retryable_error_
     assert out.error.message == (f"maskd: maskd step failed: TimeoutError: no reply from maskd at "
                                  f"{server.address} within {bound:g} s")
     assert isinstance(out.error.to_exception(), RetryableRequestError)
+
+
+@pytest.mark.parametrize("raw,message", [("soon", "is not a number of seconds"), ("-0.1", "must not be negative")])
+def test_a_garbage_step_deadline_is_refused_naming_the_setting(monkeypatch, raw, message):
+    from maskd_client.engine_env import EngineConfigError
+    monkeypatch.setenv(plugin.STEP_DEADLINE_ENV, raw)
+    with pytest.raises(EngineConfigError, match=rf"^MASKD_STEP_DEADLINE_S='{re.escape(raw)}' {message}"):
+        plugin._wait_seconds(plugin.STEP_DEADLINE_ENV, 0.0)
+    monkeypatch.setenv(plugin.STEP_DEADLINE_ENV, "0")
+    assert (plugin._wait_seconds(plugin.STEP_DEADLINE_ENV, 0.0) or None) is None     # 0: the hold is off
