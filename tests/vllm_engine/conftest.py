@@ -1,7 +1,8 @@
 """Fixtures of the real-engine tests: one maskd server (real gRPC on a loopback port, deepseek-v4,
-the model's vocabulary) and the reference engine (maskd installed, not configured: vLLM's own
-guidance backend), one per module that compares with it, so that no more than two engines share
-the machine's cores at a time. Engines that run maskd are started by the modules that test them."""
+the model's vocabulary) and one reference engine for the session (maskd installed, not configured:
+vLLM's own guidance backend), which every module that compares with it shares: an engine start is
+~50 s of this suite on 2 cores, and an idle engine costs no CPU (vLLM's workers stop spinning 1 s
+after their last step). Engines that run maskd are started by the modules that test them."""
 import logging
 import pathlib
 import sys
@@ -40,10 +41,11 @@ def maskd_server(logs):
     handler.close()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def reference(logs):
     """maskd installed and not configured (no MASKD_TARGET): vLLM's own guidance backend serves
-    structured outputs, exactly as without maskd."""
+    structured outputs, exactly as without maskd. Shared by the session: a test must leave it as
+    it found it (no request left in flight)."""
     with vllm_engine(logs, *ENGINE_OPTIONS, *TOOL_PARSER, name="reference") as engine:
         yield engine
 

@@ -18,14 +18,10 @@ def run_all(engine, requests: dict, path: str = "/v1/completions", workers: int 
         return {k: f.result() for k, f in futures.items()}
 
 
-def test_an_engine_with_maskd_installed_and_not_configured_serves_every_request(logs):
-    # requests that finish out of order compact vLLM's batch: with maskd's old logits processor
-    # that step raised (MASKD_TARGET unset) and every request in flight got HTTP 500
-    with vllm_engine(logs, *ENGINE_OPTIONS, name="not-configured") as engine:   # ended before the next test
-        check_not_configured(engine)
-
-
-def check_not_configured(reference) -> None:
+def test_an_engine_with_maskd_installed_and_not_configured_serves_every_request(reference):
+    # The reference engine is that engine (conftest: no MASKD_TARGET). Requests that finish out of
+    # order compact vLLM's batch: with maskd's old logits processor that step raised (MASKD_TARGET
+    # unset) and every request in flight got HTTP 500.
     requests = {f"plain-{i}": {"prompt": f"Request {i}:", "max_tokens": 4 + (i * 7) % 60, "temperature": 0.7,
                                "seed": i} for i in range(64)}
     requests.update({f"guidance-{i}": {"prompt": f"JSON {i}:", "max_tokens": 64, "temperature": 0.7, "seed": i,
