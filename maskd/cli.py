@@ -1,13 +1,15 @@
-"""The ``maskd`` command: serve, conformance, demo, bench, cluster.
+"""The ``maskd`` command: serve, health, cluster, and the development tools (bench, demo, ...).
 
 This module is the top of the import graph: it dispatches to the server (``maskd.server``), the
-development tools (``maskd.tools``) and the cluster (``maskd_cluster``), importing each only when
-its subcommand runs (or registers). Every subcommand takes ``--log-level`` (and ``-v``); every
-help shows the defaults.
+cluster (``maskd_cluster``) and the development tools (``maskd_tools``, a distribution of their own
+that the runtime wheel and the image do not ship), importing each only when its subcommand runs (or
+registers). Where one cannot be imported, its subcommands stay listed and say what to install.
+Every subcommand takes ``--log-level`` (and ``-v``); every help shows the defaults.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import logging
 import sys
@@ -15,11 +17,27 @@ import sys
 import maskd
 
 log = logging.getLogger("maskd.cli")
-# Subcommands whose modules carry extra dependencies register themselves: (module, name).
-_OPTIONAL = (("maskd.tools.conformance", "conformance"), ("maskd.tools.demo", "demo"),
-             ("maskd.tools.tiny_model", "tiny-model"), ("maskd.tools.real_model", "real-model"),
-             ("maskd.tools.bench.cli", "bench"), ("maskd.tools.soak", "soak and chaos"),
-             ("maskd_cluster.cli", "cluster"))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Provider:
+    """Where optional subcommands come from: the import package, what it is, how to install it."""
+
+    package: str
+    what: str
+    install: str
+
+
+_TOOLS = _Provider("maskd_tools", "the maskd-tools package",
+                   "pip install ./tools from a checkout of the maskd repository (make setup installs it into "
+                   ".venv); the runtime package and the image do not ship maskd's development tools")
+_CLUSTER = _Provider("maskd_cluster", "the cluster extra", "pip install 'maskd[cluster]'")
+# Subcommands whose modules live elsewhere or carry extra dependencies register themselves:
+# (module, the subcommands it adds, where it comes from).
+_OPTIONAL = (("maskd_tools.conformance", ("conformance",), _TOOLS), ("maskd_tools.demo", ("demo",), _TOOLS),
+             ("maskd_tools.tiny_model", ("tiny-model",), _TOOLS), ("maskd_tools.real_model", ("real-model",), _TOOLS),
+             ("maskd_tools.bench.cli", ("bench",), _TOOLS), ("maskd_tools.soak", ("soak", "chaos"), _TOOLS),
+             ("maskd_cluster.cli", ("cluster",), _CLUSTER))
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -133,20 +151,47 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_serve(sub)
     _add_health(sub)
-    for module, _name in _OPTIONAL:
+    for module, commands, provider in _OPTIONAL:
         try:
             mod = importlib.import_module(module)
-        except ImportError:   # an extra that is not installed: its subcommand is not listed
+        except ImportError as exc:   # not installed here: listed all the same, saying what to install
+            for command in commands:
+                _add_unavailable(sub, command, provider, exc)
             continue
         mod.add_parser(sub)
     _add_common(parser)
     return parser
 
 
+def _add_unavailable(sub, command: str, provider: _Provider, exc: ImportError) -> None:
+    """A subcommand whose module cannot be imported: whatever follows it, it says what to install."""
+    missing = exc.name if isinstance(exc, ModuleNotFoundError) else None
+    if missing:
+        ours = missing == provider.package or missing.startswith(provider.package + ".")
+        need = provider.what if ours else missing
+        why = "" if ours else f" ({provider.what} brings it)"   # the package is there, a dependency is not
+        message = f"maskd {command} needs {need}, which is not installed here{why}: {provider.install}"
+        summary = f"not installed here: needs {need}"
+    else:   # installed, but it does not load (a stale or partial install)
+        message = f"maskd {command} cannot be loaded ({exc}): {provider.install}"
+        summary = "cannot be loaded here"
+
+    def unavailable(args) -> int:
+        sys.exit(message)
+
+    p = sub.add_parser(command, add_help=False, help=f"({summary})")
+    p.set_defaults(func=unavailable, unavailable=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     from maskd.server.logs import configure
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # parse_args, except that a subcommand that is not installed takes any arguments (its --help
+    # and flags included) and says what to install instead of refusing them
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "unavailable", False):
+        parser.error("unrecognized arguments: " + " ".join(extra))
     try:
         configure(_log_level(args))
     except ValueError as exc:

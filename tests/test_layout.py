@@ -7,18 +7,24 @@
   that environment alone steps a real server.
 * One name per concept: no class name is defined in two modules of the runtime packages (``maskd``,
   ``client``, ``cluster``), so a name in a log, a traceback or a review says which thing it is.
+* The runtime wheel ships without the development tools: they are a distribution of their own,
+  ``maskd-tools`` (``tools/`` -> ``maskd_tools``), at the runtime's version; where they are not
+  installed, ``maskd bench`` (and the other tools' subcommands) say what to install.
 """
 import ast
 import collections
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import textwrap
 import venv
+import zipfile
 
 import pytest
+import tomllib
 
 from conftest import REPO
 from maskd.server import MaskServer, ServerConfig
@@ -97,3 +103,53 @@ def test_client_extra_in_a_clean_venv_steps_a_real_server(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout)
     assert out == {"status": "READY", "set_bits": 10, "heavy": []}   # the digits 0-9, nothing else loaded
+
+    # the same install has the `maskd` command, without the tools: their subcommands say what to install
+    bench = subprocess.run([str(env_dir / "bin" / "maskd"), "bench", "--help"], capture_output=True, text=True,
+                           env=env, timeout=120, cwd=tmp_path)
+    assert bench.returncode != 0 and bench.stdout == ""
+    assert bench.stderr.startswith("maskd bench needs the maskd-tools package, which is not installed here: "
+                                   "pip install ./tools"), bench.stderr
+
+
+# -- the runtime wheel and the tools' own ------------------------------------------------------------------
+PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
+TOOLS_PYPROJECT = tomllib.loads((REPO / "tools" / "pyproject.toml").read_text())
+_NOT_SOURCES = shutil.ignore_patterns("__pycache__", "*.pyc", "*.so", "*.egg-info", "build")
+
+
+def _wheel(tmp_path, src: pathlib.Path) -> list[str]:
+    """The files of the wheel pip builds from ``src``, a copy of the project's sources (an in-tree
+    build would also pack whatever an earlier build left in build/)."""
+    out = tmp_path / "wheel"
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                           "--disable-pip-version-check", "-w", str(out), str(src)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (wheel,) = out.glob("*.whl")
+    return zipfile.ZipFile(wheel).namelist()
+
+
+def test_runtime_wheel_ships_no_tools(tmp_path):
+    src = tmp_path / "src"   # what the Dockerfile copies too: pyproject, README and the package folders
+    for folder in set(PYPROJECT["tool"]["setuptools"]["package-dir"].values()):
+        shutil.copytree(REPO / folder, src / folder, ignore=_NOT_SOURCES)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(REPO / name, src / name)
+    names = _wheel(tmp_path, src)
+    packages = {n.split("/", 1)[0] for n in names if not n.split("/", 1)[0].endswith(".dist-info")}
+    assert packages == {"maskd", "maskd_client", "maskd_cluster"}, packages
+    assert "maskd/cli.py" in names and "maskd/server/app.py" in names
+    tools = [n for n in names if "maskd_tools" in n or n.startswith("maskd/tools/") or "/samples/" in n]
+    assert not tools, f"the runtime wheel ships development tools: {tools}"
+
+
+def test_tools_are_their_own_distribution_at_the_runtime_version(tmp_path):
+    version = PYPROJECT["project"]["version"]
+    assert TOOLS_PYPROJECT["project"]["version"] == version
+    assert f"maskd[server]=={version}" in TOOLS_PYPROJECT["project"]["dependencies"]
+    shutil.copytree(REPO / "tools", tmp_path / "src", ignore=_NOT_SOURCES)
+    names = _wheel(tmp_path, tmp_path / "src")
+    assert {n.split("/", 1)[0] for n in names} == {"maskd_tools", f"maskd_tools-{version}.dist-info"}
+    assert {"maskd_tools/bench/cli.py", "maskd_tools/demo.py", "maskd_tools/protogen.py"} <= set(names)
+    assert [n for n in names if n.startswith("maskd_tools/samples/maskbench/") and n.endswith(".json")]

@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests", 
 
 from maskd.server import MaskServer, ServerConfig  # noqa: E402
 from maskd.server.tokenizers import load_tokenizer  # noqa: E402
-from maskd.tools import conformance  # noqa: E402
+from maskd_tools import conformance  # noqa: E402
 
 
 def main() -> None:

@@ -1,1 +1,1 @@
-"""Generated wire contract (python -m maskd.tools.protogen); do not edit."""
+"""Generated wire contract (python -m maskd_tools.protogen); do not edit."""

@@ -9,9 +9,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from maskd.server import MaskServer, ServerConfig  # noqa: E402
-from maskd.tools.demo import hf_tokenizer, tiny_llama, validate  # noqa: E402
 from maskd_client import MaskClient, SeqStatus  # noqa: E402
 from maskd_client.hf import MaskdLogitsProcessor, MaskdSequenceFailed  # noqa: E402
+from maskd_tools.demo import hf_tokenizer, tiny_llama, validate  # noqa: E402
 
 PERSON = {
     "type": "object",

@@ -18,7 +18,6 @@ from test_cluster_units import generate, generation_specs  # noqa: E402
 from conftest import MASKBENCH, needs_maskbench  # noqa: E402
 from maskd.server import ServerConfig  # noqa: E402
 from maskd.specs import GrammarSpec  # noqa: E402
-from maskd.tools import conformance  # noqa: E402
 from maskd_client import MaskClient, SeqStatus  # noqa: E402
 from maskd_client.routing import (  # noqa: E402
     DirectoryClient,
@@ -26,6 +25,7 @@ from maskd_client.routing import (  # noqa: E402
     is_directory,
 )
 from maskd_cluster import launcher  # noqa: E402
+from maskd_tools import conformance  # noqa: E402
 
 pytestmark = pytest.mark.cluster
 NS = "maskd-test"

@@ -9,7 +9,8 @@ machine cannot reach fails once instead of five times), PIP_NO_COMPILE=1 (no .py
 environment) and pip's cache kept (the recipe's PIP_NO_CACHE_DIR dropped). Then what the image
 runs starts from that environment: its CMD (`maskd serve`, with 0.0.0.0 and the port rewritten to
 127.0.0.1 and a free port) answers its HEALTHCHECK command; the xgrammar backend (which needs the
-CPU torch) starts; Ray is the version the chart declares. The installs take a few minutes.
+CPU torch) starts; Ray is the version the chart declares; the development tools (maskd-tools) are
+not in it and `maskd bench` says what to install. The installs take a few minutes.
 """
 from __future__ import annotations
 
@@ -87,6 +88,7 @@ def test_build_context_holds_what_the_recipe_copies():
     assert sources <= allowed, f"COPY sources outside the build context: {sources - allowed}"
     for src in sources:
         assert (REPO / src).exists(), src
+    assert "tools" not in allowed | sources, "the image ships the runtime, not the development tools (tools/)"
 
 
 def test_make_image_says_when_no_builder_can_run():
@@ -160,6 +162,18 @@ def test_environment_has_the_cpu_torch_and_the_pinned_ray(image_env):
     assert up.returncode == 0 and "--foreground" in up.stdout
     # the row codec's C core was built by the recipe (gcc in the build stage), not the numpy fallback
     assert _py(venv, "import maskd.rowcodec as r; print(r._native is not None)", env) == "True"
+    # the runtime without the development tools (maskd-tools, tools/): not installed, not inside the maskd
+    # package either, and their commands say what to install
+    assert "maskd-tools" not in versions
+    assert _py(venv, "import importlib.util as u; print(u.find_spec('maskd_tools'), u.find_spec('maskd.tools'))",
+               env) == "None None"
+    shipped = _py(venv, "import importlib.metadata as m; print(*m.files('maskd'), sep='\\n')", env).splitlines()
+    assert "maskd/cli.py" in shipped
+    assert not [f for f in shipped if f.startswith(("maskd_tools", "maskd/tools/"))], "the image ships the tools"
+    bench = subprocess.run([str(venv / "bin" / "maskd"), "bench", "--help"], capture_output=True, text=True, env=env,
+                           timeout=120)
+    assert bench.returncode == 1 and bench.stderr.startswith(
+        "maskd bench needs the maskd-tools package, which is not installed here: pip install ./tools"), bench.stderr
 
 
 def _local(argv: list[str], port: int) -> list[str]:

@@ -1,6 +1,6 @@
 """The generated protobuf/gRPC code in maskd/v1 is reproducible from proto/ and not stale."""
 
-from maskd.tools import protogen
+from maskd_tools import protogen
 
 
 def test_generated_code_is_fresh(tmp_path):

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import MASKBENCH, needs_maskbench
 from maskd.cli import main
-from maskd.tools.bench import common
+from maskd_tools.bench import common
 
 SAMPLE = str(common.SAMPLE_DIR)
 
@@ -253,7 +253,7 @@ def test_wire(tmp_path):
 
 
 def test_profile_parse():
-    from maskd.tools.bench.profile import parse_raw, step_path, top_entries
+    from maskd_tools.bench.profile import parse_raw, step_path, top_entries
 
     raw = ("_stream_response_in_pool (grpc/_server.py:843);MaskService.Session (/x/maskd/server/service.py:84);"
            "Session.step (/x/maskd/server/session.py:85);"
@@ -274,7 +274,7 @@ def test_profile_parse():
 
 
 def test_profile(tmp_path):
-    from maskd.tools.bench.profile import py_spy_path
+    from maskd_tools.bench.profile import py_spy_path
 
     if py_spy_path() is None:
         pytest.skip("py-spy is not installed")
@@ -355,7 +355,7 @@ def test_garbage_bench_tools_flags_are_clear_errors(tmp_path, flags, message):
 
 def test_bench_vllm_tool_sets_replace_one_tool_each_in_an_order_of_their_own():
     from maskd.specs import GrammarSpec
-    from maskd.tools.bench import vllm_workloads
+    from maskd_tools.bench import vllm_workloads
 
     pool = [(f"t{i}", {"type": "object", "properties": {f"p{i}": {"type": "integer"}}}) for i in range(8)]
     base = vllm_workloads.base_tool_set(pool, 5)

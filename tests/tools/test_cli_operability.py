@@ -1,11 +1,15 @@
 """The `maskd` command as a person meets it, through real processes: it fails fast and says why
 (an unreachable target, an empty data folder, a busy port, an unknown tokenizer), names what
-failed in its summaries, and draws progress bars only on a terminal."""
+failed in its summaries, draws progress bars only on a terminal, and dispatches to the development
+tools (maskd-tools, a distribution of their own) where they are installed and says what to install
+where they are not."""
 import fcntl
 import http.server
 import json
 import os
+import pathlib
 import pty
+import re
 import select
 import socket
 import struct
@@ -18,7 +22,7 @@ import time
 import pytest
 
 import maskd
-from maskd.tools.conformance import SAMPLE_DIR, errors_by_reason, reason_of
+from maskd_tools.conformance import SAMPLE_DIR, errors_by_reason, reason_of
 
 
 def _maskd(*args, env=None, timeout=180, **kw):
@@ -50,6 +54,78 @@ def _write_suite(folder, cases: dict) -> None:
 def test_version():
     proc = _maskd("--version", timeout=60)
     assert proc.returncode == 0 and proc.stdout.strip() == f"maskd {maskd.__version__}"
+
+
+# -- the development tools: dispatched to where installed, what to install where not ------------------
+TOOL_COMMANDS = ("conformance", "demo", "tiny-model", "real-model", "bench", "soak", "chaos")
+TOOLS_MISSING = ("needs the maskd-tools package, which is not installed here: pip install ./tools from a "
+                 "checkout of the maskd repository (make setup installs it into .venv); the runtime package and "
+                 "the image do not ship maskd's development tools")
+
+
+def _maskd_after(preamble: str, *args):
+    """The `maskd` command in a process that first runs ``preamble`` (which breaks imports)."""
+    return subprocess.run([sys.executable, "-c", f"{preamble}\nfrom maskd.cli import main\nsys.exit(main())", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def _maskd_without(blocked: tuple[str, ...], *args):
+    """The `maskd` command where these modules cannot be imported (as where they are not installed)."""
+    return _maskd_after(f"import sys\nfor name in {blocked!r}: sys.modules[name] = None", *args)
+
+
+def test_the_tools_dispatch_where_installed():
+    script = pathlib.Path(sys.executable).with_name("maskd")   # the console script `make setup` installs
+    bench = subprocess.run([str(script), "bench", "--help"], capture_output=True, text=True, timeout=120)
+    assert bench.returncode == 0 and bench.stdout.startswith("usage: maskd bench"), bench.stderr
+    listing = _maskd("--help", timeout=120)
+    assert listing.returncode == 0 and "not installed" not in listing.stdout
+    assert all(f"    {command}" in listing.stdout for command in TOOL_COMMANDS)
+
+
+@pytest.mark.parametrize("argv", [["bench", "--help"], ["bench", "e2e", "--quick"], ["demo"],
+                                  ["chaos", "--minutes", "1"]])
+def test_without_the_tools_their_commands_say_what_to_install(argv):
+    proc = _maskd_without(("maskd_tools",), *argv)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr == f"maskd {argv[0]} {TOOLS_MISSING}\n"
+
+
+def test_without_the_tools_the_runtime_commands_work_and_the_tools_are_listed_as_missing():
+    listing = _maskd_without(("maskd_tools",), "--help")
+    assert listing.returncode == 0, listing.stderr
+    for command in TOOL_COMMANDS:
+        assert re.search(rf"    {command}\s+\(not installed here: needs the maskd-tools package\)", listing.stdout), \
+            listing.stdout
+    serve = _maskd_without(("maskd_tools",), "serve", "--help")
+    assert serve.returncode == 0 and "--port" in serve.stdout
+    typo = _maskd_without(("maskd_tools",), "serve", "--no-such-flag")   # other commands still refuse unknown flags
+    assert typo.returncode == 2 and "unrecognized arguments: --no-such-flag" in typo.stderr
+
+
+BROKEN_BENCH = """import sys
+class Broken:
+    def find_spec(self, name, path=None, target=None):
+        if name == "maskd_tools.bench.cli":
+            raise ImportError("cannot import name 'gone' from 'maskd_tools.bench.common'")
+sys.meta_path.insert(0, Broken())"""
+
+
+def test_a_tool_that_is_installed_but_does_not_load_says_so():
+    proc = _maskd_after(BROKEN_BENCH, "bench", "--help")
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("maskd bench cannot be loaded (cannot import name 'gone' from "
+                                  "'maskd_tools.bench.common'): pip install ./tools"), proc.stderr
+    listing = _maskd_after(BROKEN_BENCH, "--help")
+    assert re.search(r"    bench\s+\(cannot be loaded here\)", listing.stdout), listing.stdout
+    assert "not installed" not in listing.stdout   # the other tools load
+
+
+def test_a_tool_whose_dependency_is_missing_names_it():
+    proc = _maskd_without(("tqdm",), "conformance", "--embedded")
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("maskd conformance needs tqdm, which is not installed here (the maskd-tools "
+                                  "package brings it): pip install ./tools"), proc.stderr
 
 
 # -- unreachable targets: a short connect deadline, the reason, a non-zero exit ---------------------

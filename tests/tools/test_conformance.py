@@ -8,8 +8,8 @@ import pytest
 
 from conftest import MASKBENCH, needs_maskbench
 from maskd.server import MaskServer, ServerConfig
-from maskd.tools import conformance
-from maskd.tools.conformance import SAMPLE_DIR
+from maskd_tools import conformance
+from maskd_tools.conformance import SAMPLE_DIR
 
 KEYS = ("schemas", "compiled", "compile_errors", "valid_total", "valid_accepted", "invalid_total",
         "invalid_rejected", "masks")

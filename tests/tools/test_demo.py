@@ -9,7 +9,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from maskd import cli
-from maskd.tools.demo import DEMO_TASKS, first_json, run_demo
+from maskd_tools.demo import DEMO_TASKS, first_json, run_demo
 
 
 def test_the_real_model_answers_under_masks_validly_and_right(tmp_path):

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from maskd.tools import real_model
+from maskd_tools import real_model
 
 
 def test_a_dtype_it_does_not_build_is_refused(tmp_path):

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from maskd import cli
-from maskd.tools.conformance import SAMPLE_DIR
+from maskd_tools.conformance import SAMPLE_DIR
 
 
 def run(mode, tmp_path, *extra):

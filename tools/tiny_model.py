@@ -40,7 +40,7 @@ def build(out: str | pathlib.Path, *, hidden_size: int = 256, layers: int = 4, s
     import torch
     import transformers
 
-    from maskd.tools.demo import hf_tokenizer
+    from maskd_tools.demo import hf_tokenizer
 
     out = pathlib.Path(out)
     want = recipe(hidden_size=hidden_size, layers=layers, seed=seed)

@@ -65,8 +65,8 @@ import time
 
 import numpy as np
 
-from maskd.tools.bench import common
-from maskd.tools.progress import bar
+from maskd_tools.bench import common
+from maskd_tools.progress import bar
 
 QUICK_LIMIT = 48
 MODES = ("unstructured", "inprocess-critical", "inprocess-overlapped", "maskd", "maskd-drafts", "maskd-opportunistic")

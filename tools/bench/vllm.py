@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from maskd.tools.bench import common, vllm_workloads
+from maskd_tools.bench import common, vllm_workloads
 
 ENGINES = {"guidance": ("unconstrained", "guidance", "maskd"), "xgrammar": ("unconstrained", "xgrammar", "maskd")}
 WORKLOADS = vllm_workloads.WORKLOADS
@@ -74,7 +74,7 @@ def add_arguments(p) -> None:
 
 
 def run(args, log: Callable[[str], None] = print) -> dict:
-    from maskd.tools.vllm_serve import vllm_engine
+    from maskd_tools.vllm_serve import vllm_engine
 
     prog = "maskd bench vllm"
     engines = [e for e in args.engines.split(",") if e]
@@ -229,7 +229,7 @@ def _burst(url: str, mode: str, decoding: dict, burst: list[dict], concurrency: 
 
 
 def _profiles(engine, server, modes, schemas, workload, c, args, out, log) -> list[dict]:
-    from maskd.tools.bench import vllm_profile
+    from maskd_tools.bench import vllm_profile
 
     pids = {**vllm_profile.processes(engine.proc.pid), "maskd_server": server.pid}
     found = []

@@ -31,8 +31,8 @@ import traceback
 
 import numpy as np
 
-from maskd.tools.bench import common
-from maskd.tools.progress import bar
+from maskd_tools.bench import common
+from maskd_tools.progress import bar
 
 QUICK_LIMIT = 24
 QUICK_XGR_TIMEOUT = 10.0

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from maskd.tools.bench import common
+from maskd_tools.bench import common
 
 
 @dataclasses.dataclass

@@ -31,8 +31,8 @@ import time
 
 import numpy as np
 
-from maskd.tools.bench import common
-from maskd.tools.progress import bar
+from maskd_tools.bench import common
+from maskd_tools.progress import bar
 
 QUICK_LIMIT = 48
 QUICK_STEPS = 20

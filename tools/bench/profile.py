@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 
-from maskd.tools.bench import common
+from maskd_tools.bench import common
 
 QUICK_LIMIT = 48
 _FRAME = re.compile(r"^(?P<func>.*) \((?P<file>[^()]*?)(?::(?P<line>\d+))?\)$")
@@ -122,7 +122,7 @@ def step_path(stacks) -> tuple[list, int, int]:
 def run(args, log=print) -> dict:
 
     from maskd.server.tokenizers import load_tokenizer
-    from maskd.tools.bench.serve import _Batch, _client
+    from maskd_tools.bench.serve import _Batch, _client
 
     spy = py_spy_path()
     if spy is None:

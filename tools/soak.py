@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from maskd.tools.bench import common
+from maskd_tools.bench import common
 
 
 def add_parser(sub) -> None:
@@ -76,7 +76,7 @@ def serve(tokenizer: str, threads: int, port: int, log_path: pathlib.Path) -> su
 
 def _replay(args, client, log):
     from maskd.server.tokenizers import load_tokenizer
-    from maskd.tools.replay import Replay, load_instances
+    from maskd_tools.replay import Replay, load_instances
 
     tok = load_tokenizer(args.tokenizer)
     try:

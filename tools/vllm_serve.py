@@ -21,7 +21,7 @@ import urllib.request
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
+REPO = pathlib.Path(__file__).resolve().parents[1]
 VLLM_VENV = REPO / ".venv-vllm"
 MODEL_DIR = REPO / ".cache" / "tiny-llama-deepseek"
 REAL_MODEL_DIR = REPO / ".cache" / "smollm2-135m-instruct"         # a real pretrained model (real_model.py)
@@ -34,13 +34,13 @@ ENGINE_OPTIONS = ("--structured-outputs-config", '{"backend": "guidance", "disab
 
 
 def model_dir() -> pathlib.Path:
-    from maskd.tools.tiny_model import build
+    from maskd_tools.tiny_model import build
     return build(MODEL_DIR)
 
 
 def real_model_dir() -> pathlib.Path:
     """SmolLM2-135M-Instruct as safetensors (``maskd real-model``; a minute, the first time)."""
-    from maskd.tools.real_model import build
+    from maskd_tools.real_model import build
     return build(REAL_MODEL_DIR)
 
 

@@ -27,8 +27,8 @@ import uuid
 
 import numpy as np
 
-from maskd.tools.bench import common
-from maskd.tools.progress import bar
+from maskd_tools.bench import common
+from maskd_tools.progress import bar
 
 QUICK_LIMIT = 48
 QUICK_MAX_ROWS = 3000
@@ -412,7 +412,7 @@ def _markdown(r: dict) -> str:
              f"Machine: {common.machine_line(r['machine'])}.\n",
              "## Mean bytes per row\n",
              "`sent` is the reply's row block as it came off the wire; the other columns are shadow encoders fed "
-             "the same rows in the same order (see `maskd/tools/bench/wire.py`).\n"]
+             "the same rows in the same order (see `tools/bench/wire.py`).\n"]
     rows = [[b["batch"], b["rows"]] + [b.get(f"bytes_per_row_{k}_mean") for k, _ in ALTERNATIVES]
             + [b["bytes_per_row_request_mean"]] for b in r["batches"]]
     lines.append(common.md_table(["batch", "rows", "dense", "dense + zstd", "smallest of dense / ids",

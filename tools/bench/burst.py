@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 
-from maskd.tools.bench import common
+from maskd_tools.bench import common
 
 
 def check_args(args) -> None:
@@ -123,7 +123,7 @@ class _Phases:
 
 
 def _server_loop(srv, tok, decode_pool, fresh_specs, args, placement, log, profile_out) -> dict:
-    from maskd.tools.bench.serve import _Batch, _client
+    from maskd_tools.bench.serve import _Batch, _client
 
     materializer = common.Materializer(args.batch, (tok.logits_width + 31) // 32)
     ctx = multiprocessing.get_context("spawn")
@@ -253,7 +253,7 @@ def _in_process_loop(tok, decode_pool, fresh_texts, args, log) -> dict:
 
 
 def _start_py_spy(pid: int, seconds: float, out: common.Output):
-    from maskd.tools.bench.profile import py_spy_path
+    from maskd_tools.bench.profile import py_spy_path
     spy = py_spy_path()
     if spy is None:
         raise SystemExit("maskd bench burst --profile needs py-spy (pip install py-spy; it is in the dev extra)")
@@ -264,7 +264,7 @@ def _start_py_spy(pid: int, seconds: float, out: common.Output):
 
 
 def _finish_py_spy(spy, out: common.Output) -> dict:
-    from maskd.tools.bench.profile import parse_raw, top_entries
+    from maskd_tools.bench.profile import parse_raw, top_entries
     proc, cmd, raw = spy
     try:
         _, err = proc.communicate(timeout=120)
@@ -317,7 +317,7 @@ def run(args, log=print) -> dict:
                                    json_schema_mode=args.json_schema_mode)
     try:
         with common.pinned_here(placement.worker_cpus if placement else None):
-            from maskd.tools.bench.serve import _client
+            from maskd_tools.bench.serve import _client
             with _client(srv.address) as mc:
                 errors = common.register_all(mc, decode_schemas)
             pool = common.instance_pool(decode_schemas, errors, 0, "burst")

@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from maskd.tools.bench import common
+from maskd_tools.bench import common
 
 PREFIXES = ("BFCL", "Glaiveai2K")
 SCENARIOS = ("cold", "same", "reordered", "shuffled")
@@ -185,7 +185,7 @@ class _XGrammar:
     def __init__(self, tok, threads: int) -> None:
         import xgrammar as xgr
 
-        from maskd.tools.bench.engines import xgrammar_tokenizer_info
+        from maskd_tools.bench.engines import xgrammar_tokenizer_info
 
         info = xgrammar_tokenizer_info(tok)
         self.xgr = xgr

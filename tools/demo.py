@@ -87,7 +87,7 @@ def add_parser(sub) -> None:
 
 
 def cmd_demo(args) -> int:
-    from maskd.tools.real_model import RealModelMissing
+    from maskd_tools.real_model import RealModelMissing
     try:
         rows = run_demo(args.tasks, model_dir=args.model, greedy=not args.sample, seed=args.seed,
                         threads=args.threads, json_out=args.json_out, opportunistic=args.opportunistic)
@@ -176,8 +176,8 @@ def run_demo(tasks: Sequence[str] | None = None, *, model_dir: str | pathlib.Pat
     if unknown:
         raise ValueError(f"unknown demo tasks {unknown}; choose from {', '.join(DEMO_TASKS)}")
     if model_dir is None:
-        from maskd.tools.real_model import NAME, build
-        from maskd.tools.vllm_serve import REAL_MODEL_DIR
+        from maskd_tools.real_model import NAME, build
+        from maskd_tools.vllm_serve import REAL_MODEL_DIR
         model_dir, which = build(REAL_MODEL_DIR), NAME
     else:
         which = str(model_dir)

@@ -70,8 +70,8 @@ def compiles_in_process(schema: dict) -> bool:
 def maskbench_schemas(data_dir: str | os.PathLike, limit: int) -> tuple[list[tuple[str, dict]], list[dict]]:
     """(the workload's ``limit`` schemas, evenly spaced over the files both engines compile; every
     other such schema, for bursts)."""
-    from maskd.tools.bench.common import spread
-    from maskd.tools.conformance import load_suite
+    from maskd_tools.bench.common import spread
+    from maskd_tools.conformance import load_suite
 
     with _quiet_stderr():   # xgrammar's C++ warnings, one per schema feature it approximates
         usable = [(name, schema) for name, schema, _ in load_suite(data_dir)
@@ -101,7 +101,7 @@ def tool_pool(data_dir: str | os.PathLike, tokenizer: str = "deepseek-v4") -> li
     import pathlib
 
     from maskd.server.tokenizers import load_tokenizer
-    from maskd.tools.bench.tools import tool_pool as pool_of
+    from maskd_tools.bench.tools import tool_pool as pool_of
 
     folder = pathlib.Path(data_dir)
     if not folder.is_dir():
@@ -118,7 +118,7 @@ def tool_sets(pool: Sequence[tuple[str, dict]], size: int, n: int, tag: str) -> 
     import random
 
     from maskd.tool_specs import tool_call_schema
-    from maskd.tools.bench.tools import _tool
+    from maskd_tools.bench.tools import _tool
 
     size = min(size, len(pool) - 1)
     base = [_tool(stem, schema, "base") for stem, schema in pool[:size]]
@@ -134,7 +134,7 @@ def tool_sets(pool: Sequence[tuple[str, dict]], size: int, n: int, tag: str) -> 
 
 def base_tool_set(pool: Sequence[tuple[str, dict]], size: int) -> dict:
     from maskd.tool_specs import tool_call_schema
-    from maskd.tools.bench.tools import _tool
+    from maskd_tools.bench.tools import _tool
 
     return tool_call_schema([_tool(stem, schema, "base") for stem, schema in pool[:min(size, len(pool) - 1)]],
                             "required")

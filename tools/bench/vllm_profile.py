@@ -13,7 +13,7 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
-from maskd.tools.bench.profile import parse_raw, py_spy_path
+from maskd_tools.bench.profile import parse_raw, py_spy_path
 
 # (label, frame substring) per process; shares are of samples of the thread holding the first entry.
 CORE_FRAMES = (

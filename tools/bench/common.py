@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 import maskd
-from maskd.tools.progress import bar
+from maskd_tools.progress import bar
 
 REPO_ROOT = pathlib.Path(maskd.__file__).resolve().parents[1]
 DEFAULT_MASKBENCH = (REPO_ROOT / ".." / "shared" / "maskbench-dev").resolve()
@@ -49,7 +49,7 @@ class Schema:
 @dataclasses.dataclass
 class Instance:
     """One valid MaskBench instance to replay: its schema, its tokens, and the spec as sent (the
-    bench modes build the message up front; None in ``maskd.tools.replay``, which opens with
+    bench modes build the message up front; None in ``maskd_tools.replay``, which opens with
     ``schema.spec``)."""
     schema: Schema
     tokens: list[int]
@@ -88,7 +88,7 @@ def load_schemas(data_dir: str | os.PathLike, tokenizer, limit: int | None = Non
     """MaskBench files of ``data_dir`` (``limit`` of them, evenly spaced over the sorted names),
     each with its valid instances tokenized from ``json.dumps(data, ensure_ascii=False)``."""
     from maskd.specs import GrammarSpec
-    from maskd.tools.conformance import load_suite
+    from maskd_tools.conformance import load_suite
 
     out = []
     for name, schema, tests in bar(spread(load_suite(data_dir), limit), desc="tokenize", unit="file"):

@@ -9,7 +9,7 @@ import argparse
 import os
 import sys
 
-from maskd.tools.bench import common
+from maskd_tools.bench import common
 
 MODES = ("engines", "serve", "burst", "wire", "profile", "e2e", "vllm", "tools")
 
@@ -106,7 +106,7 @@ def add_parser(sub) -> None:
     p.add_argument("--modes", default="unstructured,inprocess-critical,inprocess-overlapped,maskd",
                    help="comma-separated modes to run (the ratios need unstructured); maskd-drafts: grammar drafts "
                         "with a stated verification-cost model; maskd-opportunistic: sample first, the server checks "
-                        "(see maskd.tools.bench.e2e)")
+                        "(see maskd_tools.bench.e2e)")
     p.add_argument("--drafts", type=int, default=4, help="maskd-drafts: drafts asked per slot and step (default 4)")
     p.add_argument("--saturation-tokens", type=int, default=256,
                    help="maskd-drafts cost model: tokens per forward pass up to which a pass costs one decode step "
@@ -119,13 +119,13 @@ def add_parser(sub) -> None:
     p = modes.add_parser("vllm", help="tokens/s, TTFT and ITL in a real vLLM CPU engine: unconstrained, vLLM's "
                                       "guidance and xgrammar backends, maskd (make vllm-setup first)")
     _common_args(p, "vllm")
-    from maskd.tools.bench.vllm import add_arguments
+    from maskd_tools.bench.vllm import add_arguments
     add_arguments(p)
     p.set_defaults(func=_run_mode("vllm"), threads=1)
 
     p = modes.add_parser("tools", help="time until the first row of a tool-calling request (10 / 50 / 200 tools): "
                                        "whole compiles in process, maskd cold, cached, all but one known")
-    from maskd.tools.bench.tools import add_arguments as add_tools_arguments
+    from maskd_tools.bench.tools import add_arguments as add_tools_arguments
     add_tools_arguments(p)
     p.set_defaults(func=_run_mode("tools"))
 
@@ -156,11 +156,11 @@ def _run_mode(mode: str):
     def run(args) -> int:
         import importlib
 
-        from maskd.tools import progress
-        from maskd.tools.conformance import load_suite
+        from maskd_tools import progress
+        from maskd_tools.conformance import load_suite
 
         prog = f"maskd bench {mode}"
-        module = importlib.import_module(f"maskd.tools.bench.{mode}")
+        module = importlib.import_module(f"maskd_tools.bench.{mode}")
         check_args = getattr(module, "check_args", None)
         if check_args is not None:
             check_args(args)   # garbage flags refused, named, before any data or tokenizer loads

@@ -32,7 +32,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from maskd.specs import JSON_SCHEMA_MODES
-from maskd.tools.progress import bar
+from maskd_tools.progress import bar
 
 SAMPLE_DIR = pathlib.Path(__file__).parent / "samples" / "maskbench"
 
