@@ -18,8 +18,8 @@ from sglang.srt.constrained.base_grammar_backend import GRAMMAR_BACKEND_REGISTRY
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 
 import maskd_client.sglang  # noqa: F401  (registers "maskd")
-from maskd.tools import conformance
-from maskd.tools.bench.common import llguidance_grammar
+from maskd_tools import conformance
+from maskd_tools.bench.common import llguidance_grammar
 
 
 def backend_from_registry(vocab_size: int, eos_ids, server_args=None):
