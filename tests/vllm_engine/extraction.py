@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from maskd.tools.demo import is_right as answer_is_right
+from maskd_tools.demo import is_right as answer_is_right
 
 
 class Person(BaseModel):

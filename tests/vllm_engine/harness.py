@@ -1,9 +1,9 @@
-"""The real-engine tests' view of maskd.tools.vllm_serve (``vllm serve`` processes on 127.0.0.1)."""
+"""The real-engine tests' view of maskd_tools.vllm_serve (``vllm serve`` processes on 127.0.0.1)."""
 import contextlib
 from collections.abc import Iterator
 
-from maskd.tools import vllm_serve
-from maskd.tools.vllm_serve import ENGINE_OPTIONS, MODEL, THINK_END, VllmServer, server_metric
+from maskd_tools import vllm_serve
+from maskd_tools.vllm_serve import ENGINE_OPTIONS, MODEL, THINK_END, VllmServer, server_metric
 
 __all__ = ["EAGER", "ENGINE_OPTIONS", "MODEL", "THINK_END", "VllmServer", "server_metric", "vllm_engine"]
 

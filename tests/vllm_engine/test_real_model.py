@@ -36,9 +36,9 @@ from harness import MODEL, server_metric, vllm_engine
 from workloads import check, parity_requests
 
 from maskd.server import MaskServer, ServerConfig
-from maskd.tools import real_model
-from maskd.tools.bench.vllm_workloads import ACCOUNT
-from maskd.tools.vllm_serve import REAL_MODEL_DIR
+from maskd_tools import real_model
+from maskd_tools.bench.vllm_workloads import ACCOUNT
+from maskd_tools.vllm_serve import REAL_MODEL_DIR
 
 GRAMMAR_DRAFTS = json.dumps({"method": "custom_class", "model": "maskd_client.vllm.GrammarDrafts",
                              "num_speculative_tokens": 4})

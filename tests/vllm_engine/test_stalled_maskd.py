@@ -22,7 +22,7 @@ import urllib.request
 import pytest
 from harness import ENGINE_OPTIONS, MODEL, vllm_engine
 
-from maskd.tools.vllm_serve import free_port
+from maskd_tools.vllm_serve import free_port
 
 STOP_S = 5.0
 GAP_BOUND_S = 1.5          # an unconstrained stream's longest gap while maskd is stopped for STOP_S
