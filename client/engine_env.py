@@ -1,7 +1,9 @@
-"""How engine adapters (SGLang, vLLM) reach maskd: settings from the environment.
+"""What the engine adapters (vLLM, SGLang, transformers) share: where maskd is, from the environment;
+the wait for a compile; the one loop that hands a step's answers out (:func:`deliver_answers`);
+the EOS-only row (:func:`eos_row`).
 
-The engines create their grammar backends and logits processors themselves, in every
-tensor-parallel rank, so the adapters read where maskd is from the environment:
+The serving engines (SGLang, vLLM) create their grammar backends themselves, in every
+tensor-parallel rank, so their adapters read where maskd is from the environment:
 
 * ``MASKD_TARGET``: ``HOST:PORT`` of a maskd server, or ``directory:HOST:PORT`` of a cluster.
 * ``MASKD_SESSION``: the session key every rank of one engine shares (default: derived from the
@@ -18,10 +20,11 @@ import dataclasses
 import os
 import pathlib
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 import grpc
+import numpy as np
 
 from maskd_client.client import MaskClient
 from maskd_client.types import MaskClientError, SeqResult, SeqStatus, StepResult
@@ -123,22 +126,32 @@ def register_compiled(client: Any, spec: Any, wait_timeout_s: float, timeout_s: 
 
 def deliver_answers(result: StepResult, keys: Mapping[str, K], step: Callable[[dict[str, Any]], StepResult],
                     wait_timeout_s: float, ready: Callable[[K, SeqResult, StepResult], None],
-                    give_up: Callable[[K, str], None], again: Callable[[K, SeqResult], Any] | None = None) -> int:
-    """Hands every sequence of ``keys`` (seq_id -> the adapter's own key: a batch row, a slot) its
-    answer: ``ready`` for a row, ``give_up`` for a failure or a refusal. Sequences whose grammar is
-    still compiling are polled with empty steps (1 ms doubling to 50 ms) until ``wait_timeout_s``,
-    then given up. ``again``: for a refused sequence, the step entry to send once more at once, or
-    None to give it up (an open that named a grammar id the server no longer holds is refused with
-    NOT_FOUND and taken back by the client: sent again, it carries the spec). Returns the number of
-    polls sent."""
-    waited, attempt = 0.0, 0
+                    give_up: Callable[[K, str, SeqResult | None], None],
+                    again: Callable[[K, SeqResult], Any] | None = None, poll: Callable[[K], Any] | None = None,
+                    first_pause_s: float = 0.001) -> int:
+    """The engine adapters' one answer loop (vLLM, SGLang, transformers): hands every sequence of
+    ``keys`` (seq_id -> the adapter's own key: a batch row, a slot, a step entry) its answer in
+    ``result``: ``ready(key, res, result)`` for rows, ``give_up(key, reason, res)`` for a failure
+    or a refusal (``res`` None where the grammar was still compiling when the wait ran out).
+    Sequences whose grammar is still compiling are polled (``first_pause_s``, 1 ms, doubling to
+    50 ms between polls) until ``wait_timeout_s`` after the loop began, then given up with "grammar
+    still compiling after N s". A poll's entry is ``poll(key)`` (default: no tokens; an entry with
+    drafts asks for their rows again). ``again``: for a refused sequence, the step entry to send
+    once more at once, or None to give it up (an open that named a grammar id the server no longer
+    holds is refused with NOT_FOUND and taken back by the client: sent again, it carries the spec).
+    ``step`` sends a step and returns its answer; its errors (and ``give_up``'s) propagate. Returns
+    the number of polls sent."""
+    began = time.monotonic()
+    attempt = 0
     carried: dict[str, K] = {}      # waiting over a step that only sent refused entries again
     while True:
         waiting: dict[str, K] = carried
         carried = {}
         resend: dict[str, tuple[K, Any]] = {}
         for sid, key in keys.items():
-            res = result.seqs[sid]
+            res = result.seqs.get(sid)
+            if res is None:
+                raise MaskClientError(f"maskd's answer has no result for sequence {sid!r}")
             if res.has_rows:
                 ready(key, res, result)
             elif res.status is SeqStatus.WAITING:
@@ -146,12 +159,12 @@ def deliver_answers(result: StepResult, keys: Mapping[str, K], step: Callable[[d
             else:
                 entry = again(key, res) if again is not None else None
                 if entry is None:
-                    give_up(key, res.reason or res.status.name)
+                    give_up(key, res.reason or res.status.name, res)
                 else:
                     resend[sid] = (key, entry)
-        if waiting and waited > wait_timeout_s:
+        if waiting and time.monotonic() - began > wait_timeout_s:
             for key in waiting.values():
-                give_up(key, f"grammar still compiling after {wait_timeout_s:g} s")
+                give_up(key, f"grammar still compiling after {wait_timeout_s:g} s", None)
             waiting = {}
         if resend:
             # at once and alone: the polls keep their own steps, numbered alike on every rank of a
@@ -162,9 +175,16 @@ def deliver_answers(result: StepResult, keys: Mapping[str, K], step: Callable[[d
             continue
         if not waiting:
             return attempt
-        pause = min(0.05, 0.001 * 2 ** attempt)
-        time.sleep(pause)
-        waited += pause
+        time.sleep(min(0.05, first_pause_s * 2 ** attempt))
         attempt += 1
         keys = waiting
-        result = step({sid: [] for sid in waiting})
+        result = step({sid: [] if poll is None else poll(key) for sid, key in waiting.items()})
+
+
+def eos_row(eos_token_ids: Iterable[int], words: int) -> np.ndarray:
+    """The mask row (``words`` int32 words) that allows only the EOS ids: what an adapter gives a
+    sequence that has ended or failed, so its request samples EOS and ends."""
+    row = np.zeros(words, dtype=np.uint32)
+    for t in eos_token_ids:
+        row[int(t) >> 5] |= np.uint32(1) << np.uint32(int(t) & 31)
+    return row.view(np.int32)

@@ -41,7 +41,8 @@ from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria,
 
 from maskd_client.apply import BitmaskBuffers, apply_token_bitmask_inplace
 from maskd_client.client import MaskClient
-from maskd_client.types import MaskClientError, SeqStatus, reply_within
+from maskd_client.engine_env import deliver_answers, eos_row
+from maskd_client.types import MaskClientError, SeqResult, SeqStatus, reply_within
 
 __all__ = ["MaskdLogitsProcessor", "MaskdPrefetch", "MaskdSequenceFailed"]
 
@@ -135,10 +136,7 @@ class MaskdLogitsProcessor(LogitsProcessor):
         self.info = info
         self.eos_token_ids: tuple[int, ...] = eos
         self.words = info.words_per_row
-        self._eos_row = np.zeros(self.words, dtype=np.uint32)
-        for t in self.eos_token_ids:
-            self._eos_row[t >> 5] |= np.uint32(1) << np.uint32(t & 31)
-        self._eos_row = self._eos_row.view(np.int32)
+        self._eos_row = eos_row(self.eos_token_ids, self.words)
         self._eos_set = frozenset(self.eos_token_ids)
 
         # Per-generation state, set on the first call.
@@ -282,43 +280,36 @@ class MaskdLogitsProcessor(LogitsProcessor):
                 self._rows[row] = self._eos_row
         if fut is None:
             return
-        deadline = time.perf_counter() + self.wait_timeout_s
-        interval = self.poll_interval_s
-        while True:
-            result = reply_within(fut, max(0.001, deadline - time.perf_counter()) + self._timeout_s,
-                                  getattr(self.client, "target", "its address"))
-            waiting = []
-            dst, src = [], []
-            for row, sid in rows:
-                res = result.seqs.get(sid)
-                if res is None:
-                    raise MaskClientError(f"maskd reply has no result for sequence {sid!r} (batch row {row})")
-                self.statuses[row] = res.status
-                if res.has_rows:
-                    dst.append(row)
-                    src.append(res.row)
-                elif res.status is SeqStatus.WAITING:
-                    waiting.append((row, sid))
-                elif res.status is SeqStatus.FAILED:
-                    self.done[row] = True
-                    raise MaskdSequenceFailed(row, sid, res.reason or "no reason given", res.code)
-                else:
-                    raise MaskClientError(
-                        f"maskd refused step {res.step} of sequence {sid!r} (batch row {row}): "
-                        f"{res.status.name} {res.reason}", res.code)
-            if dst:
-                self._rows[dst] = result.bitmask[src]
-            if not waiting:
+        target = getattr(self.client, "target", "its address")
+        deadline = time.monotonic() + self.wait_timeout_s
+        late: list[int] = []
+
+        def step(entries: dict[str, Any]) -> Any:
+            left = max(0.001, deadline - time.monotonic())
+            return reply_within(self.client.step_async(entries), left + self._timeout_s, target)
+
+        def ready(row: int, res: SeqResult, result: Any) -> None:
+            self.statuses[row] = res.status
+            self._rows[row] = result.bitmask[res.row]
+
+        def give_up(row: int, reason: str, res: SeqResult | None) -> None:
+            if res is None:              # still compiling when the wait ran out
+                self.statuses[row] = SeqStatus.WAITING
+                late.append(row)
                 return
-            if time.perf_counter() > deadline:
-                raise MaskClientError(
-                    f"grammar of batch rows {[r for r, _ in waiting]} still compiling after "
-                    f"{self.wait_timeout_s:.0f} s")
-            time.sleep(interval)
-            interval = min(interval * 2, 0.05)
-            rows = waiting
-            self.polls += 1
-            fut = self.client.step_async({sid: [] for _, sid in waiting})
+            self.statuses[row] = res.status
+            sid = self.seq_ids[row]
+            if res.status is SeqStatus.FAILED:
+                self.done[row] = True
+                raise MaskdSequenceFailed(row, sid, res.reason or "no reason given", res.code)
+            raise MaskClientError(f"maskd refused step {res.step} of sequence {sid!r} (batch row {row}): "
+                                  f"{res.status.name} {res.reason}", res.code)
+
+        result = reply_within(fut, self.wait_timeout_s + self._timeout_s, target)
+        self.polls += deliver_answers(result, {sid: row for row, sid in rows}, step, self.wait_timeout_s, ready,
+                                      give_up, first_pause_s=self.poll_interval_s)
+        if late:
+            raise MaskClientError(f"grammar of batch rows {late} still compiling after {self.wait_timeout_s:.0f} s")
 
     # -- lifetime ----------------------------------------------------------------------------------
     def close(self) -> None:

@@ -66,7 +66,7 @@ from sglang.srt.parser.reasoning_parser import ReasoningParser
 
 from maskd.specs import GrammarSpec, SpecError
 from maskd_client.apply import apply_token_bitmask_inplace
-from maskd_client.engine_env import EngineSettings, deliver_answers, register_compiled
+from maskd_client.engine_env import EngineSettings, deliver_answers, eos_row, register_compiled
 from maskd_client.types import MaskClientError, SeqResult, SeqStatus, StepInput, StepResult, reply_within
 
 __all__ = ["BACKEND_NAME", "MaskdGrammarBackend", "MaskdReasonerBackend", "SglangMaskdGrammar", "register"]
@@ -196,10 +196,7 @@ class MaskdGrammarBackend(BaseGrammarBackend):
         self._prefix = f"sg{session[-12:]}-"
         self._lock = threading.Lock()        # the scheduler's thread steps; the finalizers only queue
         self._closing: collections.deque[str] = collections.deque()
-        self._eos_row = np.zeros(self.words, dtype=np.uint32)
-        for t in self.info.eos_token_ids:
-            self._eos_row[t >> 5] |= np.uint32(1) << np.uint32(t & 31)
-        self._eos_row = self._eos_row.view(np.int32)
+        self._eos_row = eos_row(self.info.eos_token_ids, self.words)
         self.steps = 0                       # maskd steps sent (one per fill, plus polls)
         self.polls = 0
         self.reopen_steps = 0                # steps sending again opens by an id the server did not hold
@@ -272,7 +269,7 @@ class MaskdGrammarBackend(BaseGrammarBackend):
             if rest:     # still compiling, refused or failed: one at a time
                 self.polls += deliver_answers(result, rest, self._step, self.settings.wait_timeout_s,
                                               lambda key, res, result: self._take_row(vocab_mask, key, res, result),
-                                              lambda key, reason: self._give_up(vocab_mask, key, reason),
+                                              lambda key, reason, res: self._give_up(vocab_mask, key, reason),
                                               lambda key, res: self._open_with_spec(key, res, request))
 
     def _take_rows(self, vocab_mask: torch.Tensor, rows: dict[str, tuple[int, SglangMaskdGrammar]],

@@ -30,7 +30,7 @@ def run(client, request, keys, wait_timeout_s):
 
     polls = deliver_answers(step(request), keys, step, wait_timeout_s,
                             lambda key, res, result: ready.__setitem__(key, result.bitmask[res.row].copy()),
-                            given_up.__setitem__)
+                            lambda key, reason, res: given_up.__setitem__(key, reason))
     return polls, ready, given_up, steps[1:]
 
 
@@ -93,7 +93,7 @@ def test_again_sends_a_refused_open_at_once_with_its_spec(server, cl100k):
         polls = deliver_answers(step({"kept": [], "evicted": [], "refused": []}),
                                 {"kept": "k", "evicted": "e", "refused": "r"}, step, 10,
                                 lambda key, res, result: ready.__setitem__(key, result.bitmask[res.row].copy()),
-                                given_up.__setitem__, again)
+                                lambda key, reason, res: given_up.__setitem__(key, reason), again)
     assert polls == 0 and steps[1:] == [{"evicted": []}]             # sent again once, not polled
     assert sorted(codes) == [("e", grpc.StatusCode.NOT_FOUND), ("r", grpc.StatusCode.NOT_FOUND)]
     assert allowed_ids(ready["k"]) == set(cl100k.encode("g") + cl100k.encode("h"))

@@ -284,7 +284,7 @@ class _Client:
 
 def _vllm_backend():
     from maskd.specs import GrammarSpec
-    from maskd_client import vllm
+    from maskd_client.vllm import engine_core as vllm
     backend = vllm.MaskdStructuredOutputs.__new__(vllm.MaskdStructuredOutputs)
     backend.settings = EngineSettings(target=_Client.target, timeout_s=30.0)
     backend.client = _Client()
@@ -341,13 +341,13 @@ def test_vllm_admission_compares_status_codes():
     """vLLM's admission: a register that outlasts its wait admits the request (the engine holds it
     until compiled); an unreachable maskd is a 400 naming maskd; another refusal a 400 with it."""
     from maskd.specs import GrammarSpec
-    from maskd_client import vllm
+    from maskd_client.vllm import admission as vllm_admission
     spec = GrammarSpec.from_request(SPEC)
-    admission = vllm._Admission.__new__(vllm._Admission)
+    admission = vllm_admission._Admission.__new__(vllm_admission._Admission)
     admission.settings = EngineSettings(target="10.0.0.9:50051")
     admission.wait_s = 1.0
     admission.checked_width = 100
-    admission.known = vllm.KnownSpecs()
+    admission.known = vllm_admission.KnownSpecs()
     admission.client = _Registers([grpc.StatusCode.DEADLINE_EXCEEDED])
     assert admission.check(spec, 100) is None
     admission.client = _Registers([grpc.StatusCode.UNAVAILABLE])

@@ -1,4 +1,4 @@
-"""maskd_client.vllm_apply: a step's rows placed as vLLM places them and applied with maskd's
+"""maskd_client.vllm.worker_apply: a step's rows placed as vLLM places them and applied with maskd's
 kernel, on CPU here and on CUDA where a GPU is present (the vLLM plugin's worker route; the plugin's
 choice of it is tested against vLLM's own apply in tests/engines and tests/vllm_engine)."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from maskd_client.apply import apply_token_bitmask_reference, triton_available
-from maskd_client.vllm_apply import applies_to, apply_rows, place_rows
+from maskd_client.vllm.worker_apply import applies_to, apply_rows, place_rows
 
 CUDA = torch.cuda.is_available()
 needs_cuda_triton = pytest.mark.skipif(not (CUDA and triton_available()), reason="needs a CUDA GPU with Triton")

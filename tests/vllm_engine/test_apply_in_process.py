@@ -12,6 +12,7 @@ from vllm.v1.core.sched.output import GrammarOutput
 from vllm.v1.structured_output import utils
 
 from maskd_client import vllm as plugin
+from maskd_client.vllm import worker_apply
 
 
 class Scheduled:
@@ -37,7 +38,7 @@ def test_maskds_rows_are_applied_to_the_logits_vllms_apply_gives(dtype):
     logits = torch.from_numpy(rng.standard_normal((7, vocab)).astype(np.float32)).to(getattr(torch, dtype))
     ours, theirs = logits.clone(), logits.clone()
     scheduled, input_batch = Scheduled(scheduled_spec_decode_tokens=spec), Scheduled(req_ids=batch)
-    marked = plugin._grammar_output_class()(ids, bitmask)
+    marked = worker_apply._grammar_output_class()(ids, bitmask)
     marked.mask_stride = 0                       # as the engine core marks it on 0.32 (plugin.mask_stride)
     utils.apply_grammar_bitmask(scheduled, marked, input_batch, ours)
     vllms(scheduled, GrammarOutput(ids, bitmask), input_batch, theirs)

@@ -8,10 +8,11 @@ users send; outputs are compared byte for byte where both backends compile the s
 import concurrent.futures
 import json
 import threading
+import urllib.request
 
 import jsonschema
 import pytest
-from harness import ENGINE_OPTIONS, TOOL_PARSER, server_metric, vllm_engine
+from harness import ENGINE_OPTIONS, MODEL, TOOL_PARSER, server_metric, vllm_engine
 from workloads import CHOICES, PERSON, RECORDS, check, check_tool_calls, parity_requests, tools
 
 from holds import hold_compiles
@@ -250,3 +251,94 @@ def test_tool_calls_equal_vllms_own_backend_token_for_token(engine, reference, m
     assert rows_sent(maskd_server) > rows_before, "maskd computed no rows for the tool calls"
     assert tool_pieces(maskd_server, "composed") == composed + 2
     print(f"\ntool calls, greedy: {outputs}")
+
+
+def token_id(text: str) -> int:
+    from tokenizers import Tokenizer
+
+    from maskd_tools.vllm_serve import model_dir
+
+    found = Tokenizer.from_file(str(model_dir() / "tokenizer.json")).token_to_id(text)
+    assert found is not None, text
+    return found
+
+
+def stream_chat(engine, body: dict) -> dict:
+    """A streamed chat completion put together: its content, its calls (name and arguments by index)
+    and its finish reason."""
+    req = urllib.request.Request(engine.url + "/v1/chat/completions", headers={"content-type": "application/json"},
+                                 data=json.dumps({"model": MODEL, "stream": True, **body}).encode())
+    content, calls, finish = [], {}, None
+    with urllib.request.urlopen(req, timeout=300) as reply:
+        for raw in reply:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            for choice in chunk["choices"]:
+                delta = choice.get("delta") or {}
+                content.append(delta.get("content") or "")
+                for call in delta.get("tool_calls") or []:
+                    got = calls.setdefault(call["index"], {"name": "", "arguments": ""})
+                    got["name"] += (call.get("function") or {}).get("name") or ""
+                    got["arguments"] += (call.get("function") or {}).get("arguments") or ""
+                finish = choice.get("finish_reason") or finish
+    return {"content": "".join(content), "tool_calls": [{"function": calls[k]} for k in sorted(calls)],
+            "finish_reason": finish}
+
+
+def test_tools_and_a_response_format_in_one_request_a_call_or_the_answer(engine, reference, maskd_server):
+    """Issue 48 item 5 (vLLM #16313): agent frameworks (the OpenAI Agents SDK) send tools (tool_choice
+    "auto") and their output type as response_format on every turn. maskd serves one grammar, a call
+    in this engine's tool parser's format (xlam: a bare JSON array of calls) or the answer in the
+    schema, and vLLM's response path reads each back: (a) a call as tool_calls, finish reason
+    "tool_calls", streamed or not; (b) an answer as content the schema takes. The untrained model is
+    steered to one branch by a logit bias on the first character of each ("[" begins the calls, "{"
+    the answer). vLLM alone (the reference engine) lets the response format constrain the whole
+    output: with the same bias no call can begin."""
+    sent = tools(4)
+    body = {"messages": [{"role": "user", "content": "Call a tool or answer."}], "tools": sent,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON,
+                                                                       "strict": True}},
+            "parallel_tool_calls": False, "max_tokens": 200, "temperature": 0}
+    to_call, to_answer = {"logit_bias": {str(token_id("[")): 100}}, {"logit_bias": {str(token_id("{")): 100}}
+    before = rows_sent(maskd_server)
+
+    status, reply = engine.post({**body, **to_call}, "/v1/chat/completions")
+    assert status == 200, reply
+    call = reply["choices"][0]
+    assert call["finish_reason"] == "tool_calls" and not call["message"].get("content"), call
+    assert len(call["message"]["tool_calls"]) == 1, call
+    check_tool_calls(sent, call["message"])
+
+    streamed = stream_chat(engine, {**body, **to_call})
+    assert streamed["finish_reason"] == "tool_calls" and not streamed["content"], streamed
+    check_tool_calls(sent, streamed)
+    assert [c["function"]["name"] for c in streamed["tool_calls"]] == \
+        [c["function"]["name"] for c in call["message"]["tool_calls"]]
+
+    status, reply = engine.post({**body, **to_answer}, "/v1/chat/completions")
+    assert status == 200, reply
+    answer = reply["choices"][0]
+    assert answer["finish_reason"] == "stop" and not answer["message"].get("tool_calls"), answer
+    jsonschema.validate(json.loads(answer["message"]["content"]), PERSON)
+    assert rows_sent(maskd_server) > before, "maskd computed no rows for these requests"
+
+    status, reply = reference.post({**body, **to_call}, "/v1/chat/completions")      # vLLM alone
+    assert status == 200, reply
+    theirs = reply["choices"][0]
+    assert not theirs["message"].get("tool_calls") and theirs["finish_reason"] == "stop", theirs
+    jsonschema.validate(json.loads(theirs["message"]["content"]), PERSON)
+    print(f"\ncall: {json.dumps(call['message']['tool_calls'])[:300]}\nanswer: {answer['message']['content']}")
+
+
+def test_an_answer_that_would_read_back_as_calls_is_refused_with_400(engine):
+    """xlam reads any output that is a JSON array as calls: a response format whose answer may be an
+    array cannot share one grammar with them, and says so (never an answer lost as a failed call)."""
+    status, reply = engine.post({"messages": [{"role": "user", "content": "x"}], "tools": tools(2), "max_tokens": 8,
+                                 "response_format": {"type": "json_schema", "json_schema": {
+                                     "name": "list", "schema": {"type": "array", "items": {"type": "integer"}}}}},
+                                "/v1/chat/completions")
+    assert status == 400, reply
+    assert "array" in json.dumps(reply) and "xlam" in json.dumps(reply), reply

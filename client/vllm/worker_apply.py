@@ -5,7 +5,8 @@ numpy int32 array) with the ids of the structured-output requests it holds rows 
 ``k`` has ``1 + d`` rows (``d``: its drafts scheduled this step): vLLM 0.33 starts request ``k``'s at
 ``k * stride`` (``stride``: 1 + the most drafts a step may have), vLLM 0.32 packs them one request
 after another (stride 0). The engine core decides the stride once, from vLLM's config
-(``maskd_client.vllm.mask_stride``), and sends it with the marked GrammarOutput. The logits row of a
+(``engine_core.mask_stride``), and sends it with the marked GrammarOutput (``MaskdGrammarOutput``,
+made by :func:`_get_grammar_bitmask` where every structured-output row of the step is maskd's). The logits row of a
 request's first row is its place in the worker's batch plus the drafts scheduled before it.
 
 :func:`place_rows` maps bitmask rows to logits rows (what vLLM's ``apply_grammar_bitmask``
@@ -14,15 +15,18 @@ skips words of 32 allowed tokens (vLLM expands every row, via float32 for other 
 the Triton kernel, fed only the structured rows (vLLM builds and copies a full-batch bitmask of
 all-allowed rows around them), copied from pinned memory on the current stream without waiting
 for the device. A batch whose every logits row has a row gets them in the logits' order and
-needs no row index. Imports nothing of vLLM: the plugin (``maskd_client.vllm``) decides which batches
-come here.
+needs no row index. Any other batch goes to vLLM's own function (:func:`_apply_grammar_bitmask`).
+The rows' placing and apply import nothing of vLLM.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+
+from maskd_client.vllm.common import _is_maskd
+from maskd_client.vllm.engine_core import mask_stride
 
 __all__ = ["applies_to", "apply_rows", "place_rows"]
 
@@ -105,3 +109,42 @@ def apply_rows(bitmask: np.ndarray, ids: Sequence[str], spec_tokens: Mapping[str
         apply_token_bitmask_inplace(logits, picked)
     else:
         apply_packed_token_bitmask_inplace(logits, picked, logits_rows)
+
+
+# -- the marked batch (engine core) and vLLM's apply (worker) ---------------------------------------
+MaskdGrammarOutput: type | None = None   # vLLM's GrammarOutput of a batch whose rows are all maskd's
+
+
+def _grammar_output_class() -> type:
+    """GrammarOutput's subclass that marks a batch whose structured-output rows are all maskd's. A
+    module attribute, made in every vLLM process by ``register`` (the worker unpickles it by name)."""
+    global MaskdGrammarOutput
+    if MaskdGrammarOutput is None:
+        from vllm.v1.core.sched.output import GrammarOutput
+
+        MaskdGrammarOutput = type("MaskdGrammarOutput", (GrammarOutput,), {"__module__": __name__})
+    return MaskdGrammarOutput
+
+
+def _get_grammar_bitmask(original: Callable, scheduler: Any, scheduler_output: Any) -> Any:
+    """(engine core) vLLM's GrammarOutput, marked when every structured-output row in it is maskd's,
+    with the stride its rows were laid out by (``mask_stride``) for the worker."""
+    output = original(scheduler, scheduler_output)
+    if output is not None and output.structured_output_request_ids:
+        requests = scheduler.requests
+        if all(_is_maskd(requests[r]) for r in output.structured_output_request_ids if r in requests):
+            output.__class__ = _grammar_output_class()
+            output.mask_stride = mask_stride(scheduler.vllm_config)
+    return output
+
+
+def _apply_grammar_bitmask(original: Callable, scheduler_output: Any, grammar_output: Any, input_batch: Any,
+                           logits: Any) -> None:
+    """(worker) vLLM's apply_grammar_bitmask, with maskd's kernel for a batch whose rows are all
+    maskd's (the same logits; :func:`apply_rows`): on CPU, and on CUDA where Triton loads. Any other
+    batch, and other devices, go to vLLM's function."""
+    marked = MaskdGrammarOutput is not None and type(grammar_output) is MaskdGrammarOutput
+    if not marked or not applies_to(logits):
+        return original(scheduler_output, grammar_output, input_batch, logits)
+    apply_rows(grammar_output.grammar_bitmask, grammar_output.structured_output_request_ids,
+               scheduler_output.scheduled_spec_decode_tokens, input_batch.req_ids, logits, grammar_output.mask_stride)
