@@ -161,6 +161,11 @@ def test_garbage_bench_flags_are_clear_errors(tmp_path, mode, flags, message):
     (["--workloads", "maskbench", "--data", "/nonexistent/maskbench"], "no MaskBench folder"),
     (["--workloads", "tools", "--tool-set", "0"], "--tool-set"),
     (["--workloads", "tools", "--data", "/nonexistent/maskbench"], "no MaskBench"),
+    (["--drafts", "-1"], "--drafts"),
+    (["--drafts", "4", "--drafts-workloads", "records"], "--drafts-workloads"),
+    (["--workloads", "account"], "--workloads"),         # a drafts workload in the engines' comparison
+    (["--workloads", ""], "nothing to measure"),
+    (["--workloads", "", "--drafts", "2", "--profile", "3"], "--profile"),
 ])
 def test_garbage_bench_vllm_flags_are_clear_errors(tmp_path, flags, message):
     # refused before any engine or server starts
@@ -367,6 +372,58 @@ def test_bench_vllm_tool_sets_replace_one_tool_each_in_an_order_of_their_own():
         assert len(names) == 5 and len(base_names - set(names)) == 1 and len(set(names) - base_names) == 1
     assert len({json.dumps(s) for s in sets}) == 6
     assert vllm_workloads.tool_sets(pool, 5, 6, "r1") != sets           # another tag: other new tools
+
+
+def test_bench_vllm_drafts_requests_title_a_fresh_grammar_and_keep_the_texts():
+    from maskd_tools.bench import vllm_drafts
+    from maskd_tools.bench.extraction_prompts import PROMPTS
+
+    body, schema = vllm_drafts.request("account", 3, "drafts-0-1", None)
+    assert body == {"prompt": vllm_drafts.vllm_workloads.account_prompt(3), "max_tokens": 96}
+    assert schema["title"] == "account drafts-0-1" and schema["required"][0] == "id"
+    texts = [vllm_drafts.request("extraction", i, "t", 50)[0]["messages"][0]["content"] for i in range(32)]
+    assert len(set(texts)) == 32 and texts[0].endswith(PROMPTS[0].text)     # 8 schemas x 4 texts
+    _, contact = vllm_drafts.request("extraction", 3, "t", None)
+    assert contact["title"] == "Contact t" and contact["$defs"]["Address"]["additionalProperties"] is False
+
+
+def _drafts_run(engine: str, mode: str, phase: str, rnd: int, tps: float, texts: list[str], accepted: float = 0.0,
+                drafts: float = 0.0) -> dict:
+    n = len(texts)
+    return {"engine": engine, "mode": mode, "workload": "account", "concurrency": 1, "phase": phase, "round": rnd,
+            "requests": n, "first_request": 0 if phase == "first" else n, "tokens_per_s": tps,
+            "completion_tokens": 10 * n, "spec": {"drafts": drafts, "draft_tokens": 4 * drafts, "accepted": accepted},
+            "maskd": {"step_ms_mean": 1.0, "proposed": {"forced": 3.0, "learned": 1.0},
+                      "accepted": {"forced": 2.0, "learned": 1.0}},
+            "itl_ms": {"p50": 50.0}, "valid": n, "errors": [], "texts": texts,
+            "per_request": [{"tokens": 10, "seconds": 10 / tps, "chunks": 10 if engine == "no-drafts" else 4}] * n}
+
+
+def test_bench_vllm_drafts_summary_compares_the_same_requests_of_both_engines():
+    from maskd_tools.bench import vllm_drafts
+
+    runs = []
+    for r in range(2):
+        for phase in ("first", "learned"):
+            runs += [_drafts_run("no-drafts", "maskd", phase, r, 10.0, ["a", "b"]),
+                     _drafts_run("no-drafts", "guidance", phase, r, 9.0, ["a", "x"]),
+                     _drafts_run("drafts", "maskd", phase, r, 15.0 + r + (phase == "learned"),
+                                 ["a", "b" if r == 0 else "c"], accepted=30.0, drafts=10.0)]
+    rows = vllm_drafts.summarize(runs)
+    assert [(x["phase"], x["requests"]) for x in rows] == [("first", 2), ("learned", 2)]
+    first = rows[0]
+    assert first["ratio"] == pytest.approx(1.55) and first["ratios"] == [pytest.approx(1.5), pytest.approx(1.6)]
+    assert first["no_drafts_tokens_per_s"] == 10.0 and first["reference_tokens_per_s"] == 9.0
+    assert first["tokens_per_verification"] == pytest.approx(4.0) and first["tokens_per_chunk"] == pytest.approx(2.5)
+    assert first["identical"] == [3, 4] and first["reference_identical"] == [2, 4]
+    assert first["maskd_drafts_proposed"] == {"forced": 6.0, "learned": 2.0}
+    series = vllm_drafts.series(runs)
+    assert [s["request"] for s in series] == [0, 1, 2, 3]
+    assert series[0]["ratio"] == pytest.approx(1.55) and series[2]["ratio"] == pytest.approx(1.65)
+    text = "\n".join(vllm_drafts.markdown({"num_speculative_tokens": 4, "reference": "guidance", "summary": rows,
+                                           "series": series}))
+    assert "| account | 1 | first | 2 | 10.0 | 15.5 | 1.55 | 9.0 | 4.00 | 2.50 |" in text
+    assert "request by request" in text and "3: 1.65" in text
 
 
 @needs_two_cpus

@@ -90,7 +90,9 @@ def test_a_reasoning_parser_keeps_the_grammar_off_the_thinking(tp_engine):
 
 
 def test_bench_vllm_runs_end_to_end(tmp_path):
-    """``maskd bench vllm`` at its smallest: one engine, one workload, every mode, a report."""
+    """``maskd bench vllm`` at its smallest: one engine, one workload, every mode, a report; with
+    ``--drafts``, grammar drafts' comparison too: that engine serves the drafts' workload without
+    drafts, then one more engine (the only one added) with maskd's drafts."""
     import subprocess
     import sys
 
@@ -98,10 +100,20 @@ def test_bench_vllm_runs_end_to_end(tmp_path):
     done = subprocess.run([sys.executable, "-m", "maskd.cli", "bench", "vllm", "--engines", "guidance",
                            "--workloads", "free-text", "--concurrency", "2", "--requests", "2", "--rounds", "1",
                            "--max-tokens", "16", "--maskd-cpus", "", "--vllm-omp-cpus", "auto", "--out", str(out),
-                           *(f"--vllm-arg={a}" for a in EAGER)],
+                           "--drafts", "2", "--drafts-workloads", "account", *(f"--vllm-arg={a}" for a in EAGER)],
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((out / "vllm.json").read_text())
     assert {r["mode"] for r in report["summary"]} == {"unconstrained", "guidance", "maskd"}
     assert all(r["errors"] == 0 and r["tokens_per_s"] > 0 for r in report["summary"])
-    assert (out / "vllm.md").read_text().count("| guidance | free-text | 2 |") == 3
+    text = (out / "vllm.md").read_text()
+    assert text.count("| guidance | free-text | 2 |") == 3
+    drafts = report["drafts"]
+    assert {(r["engine"], r["mode"]) for r in drafts["runs"]} == {("no-drafts", "maskd"), ("no-drafts", "guidance"),
+                                                                  ("drafts", "maskd")}
+    assert all(not r["errors"] and r["completion_tokens"] > 0 for r in drafts["runs"])
+    assert sum(r["spec"]["draft_tokens"] for r in drafts["runs"] if r["engine"] == "drafts") > 0
+    assert not any(r["spec"]["draft_tokens"] for r in drafts["runs"] if r["engine"] == "no-drafts")
+    assert [(r["phase"], r["requests"], r["identical"][1]) for r in drafts["summary"]] == [("first", 2, 2),
+                                                                                         ("learned", 2, 2)]
+    assert "## Grammar drafts (2 per step), greedy" in text and "| account | 2 | first | 2 |" in text

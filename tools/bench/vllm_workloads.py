@@ -1,4 +1,5 @@
-"""What ``maskd bench vllm`` asks the engine for: the schemas of each workload and of a compile burst.
+"""What ``maskd bench vllm`` asks the engine for: the schemas of each workload and of a compile burst
+(and, with ``--drafts``, the prompts of ``account``: ``account_prompt``).
 
 * ``free-text``: one free string field (nearly every token free);
 * ``records``: four records of four typed fields (most tokens forced);
@@ -49,6 +50,16 @@ ACCOUNT = {"type": "object", "properties": {
     "required": ["id", "status", "verified", "role", "country", "plan"], "additionalProperties": False}
 BUILT_IN = {"free-text": FREE_TEXT, "records": RECORDS}
 WORKLOADS = (*BUILT_IN, "maskbench", "tools")
+# ``--drafts``' workloads (vllm_drafts.py): ``account`` (completions: account_prompt, ACCOUNT) and
+# ``extraction`` (chat: extraction_prompts.py's prompts, each under its pydantic model's strict schema).
+DRAFT_WORKLOADS = ("account", "extraction")
+
+
+def account_prompt(i: int) -> str:
+    """Request i of the ``account`` workload: an example account (compact JSON), then account #i."""
+    example = json.dumps({"id": 7, "status": "active", "verified": True, "role": "user", "country": "Japan",
+                          "plan": "free"}, separators=(",", ":"))
+    return f"Accounts like {example}. Account #{i}:"
 
 
 def compiles_in_process(schema: dict) -> bool:
