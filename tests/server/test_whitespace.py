@@ -34,6 +34,14 @@ def test_whitespace_runs_are_bounded(cl100k, backend):
     assert not accepts(engine, cl100k, compact, '{"a": [1]}') and accepts(engine, cl100k, compact, '{"a":[1]}')
 
 
+def test_the_bound_needs_llguidance_1_8():
+    # llguidance 1.7.6 (vLLM 0.32's pin) took whitespace_pattern and ignored it: 6 spaces passed a bound of 2
+    from maskd.server.engines.llguidance_engine import bounds_whitespace
+
+    assert bounds_whitespace()          # this venv's: the bound holds (test_whitespace_runs_are_bounded)
+    assert not bounds_whitespace("1.7.6") and bounds_whitespace("1.8.0") and bounds_whitespace("2.0.0rc1")
+
+
 def test_the_bound_holds_in_a_relaxed_grammar_and_beside_reasoning(cl100k):
     engine = create_engine("llguidance", cl100k, threads=1, json_schema_mode="complete")
     relaxed = GrammarSpec.create("json_schema", {**SCHEMA, "not": {"required": ["b"]}})

@@ -141,12 +141,30 @@ def whitespace_pattern(max_whitespace: int) -> str:
     return f"[\\x20\\x0A\\x0D\\x09]{{1,{max_whitespace}}}"
 
 
+def bounds_whitespace(version: str = llguidance.__version__) -> bool:
+    """Whether this llguidance honours whitespace_pattern, the bound of flexible JSON's whitespace
+    runs: from 1.8.0. Older ones (vLLM 0.32 and 0.33 pin llguidance<1.8) accept it and ignore it."""
+    try:
+        return tuple(int(p) for p in version.split(".")[:2]) >= (1, 8)
+    except ValueError:      # a development build: assume it is new
+        return True
+
+
+@functools.cache
+def _warn_unbounded_whitespace() -> None:
+    log.warning("llguidance %s ignores whitespace_pattern: flexible JSON's whitespace runs are not bounded "
+                "(max_whitespace) in this process; the server needs llguidance>=1.8 (pip install "
+                "'llguidance>=1.8')", llguidance.__version__)
+
+
 class LLGuidanceEngine(Engine):
     name = "llguidance"
     version = f"{llguidance.__version__}+maskd.{_MAPPING_REVISION}"
 
     def __init__(self, tokenizer, *, threads: int, json_schema_mode: str = "strict") -> None:
         super().__init__(tokenizer, threads=threads, json_schema_mode=json_schema_mode)
+        if not bounds_whitespace():
+            _warn_unbounded_whitespace()
         self.ll = tokenizer.ll
         self.executor = llguidance.LLExecutor(num_threads=max(1, threads))
         self._specials: Specials | None = None
