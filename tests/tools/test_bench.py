@@ -181,6 +181,26 @@ def test_bench_vllm_whitespace_is_compact_or_flexible(tmp_path, capsys):
     assert "--whitespace" in capsys.readouterr().err
 
 
+def test_bench_vllm_summary_of_a_mode_whose_every_request_failed_reports_its_errors():
+    from maskd_tools.bench import vllm
+
+    def run(mode: str, r: int, ok: bool) -> dict:
+        latency = {"n": 1, "p50": 100.0 + r, "p99": 200.0 + r} if ok else {"n": 0}
+        return {"engine": "guidance", "workload": "tools", "concurrency": 1, "round": r, "mode": mode,
+                "tokens_per_s": 50.0 if ok else 0.0, "ttft_ms": latency, "itl_ms": latency,
+                "valid": int(ok), "structured": int(mode != "unconstrained"),
+                "errors": [] if ok else ["EngineDeadError", "EngineDeadError"]}
+
+    runs = [run(mode, r, mode != "maskd") for r in range(2) for mode in ("unconstrained", "maskd")]
+    rows = {row["mode"]: row for row in vllm._summarize(runs)}
+    assert rows["maskd"]["errors"] == 4 and rows["maskd"]["ttft_p50_ms"] is None and rows["maskd"]["ratio"] == 0
+    assert rows["unconstrained"]["ttft_p50_ms"] == 100.5 and rows["unconstrained"]["ttft_p99_ms"] == 201.0
+    table = vllm._markdown({"command": "maskd bench vllm", "machine": common.machine_info(), "placement": {},
+                            "model": "m", "maskd_tokenizer": "t", "summary": list(rows.values()),
+                            "schemas": {"tools": 1}, "refused_by_backend": {}, "burst_summary": [], "profiles": []})
+    assert "| guidance | tools | 1 | maskd | 0 | 0.00 | - / - | - / - | 0/2 | 4 |" in table
+
+
 def test_e2e(tmp_path):
     pin = "1+1" if len(os.sched_getaffinity(0)) >= 2 else "none"
     report, out = _run("e2e", tmp_path, "--batch-sizes", "3,8", "--forward-ms", "2", "--steps", "16",

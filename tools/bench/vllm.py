@@ -199,8 +199,8 @@ def run(args, log: Callable[[str], None] = print) -> dict:
                                 res.update(engine=engine_name, workload=workload, concurrency=c, round=r, mode=mode)
                                 report["runs"].append(res)
                                 log(f"{prog}: {engine_name} {workload} c={c} round {r} {mode}: "
-                                    f"{res['tokens_per_s']:.0f} tok/s, TTFT p50 {res['ttft_ms']['p50']:.0f} ms, "
-                                    f"valid {res['valid']}/{res['structured']}")
+                                    f"{res['tokens_per_s']:.0f} tok/s, TTFT p50 {_ms(res['ttft_ms'].get('p50'))} ms, "
+                                    f"valid {res['valid']}/{res['structured']}, errors {len(res['errors'])}")
                     for c in concurrency if args.burst else ():
                         order = modes[1:] if r % 2 == 0 else modes[:0:-1]
                         for mode in order:
@@ -360,13 +360,24 @@ def _summarize(runs: list[dict]) -> list[dict]:
                      "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rs),
                      "ratio": statistics.median(ratios) if ratios else None,
                      "ratios": ratios,
-                     "ttft_p50_ms": statistics.median(r["ttft_ms"]["p50"] for r in rs),
-                     "ttft_p99_ms": max(r["ttft_ms"]["p99"] for r in rs),
-                     "itl_p50_ms": statistics.median(r["itl_ms"]["p50"] for r in rs),
-                     "itl_p99_ms": max(r["itl_ms"]["p99"] for r in rs),
+                     "ttft_p50_ms": _over(statistics.median, rs, "ttft_ms", "p50"),
+                     "ttft_p99_ms": _over(max, rs, "ttft_ms", "p99"),
+                     "itl_p50_ms": _over(statistics.median, rs, "itl_ms", "p50"),
+                     "itl_p99_ms": _over(max, rs, "itl_ms", "p99"),
                      "valid": sum(r["valid"] for r in rs), "structured": sum(r["structured"] for r in rs),
                      "errors": sum(len(r["errors"]) for r in rs)})
     return rows
+
+
+def _over(how: Callable, runs: list[dict], latency: str, key: str) -> float | None:
+    """``how`` (median, max) of the runs' ``latency`` percentile ``key``, over the runs that have one
+    (a run whose every request failed has none); None where no run has."""
+    values = [r[latency][key] for r in runs if key in r[latency]]
+    return how(values) if values else None
+
+
+def _ms(value: float | None, digits: int = 0) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def _summarize_bursts(bursts: list[dict]) -> list[dict]:
@@ -398,8 +409,8 @@ def _markdown(report: dict) -> str:
                               "TTFT p50 / p99 ms", "ITL p50 / p99 ms", "valid", "errors"],
                              [[r["engine"], r["workload"], r["concurrency"], r["mode"], f"{r['tokens_per_s']:.0f}",
                                "" if r["ratio"] is None else f"{r['ratio']:.2f}",
-                               f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f}",
-                               f"{r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f}",
+                               f"{_ms(r['ttft_p50_ms'])} / {_ms(r['ttft_p99_ms'])}",
+                               f"{_ms(r['itl_p50_ms'], 1)} / {_ms(r['itl_p99_ms'], 1)}",
                                f"{r['valid']}/{r['structured']}" if r["structured"] else "",
                                r["errors"]] for r in report["summary"]]), ""]
     if report["burst_summary"]:
