@@ -32,7 +32,9 @@ runs it: complete by default) on ``--maskd-cpus``, vLLM's worker threads on ``--
 ``--drafts K`` adds grammar drafts' comparison (vllm_drafts.py), greedy, on ``--drafts-workloads``:
 the first engine of ``--engines`` serves them without drafts (maskd, and its own backend as a
 reference), then one more engine, the same with maskd's grammar drafts (K per step), serves them
-again. ``--workloads ''`` leaves the first comparison out.
+again. ``--quality`` adds right answers on a fixed extraction set (vllm_quality.py) in the first
+engine: unconstrained, its own backend and maskd under each whitespace setting, greedy and sampled.
+``--workloads ''`` leaves the first comparison out.
 """
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from maskd_tools.bench import common, vllm_drafts, vllm_http, vllm_workloads
+from maskd_tools.bench import common, vllm_drafts, vllm_http, vllm_quality, vllm_workloads
 from maskd_tools.vllm_serve import MODEL  # the served model's name, whichever --model it is
 
 if TYPE_CHECKING:
@@ -80,6 +82,12 @@ def add_arguments(p) -> None:
     p.add_argument("--drafts-workloads", default=",".join(vllm_workloads.DRAFT_WORKLOADS),
                    help=f"with --drafts, comma-separated: {', '.join(vllm_workloads.DRAFT_WORKLOADS)} "
                         "(default both)")
+    p.add_argument("--quality", action="store_true",
+                   help="also right answers on extraction_prompts.py's fixed set (56 cases) in the first engine of "
+                        "--engines: unconstrained, its own backend and maskd (compact, flexible, unbounded "
+                        "whitespace), greedy and sampled (default max tokens 160)")
+    p.add_argument("--quality-samples", type=int, default=3, metavar="S",
+                   help="with --quality, sampled requests per case and mode (temperature 0.7, seeds 0..S-1; default 3)")
     p.add_argument("--maskd-cpus", default="1", help="CPUs of the maskd server (comma-separated; '' for none)")
     p.add_argument("--vllm-omp-cpus", default="0", help="VLLM_CPU_OMP_THREADS_BIND of vLLM's worker")
     p.add_argument("--vllm-venv", default=None, help="the venv with vLLM's CPU build (default .venv-vllm)")
@@ -114,15 +122,16 @@ def run(args, log: Callable[[str], None] = print) -> dict:
         bad = [x for x in chosen if x not in known]
         if bad:
             raise SystemExit(f"{prog}: {name} {bad}: choose from {', '.join(known)}")
-    if not engines or not (workloads or draft_workloads):
-        raise SystemExit(f"{prog}: nothing to measure: --engines and --workloads (or --drafts-workloads) are empty")
+    if not engines or not (workloads or draft_workloads or args.quality):
+        raise SystemExit(f"{prog}: nothing to measure: --engines and --workloads (or --drafts-workloads, "
+                         "--quality) are empty")
     concurrency = common.positive_list(args.concurrency, int, "--concurrency", prog)
     rounds = args.rounds or (1 if args.quick else 3)
     for flag, value in (("--rounds", rounds), ("--requests", args.requests), ("--max-tokens", args.max_tokens)):
         if value is not None and value < 1:
             raise SystemExit(f"{prog}: {flag} {value}: must be at least 1")
-    if args.burst < 0 or args.profile < 0 or args.drafts < 0:
-        raise SystemExit(f"{prog}: --burst, --profile and --drafts take a count / seconds >= 0")
+    if args.burst < 0 or args.profile < 0 or args.drafts < 0 or args.quality_samples < 0:
+        raise SystemExit(f"{prog}: --burst, --profile, --drafts and --quality-samples take a count / seconds >= 0")
     if args.profile and not workloads:
         raise SystemExit(f"{prog}: --profile profiles the first of --workloads: there is none")
     try:
@@ -173,7 +182,7 @@ def run(args, log: Callable[[str], None] = print) -> dict:
                               "refused_by_backend": {}, "profiles": []}
     drafts_runs: list[dict] = []
     try:
-        for engine_name in engines:
+        for engine_name in engines if workloads else engines[:1]:   # drafts and quality: the first
             modes = ENGINES[engine_name]
             log(f"{prog}: starting vLLM ({engine_name} backend, maskd at {server.address})")
             seqs = max(concurrency) + args.burst
@@ -217,6 +226,9 @@ def run(args, log: Callable[[str], None] = print) -> dict:
                 if args.profile:
                     report["profiles"] += _profiles(engine, server, modes, mine[workloads[0]], workloads[0],
                                                     max(concurrency), max_tokens, args, out, log)
+                if args.quality and engine_name == engines[0]:
+                    report["quality"] = vllm_quality.report(vllm_quality.measure(
+                        engine, engine_name, args, max(concurrency), log), engine_name, args)
                 if draft_workloads and engine_name == engines[0]:   # the drafts' comparison without drafts
                     drafts_runs += vllm_drafts.measure(engine, server, vllm_drafts.NO_DRAFTS, ("maskd", engine_name),
                                                      args, draft_workloads, concurrency, rounds, log)
@@ -241,7 +253,8 @@ def run(args, log: Callable[[str], None] = print) -> dict:
         pathlib.Path(args.json_out).write_text(json.dumps(report, indent=1, default=str))
     report["failed"] = any(r["errors"] for r in report["runs"]) or any(
         b["decoding"]["errors"] or b["burst"]["errors"] for b in report["bursts"]) or any(
-        r["errors"] for r in report.get("drafts", {}).get("runs", ()))
+        r["errors"] for r in report.get("drafts", {}).get("runs", ())) or any(
+        r["error"] for r in report.get("quality", {}).get("results", ()))
     return report
 
 
@@ -400,6 +413,8 @@ def _markdown(report: dict) -> str:
              f"Model: {report['model']} (maskd's vocabulary: {report['maskd_tokenizer']})", ""]
     if "drafts" in report:
         lines += vllm_drafts.markdown(report["drafts"])
+    if "quality" in report:
+        lines += vllm_quality.markdown(report["quality"])
     if not report["summary"]:
         return "\n".join(lines)
     lines += ["Schemas per workload: " + ", ".join(f"{w} {n}" for w, n in report["schemas"].items())
