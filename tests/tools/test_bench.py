@@ -163,6 +163,7 @@ def test_garbage_bench_flags_are_clear_errors(tmp_path, mode, flags, message):
     (["--workloads", "tools", "--data", "/nonexistent/maskbench"], "no MaskBench"),
     (["--drafts", "-1"], "--drafts"),
     (["--quality", "--quality-samples", "-1"], "--quality-samples"),
+    (["--quality", "--engines", "xgrammar,guidance"], "--quality runs in an engine with vLLM's guidance"),
     (["--drafts", "4", "--drafts-workloads", "records"], "--drafts-workloads"),
     (["--workloads", "account"], "--workloads"),         # a drafts workload in the engines' comparison
     (["--workloads", ""], "nothing to measure"),

@@ -60,12 +60,18 @@ def test_requests_carry_each_mode_and_whitespace():
     assert json.loads(greedy["vllm_xargs"]["maskd"]) == {"json": strict_schema(CASE.prompt.model), "max_whitespace": 0}
     compact = json.loads(vllm_quality.body(CASE, "maskd-compact", 2, 50)["vllm_xargs"]["maskd"])
     assert compact["disable_any_whitespace"] is True
-    sampled = vllm_quality.body(CASE, "guidance", 2, 50)
+    sampled = vllm_quality.body(CASE, "guidance-flexible", 2, 50)
     assert (sampled["temperature"], sampled["seed"]) == (vllm_quality.TEMPERATURE, 2)
-    assert sampled["structured_outputs"] == {"json": strict_schema(CASE.prompt.model)}
-    assert "structured_outputs" not in vllm_quality.body(CASE, "unconstrained", None, 50)
-    assert vllm_quality.pair("guidance", compact=True) == ("guidance", "maskd-compact")
-    assert vllm_quality.pair("guidance", compact=False) == ("guidance", "maskd-unbounded")
+    # the schema's own x-guidance options override the engine's disable_any_whitespace
+    assert sampled["structured_outputs"] == {"json": {**strict_schema(CASE.prompt.model),
+                                                      "x-guidance": {"whitespace_flexible": True}}}
+    compact = vllm_quality.body(CASE, "guidance-compact", None, 50)["structured_outputs"]["json"]
+    assert compact["x-guidance"] == {"whitespace_flexible": False}
+    plain = vllm_quality.body(CASE, "unconstrained", None, 50)
+    assert "structured_outputs" not in plain and "vllm_xargs" not in plain
+    with pytest.raises(ValueError, match="unknown quality mode 'xgrammar'"):
+        vllm_quality.body(CASE, "xgrammar", None, 50)
+    assert {m for pair in vllm_quality.PAIRS for m in pair} == set(vllm_quality.MODES) - {"unconstrained"}
 
 
 def test_summary_counts_per_mode_and_decoding_and_compares_the_same_requests():
@@ -89,6 +95,6 @@ def test_summary_counts_per_mode_and_decoding_and_compares_the_same_requests():
     assert greedy["examples"]["different value"][0] == {"case": "x-1", "seed": None, "guidance": '{"a":2}',
                                                          "maskd-compact": '{"a":3}'}
     assert sampled["differences"] == {"whitespace": 1} and sampled["identical"] == 0
-    text = "\n".join(vllm_quality.markdown({"cases": 2, "samples": 1, "whitespace": "compact", "summary": summary}))
+    text = "\n".join(vllm_quality.markdown({"cases": 2, "samples": 1, "max_tokens": 50, "summary": summary}))
     assert "| guidance | greedy | 2/2 | 1/2 | 10.0 | stop 2 | 0 |" in text
     assert "guidance against maskd-compact, greedy: 1/2 identical" in text and "different value 1" in text

@@ -33,7 +33,7 @@ runs it: complete by default) on ``--maskd-cpus``, vLLM's worker threads on ``--
 the first engine of ``--engines`` serves them without drafts (maskd, and its own backend as a
 reference), then one more engine, the same with maskd's grammar drafts (K per step), serves them
 again. ``--quality`` adds right answers on a fixed extraction set (vllm_quality.py) in the first
-engine: unconstrained, its own backend and maskd under each whitespace setting, greedy and sampled.
+engine (guidance): unconstrained, guidance and maskd under each whitespace setting, greedy and sampled.
 ``--workloads ''`` leaves the first comparison out.
 """
 from __future__ import annotations
@@ -83,9 +83,9 @@ def add_arguments(p) -> None:
                    help=f"with --drafts, comma-separated: {', '.join(vllm_workloads.DRAFT_WORKLOADS)} "
                         "(default both)")
     p.add_argument("--quality", action="store_true",
-                   help="also right answers on extraction_prompts.py's fixed set (56 cases) in the first engine of "
-                        "--engines: unconstrained, its own backend and maskd (compact, flexible, unbounded "
-                        "whitespace), greedy and sampled (default max tokens 160)")
+                   help="also right answers on extraction_prompts.py's fixed set (56 cases) in the guidance engine "
+                        "(first of --engines): unconstrained, guidance (compact, flexible whitespace) and maskd "
+                        "(compact, flexible, unbounded), greedy and sampled (default max tokens 160)")
     p.add_argument("--quality-samples", type=int, default=3, metavar="S",
                    help="with --quality, sampled requests per case and mode (temperature 0.7, seeds 0..S-1; default 3)")
     p.add_argument("--maskd-cpus", default="1", help="CPUs of the maskd server (comma-separated; '' for none)")
@@ -132,6 +132,9 @@ def run(args, log: Callable[[str], None] = print) -> dict:
             raise SystemExit(f"{prog}: {flag} {value}: must be at least 1")
     if args.burst < 0 or args.profile < 0 or args.drafts < 0 or args.quality_samples < 0:
         raise SystemExit(f"{prog}: --burst, --profile, --drafts and --quality-samples take a count / seconds >= 0")
+    if args.quality and engines[:1] != ["guidance"]:
+        raise SystemExit(f"{prog}: --quality runs in an engine with vLLM's guidance backend: put guidance first "
+                         "in --engines")
     if args.profile and not workloads:
         raise SystemExit(f"{prog}: --profile profiles the first of --workloads: there is none")
     try:
@@ -227,8 +230,8 @@ def run(args, log: Callable[[str], None] = print) -> dict:
                     report["profiles"] += _profiles(engine, server, modes, mine[workloads[0]], workloads[0],
                                                     max(concurrency), max_tokens, args, out, log)
                 if args.quality and engine_name == engines[0]:
-                    report["quality"] = vllm_quality.report(vllm_quality.measure(
-                        engine, engine_name, args, max(concurrency), log), engine_name, args)
+                    report["quality"] = vllm_quality.report(vllm_quality.measure(engine, args, max(concurrency), log),
+                                                            args)
                 if draft_workloads and engine_name == engines[0]:   # the drafts' comparison without drafts
                     drafts_runs += vllm_drafts.measure(engine, server, vllm_drafts.NO_DRAFTS, ("maskd", engine_name),
                                                      args, draft_workloads, concurrency, rounds, log)

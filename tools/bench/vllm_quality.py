@@ -1,27 +1,31 @@
 """``maskd bench vllm --quality``: right answers, not only valid ones, on a fixed extraction set.
 
 Every case of extraction_prompts.QUALITY_SET (a chat asking for one pydantic model's fields from one
-text with a known answer) goes through the first engine of ``--engines`` (vllm.py starts it) in each
-mode, greedy (temperature 0) and ``--quality-samples`` times sampled (temperature 0.7, seeds 0..S-1,
-the same seed for a case in every mode, so two modes whose masks agree write the same text):
+text with a known answer) goes through one engine with vLLM's guidance backend (the first of
+``--engines``, which must be ``guidance``; vllm.py starts it) in each mode, greedy (temperature 0) and
+``--quality-samples`` times sampled (temperature 0.7, seeds 0..S-1, the same seed for a case in every
+mode, so two modes whose masks agree write the same text):
 
 * ``unconstrained``: no constraint; what it writes is parsed as the first JSON object in the text
   (a model may wrap it in prose or a code fence);
-* the engine's own backend (``guidance`` or ``xgrammar``), whitespace per ``--whitespace`` (vLLM
-  sets it per engine: compact is ``disable_any_whitespace``, flexible is any run of whitespace);
+* vLLM's guidance backend (``structured_outputs``), whitespace set per request by the schema's own
+  ``x-guidance`` options (they override the engine's ``disable_any_whitespace``):
+  ``guidance-compact`` and ``guidance-flexible`` (any run of whitespace, vLLM's default);
 * maskd through ``vllm_xargs``, with each whitespace setting it takes per request: ``maskd-compact``,
   ``maskd-flexible`` (maskd's default: runs of at most 8 whitespace characters) and
   ``maskd-unbounded`` (``max_whitespace`` 0: vLLM's flexible).
 
 Per mode and decoding: valid (the text parses and validates against the strict schema), right (valid
 and equal to the known answer, strings without case and surrounding space: ``demo.is_right``), mean
-completion tokens, finish reasons. For the engine's backend against maskd under the same whitespace
-(``maskd-compact`` or ``maskd-unbounded``): how many outputs are identical, and each that differs
-classified by its first difference (``classify``), with examples.
+completion tokens, finish reasons. For guidance against maskd under the same whitespace (PAIRS, and
+maskd's bounded default against guidance's flexible): how many outputs are identical, and each that
+differs classified by its first difference (``classify``), with examples. Each mode's results are
+written to ``--out``/vllm-quality-results.json as they come.
 """
 from __future__ import annotations
 
 import json
+import pathlib
 import statistics
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -35,25 +39,20 @@ if TYPE_CHECKING:
 
 TEMPERATURE = 0.7
 DEFAULT_MAX_TOKENS = 160
-# maskd's whitespace settings, each as vllm_xargs carries it
+# guidance's whitespace (the schema's x-guidance) and maskd's (as vllm_xargs carries it), per mode
+GUIDANCE_MODES = {"guidance-compact": False, "guidance-flexible": True}
 MASKD_MODES = {"maskd-compact": {"disable_any_whitespace": True}, "maskd-flexible": {},
                "maskd-unbounded": {"max_whitespace": 0}}
+MODES = ("unconstrained", *GUIDANCE_MODES, *MASKD_MODES)
+PAIRS = (("guidance-compact", "maskd-compact"), ("guidance-flexible", "maskd-unbounded"),
+         ("guidance-flexible", "maskd-flexible"))
 DIFFERENCES = ("token boundary", "whitespace", "key order", "same value, other spelling", "different value")
 EXAMPLES = 3   # per kind of difference
 
 
-def modes(backend: str) -> tuple[str, ...]:
-    return ("unconstrained", backend, *MASKD_MODES)
-
-
-def pair(backend: str, compact: bool) -> tuple[str, str]:
-    """The engine's backend and the maskd mode under the same whitespace."""
-    return backend, "maskd-compact" if compact else "maskd-unbounded"
-
-
 def body(case: Case, mode: str, seed: int | None, max_tokens: int) -> dict[str, Any]:
-    """A chat request of ``case`` in ``mode`` (maskd's modes by name; any other structured mode is the
-    engine's backend), greedy where ``seed`` is None; it asks for the tokens' texts (logprobs)."""
+    """A chat request of ``case`` in ``mode`` (one of MODES), greedy where ``seed`` is None; it asks
+    for the tokens' texts (logprobs)."""
     schema = strict_schema(case.prompt.model)
     out: dict[str, Any] = {"messages": messages(case.prompt, case.text), "max_tokens": max_tokens,
                            "logprobs": True, "top_logprobs": 0,
@@ -61,8 +60,10 @@ def body(case: Case, mode: str, seed: int | None, max_tokens: int) -> dict[str, 
                               {"temperature": TEMPERATURE, "seed": seed})}
     if mode in MASKD_MODES:
         out["vllm_xargs"] = {"maskd": json.dumps({"json": schema, **MASKD_MODES[mode]})}
+    elif mode in GUIDANCE_MODES:
+        out["structured_outputs"] = {"json": {**schema, "x-guidance": {"whitespace_flexible": GUIDANCE_MODES[mode]}}}
     elif mode != "unconstrained":
-        out.update(vllm_http.constraint(mode, schema, compact=False))
+        raise ValueError(f"unknown quality mode {mode!r}; choose from {', '.join(MODES)}")
     return out
 
 
@@ -145,15 +146,15 @@ def classify(a: str, b: str, a_pieces: Sequence[str] = (), b_pieces: Sequence[st
     return "different value"
 
 
-def measure(engine: VllmServer, backend: str, args, concurrency: int,
-            log: Callable[[str], None]) -> list[dict[str, Any]]:
+def measure(engine: VllmServer, args, concurrency: int, log: Callable[[str], None]) -> list[dict[str, Any]]:
     """Every case in every mode, greedy and ``args.quality_samples`` times sampled, ``concurrency`` at
     a time: one result per request."""
     max_tokens = args.max_tokens or DEFAULT_MAX_TOKENS
     seeds: list[int | None] = [None, *range(args.quality_samples)]
     results = []
     asked = [(case, seed) for seed in seeds for case in QUALITY_SET]
-    for mode in modes(backend):
+    partial = pathlib.Path(args.out) / "vllm-quality-results.json"
+    for mode in MODES:
         done, wall = vllm_http.send(engine.url, lambda i, mode=mode: body(asked[i][0], mode, asked[i][1], max_tokens),
                                     concurrency, len(asked))
         for i, (case, seed) in enumerate(asked):
@@ -161,13 +162,14 @@ def measure(engine: VllmServer, backend: str, args, concurrency: int,
             results.append({"mode": mode, "case": case.name, "seed": seed, "text": r["text"], "pieces": r["pieces"],
                             "tokens": r["tokens"], "finish": r["finish"], "error": r["error"],
                             **score(case, mode, r["text"])})
+        partial.write_text(json.dumps(results))
         mine = results[-len(asked):]
         log(f"maskd bench vllm: quality {mode}: valid {sum(r['valid'] for r in mine)}/{len(mine)}, right "
             f"{sum(r['right'] for r in mine)}, {wall:.0f} s")
     return results
 
 
-def summarize(results: Sequence[dict[str, Any]], pairs: Sequence[tuple[str, str]]) -> dict[str, Any]:
+def summarize(results: Sequence[dict[str, Any]], pairs: Sequence[tuple[str, str]] = PAIRS) -> dict[str, Any]:
     """Per mode and decoding (greedy, sampled): requests, valid, right, mean tokens, finish reasons,
     errors; per pair of modes (same cases, same seeds): identical outputs and the differences by kind."""
     rows = []
@@ -205,9 +207,9 @@ def summarize(results: Sequence[dict[str, Any]], pairs: Sequence[tuple[str, str]
 def markdown(quality: dict[str, Any]) -> list[str]:
     """The report's section: the table per mode, then each comparison with an example per kind."""
     lines = [f"## Quality: {quality['cases']} extraction cases with known answers", "",
-             f"Greedy, and {quality['samples']} samples per case at temperature {TEMPERATURE} (seeds 0..); "
-             f"the engine's whitespace: {quality['whitespace']}. Valid: parses (unconstrained: the first JSON "
-             "object in the text) and validates; right: valid and the known answer.", "",
+             f"Greedy, and {quality['samples']} samples per case at temperature {TEMPERATURE} (seeds 0..), at "
+             f"most {quality['max_tokens']} tokens. Valid: parses (unconstrained: the first JSON object in the "
+             "text) and validates; right: valid and the known answer.", "",
              "| mode | decoding | valid | right | mean tokens | finish | errors |", "|---|---|---|---|---|---|---|"]
     for r in quality["summary"]["rows"]:
         lines.append(f"| {r['mode']} | {r['decoding']} | {r['valid']}/{r['requests']} | {r['right']}/{r['requests']} "
@@ -226,8 +228,6 @@ def markdown(quality: dict[str, Any]) -> list[str]:
     return lines
 
 
-def report(results: list[dict[str, Any]], backend: str, args) -> dict[str, Any]:
-    compact = args.whitespace == "compact"
+def report(results: list[dict[str, Any]], args) -> dict[str, Any]:
     return {"cases": len(QUALITY_SET), "samples": args.quality_samples, "temperature": TEMPERATURE,
-            "whitespace": args.whitespace, "max_tokens": args.max_tokens or DEFAULT_MAX_TOKENS,
-            "summary": summarize(results, [pair(backend, compact)]), "results": results}
+            "max_tokens": args.max_tokens or DEFAULT_MAX_TOKENS, "summary": summarize(results), "results": results}
