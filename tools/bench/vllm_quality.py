@@ -219,11 +219,10 @@ def markdown(quality: dict[str, Any]) -> list[str]:
     for c in quality["summary"]["compared"]:
         left, right = c["modes"]
         kinds = ", ".join(f"{k} {v}" for k, v in c["differences"].items()) or "none"
-        lines += [f"{left} against {right}, {c['decoding']}: {c['identical']}/{c['compared']} identical; "
-                  f"the others by their first difference: {kinds}.", ""]
-        for kind, found in c["examples"].items():
-            x = found[0]
-            lines += [f"- {kind} ({x['case']}): `{x[left][:120]!r}` against `{x[right][:120]!r}`"]
+        lines.append(f"{left} against {right}, {c['decoding']}: {c['identical']}/{c['compared']} identical; "
+                     f"the others by their first difference: {kinds}.")
+        lines += [f"- {kind} ({x['case']}): `{x[left][:120]!r}` against `{x[right][:120]!r}`"
+                  for kind, (x, *_) in c["examples"].items()]
         lines.append("")
     return lines
 
