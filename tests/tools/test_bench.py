@@ -162,6 +162,8 @@ def test_garbage_bench_flags_are_clear_errors(tmp_path, mode, flags, message):
     (["--workloads", "tools", "--tool-set", "0"], "--tool-set"),
     (["--workloads", "tools", "--data", "/nonexistent/maskbench"], "no MaskBench"),
     (["--drafts", "-1"], "--drafts"),
+    (["--quality", "--quality-samples", "-1"], "--quality-samples"),
+    (["--quality", "--engines", "xgrammar,guidance"], "--quality runs in an engine with vLLM's guidance"),
     (["--drafts", "4", "--drafts-workloads", "records"], "--drafts-workloads"),
     (["--workloads", "account"], "--workloads"),         # a drafts workload in the engines' comparison
     (["--workloads", ""], "nothing to measure"),
@@ -179,6 +181,26 @@ def test_bench_vllm_whitespace_is_compact_or_flexible(tmp_path, capsys):
         main(["bench", "vllm", "--data", SAMPLE, "--out", str(tmp_path), "--whitespace", "loose"])
     assert exc.value.code == 2
     assert "--whitespace" in capsys.readouterr().err
+
+
+def test_bench_vllm_summary_of_a_mode_whose_every_request_failed_reports_its_errors():
+    from maskd_tools.bench import vllm
+
+    def run(mode: str, r: int, ok: bool) -> dict:
+        latency = {"n": 1, "p50": 100.0 + r, "p99": 200.0 + r} if ok else {"n": 0}
+        return {"engine": "guidance", "workload": "tools", "concurrency": 1, "round": r, "mode": mode,
+                "tokens_per_s": 50.0 if ok else 0.0, "ttft_ms": latency, "itl_ms": latency,
+                "valid": int(ok), "structured": int(mode != "unconstrained"),
+                "errors": [] if ok else ["EngineDeadError", "EngineDeadError"]}
+
+    runs = [run(mode, r, mode != "maskd") for r in range(2) for mode in ("unconstrained", "maskd")]
+    rows = {row["mode"]: row for row in vllm._summarize(runs)}
+    assert rows["maskd"]["errors"] == 4 and rows["maskd"]["ttft_p50_ms"] is None and rows["maskd"]["ratio"] == 0
+    assert rows["unconstrained"]["ttft_p50_ms"] == 100.5 and rows["unconstrained"]["ttft_p99_ms"] == 201.0
+    table = vllm._markdown({"command": "maskd bench vllm", "machine": common.machine_info(), "placement": {},
+                            "model": "m", "maskd_tokenizer": "t", "summary": list(rows.values()),
+                            "schemas": {"tools": 1}, "refused_by_backend": {}, "burst_summary": [], "profiles": []})
+    assert "| guidance | tools | 1 | maskd | 0 | 0.00 | - / - | - / - | 0/2 | 4 |" in table
 
 
 def test_e2e(tmp_path):

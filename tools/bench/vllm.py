@@ -32,7 +32,9 @@ runs it: complete by default) on ``--maskd-cpus``, vLLM's worker threads on ``--
 ``--drafts K`` adds grammar drafts' comparison (vllm_drafts.py), greedy, on ``--drafts-workloads``:
 the first engine of ``--engines`` serves them without drafts (maskd, and its own backend as a
 reference), then one more engine, the same with maskd's grammar drafts (K per step), serves them
-again. ``--workloads ''`` leaves the first comparison out.
+again. ``--quality`` adds right answers on a fixed extraction set (vllm_quality.py) in the first
+engine (guidance): unconstrained, guidance and maskd under each whitespace setting, greedy and sampled.
+``--workloads ''`` leaves the first comparison out.
 """
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from maskd_tools.bench import common, vllm_drafts, vllm_http, vllm_workloads
+from maskd_tools.bench import common, vllm_drafts, vllm_http, vllm_quality, vllm_workloads
 from maskd_tools.vllm_serve import MODEL  # the served model's name, whichever --model it is
 
 if TYPE_CHECKING:
@@ -80,6 +82,12 @@ def add_arguments(p) -> None:
     p.add_argument("--drafts-workloads", default=",".join(vllm_workloads.DRAFT_WORKLOADS),
                    help=f"with --drafts, comma-separated: {', '.join(vllm_workloads.DRAFT_WORKLOADS)} "
                         "(default both)")
+    p.add_argument("--quality", action="store_true",
+                   help="also right answers on extraction_prompts.py's fixed set (56 cases) in the guidance engine "
+                        "(first of --engines): unconstrained, guidance (compact, flexible whitespace) and maskd "
+                        "(compact, flexible, unbounded), greedy and sampled (default max tokens 160)")
+    p.add_argument("--quality-samples", type=int, default=3, metavar="S",
+                   help="with --quality, sampled requests per case and mode (temperature 0.7, seeds 0..S-1; default 3)")
     p.add_argument("--maskd-cpus", default="1", help="CPUs of the maskd server (comma-separated; '' for none)")
     p.add_argument("--vllm-omp-cpus", default="0", help="VLLM_CPU_OMP_THREADS_BIND of vLLM's worker")
     p.add_argument("--vllm-venv", default=None, help="the venv with vLLM's CPU build (default .venv-vllm)")
@@ -114,15 +122,19 @@ def run(args, log: Callable[[str], None] = print) -> dict:
         bad = [x for x in chosen if x not in known]
         if bad:
             raise SystemExit(f"{prog}: {name} {bad}: choose from {', '.join(known)}")
-    if not engines or not (workloads or draft_workloads):
-        raise SystemExit(f"{prog}: nothing to measure: --engines and --workloads (or --drafts-workloads) are empty")
+    if not engines or not (workloads or draft_workloads or args.quality):
+        raise SystemExit(f"{prog}: nothing to measure: --engines and --workloads (or --drafts-workloads, "
+                         "--quality) are empty")
     concurrency = common.positive_list(args.concurrency, int, "--concurrency", prog)
     rounds = args.rounds or (1 if args.quick else 3)
     for flag, value in (("--rounds", rounds), ("--requests", args.requests), ("--max-tokens", args.max_tokens)):
         if value is not None and value < 1:
             raise SystemExit(f"{prog}: {flag} {value}: must be at least 1")
-    if args.burst < 0 or args.profile < 0 or args.drafts < 0:
-        raise SystemExit(f"{prog}: --burst, --profile and --drafts take a count / seconds >= 0")
+    if args.burst < 0 or args.profile < 0 or args.drafts < 0 or args.quality_samples < 0:
+        raise SystemExit(f"{prog}: --burst, --profile, --drafts and --quality-samples take a count / seconds >= 0")
+    if args.quality and engines[:1] != ["guidance"]:
+        raise SystemExit(f"{prog}: --quality runs in an engine with vLLM's guidance backend: put guidance first "
+                         "in --engines")
     if args.profile and not workloads:
         raise SystemExit(f"{prog}: --profile profiles the first of --workloads: there is none")
     try:
@@ -173,7 +185,7 @@ def run(args, log: Callable[[str], None] = print) -> dict:
                               "refused_by_backend": {}, "profiles": []}
     drafts_runs: list[dict] = []
     try:
-        for engine_name in engines:
+        for engine_name in engines if workloads else engines[:1]:   # drafts and quality: the first
             modes = ENGINES[engine_name]
             log(f"{prog}: starting vLLM ({engine_name} backend, maskd at {server.address})")
             seqs = max(concurrency) + args.burst
@@ -199,8 +211,8 @@ def run(args, log: Callable[[str], None] = print) -> dict:
                                 res.update(engine=engine_name, workload=workload, concurrency=c, round=r, mode=mode)
                                 report["runs"].append(res)
                                 log(f"{prog}: {engine_name} {workload} c={c} round {r} {mode}: "
-                                    f"{res['tokens_per_s']:.0f} tok/s, TTFT p50 {res['ttft_ms']['p50']:.0f} ms, "
-                                    f"valid {res['valid']}/{res['structured']}")
+                                    f"{res['tokens_per_s']:.0f} tok/s, TTFT p50 {_ms(res['ttft_ms'].get('p50'))} ms, "
+                                    f"valid {res['valid']}/{res['structured']}, errors {len(res['errors'])}")
                     for c in concurrency if args.burst else ():
                         order = modes[1:] if r % 2 == 0 else modes[:0:-1]
                         for mode in order:
@@ -217,6 +229,9 @@ def run(args, log: Callable[[str], None] = print) -> dict:
                 if args.profile:
                     report["profiles"] += _profiles(engine, server, modes, mine[workloads[0]], workloads[0],
                                                     max(concurrency), max_tokens, args, out, log)
+                if args.quality and engine_name == engines[0]:
+                    report["quality"] = vllm_quality.report(vllm_quality.measure(engine, args, max(concurrency), log),
+                                                            args)
                 if draft_workloads and engine_name == engines[0]:   # the drafts' comparison without drafts
                     drafts_runs += vllm_drafts.measure(engine, server, vllm_drafts.NO_DRAFTS, ("maskd", engine_name),
                                                      args, draft_workloads, concurrency, rounds, log)
@@ -241,7 +256,8 @@ def run(args, log: Callable[[str], None] = print) -> dict:
         pathlib.Path(args.json_out).write_text(json.dumps(report, indent=1, default=str))
     report["failed"] = any(r["errors"] for r in report["runs"]) or any(
         b["decoding"]["errors"] or b["burst"]["errors"] for b in report["bursts"]) or any(
-        r["errors"] for r in report.get("drafts", {}).get("runs", ()))
+        r["errors"] for r in report.get("drafts", {}).get("runs", ())) or any(
+        r["error"] for r in report.get("quality", {}).get("results", ()))
     return report
 
 
@@ -360,13 +376,24 @@ def _summarize(runs: list[dict]) -> list[dict]:
                      "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rs),
                      "ratio": statistics.median(ratios) if ratios else None,
                      "ratios": ratios,
-                     "ttft_p50_ms": statistics.median(r["ttft_ms"]["p50"] for r in rs),
-                     "ttft_p99_ms": max(r["ttft_ms"]["p99"] for r in rs),
-                     "itl_p50_ms": statistics.median(r["itl_ms"]["p50"] for r in rs),
-                     "itl_p99_ms": max(r["itl_ms"]["p99"] for r in rs),
+                     "ttft_p50_ms": _over(statistics.median, rs, "ttft_ms", "p50"),
+                     "ttft_p99_ms": _over(max, rs, "ttft_ms", "p99"),
+                     "itl_p50_ms": _over(statistics.median, rs, "itl_ms", "p50"),
+                     "itl_p99_ms": _over(max, rs, "itl_ms", "p99"),
                      "valid": sum(r["valid"] for r in rs), "structured": sum(r["structured"] for r in rs),
                      "errors": sum(len(r["errors"]) for r in rs)})
     return rows
+
+
+def _over(how: Callable, runs: list[dict], latency: str, key: str) -> float | None:
+    """``how`` (median, max) of the runs' ``latency`` percentile ``key``, over the runs that have one
+    (a run whose every request failed has none); None where no run has."""
+    values = [r[latency][key] for r in runs if key in r[latency]]
+    return how(values) if values else None
+
+
+def _ms(value: float | None, digits: int = 0) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def _summarize_bursts(bursts: list[dict]) -> list[dict]:
@@ -389,6 +416,8 @@ def _markdown(report: dict) -> str:
              f"Model: {report['model']} (maskd's vocabulary: {report['maskd_tokenizer']})", ""]
     if "drafts" in report:
         lines += vllm_drafts.markdown(report["drafts"])
+    if "quality" in report:
+        lines += vllm_quality.markdown(report["quality"])
     if not report["summary"]:
         return "\n".join(lines)
     lines += ["Schemas per workload: " + ", ".join(f"{w} {n}" for w, n in report["schemas"].items())
@@ -398,8 +427,8 @@ def _markdown(report: dict) -> str:
                               "TTFT p50 / p99 ms", "ITL p50 / p99 ms", "valid", "errors"],
                              [[r["engine"], r["workload"], r["concurrency"], r["mode"], f"{r['tokens_per_s']:.0f}",
                                "" if r["ratio"] is None else f"{r['ratio']:.2f}",
-                               f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f}",
-                               f"{r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f}",
+                               f"{_ms(r['ttft_p50_ms'])} / {_ms(r['ttft_p99_ms'])}",
+                               f"{_ms(r['itl_p50_ms'], 1)} / {_ms(r['itl_p99_ms'], 1)}",
                                f"{r['valid']}/{r['structured']}" if r["structured"] else "",
                                r["errors"]] for r in report["summary"]]), ""]
     if report["burst_summary"]:

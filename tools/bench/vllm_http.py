@@ -60,9 +60,10 @@ def count(values: Iterable) -> dict:
 def stream(host: str, port: int, body: dict, streaming: threading.Event | None = None) -> dict:
     """One streaming request (a chat request where the body has messages): completion tokens, the
     time to the first text (or tool-call delta, which a tool parser holds until it read the call's
-    name), the gaps between the later ones, the text, the finish reason, the seconds to its end, an error."""
+    name), the gaps between the later ones, the text, the finish reason, the seconds to its end, an error;
+    where a chat request asks for logprobs, the text token by token (``pieces``)."""
     res: dict[str, Any] = {"tokens": 0, "ttft": None, "gaps": [], "text": "", "finish": None, "elapsed": None,
-                           "error": None}
+                           "error": None, "pieces": []}
     conn = http.client.HTTPConnection(host, port, timeout=600)
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     t0 = time.perf_counter()
@@ -84,6 +85,7 @@ def stream(host: str, port: int, body: dict, streaming: threading.Event | None =
                 res["tokens"] = chunk["usage"]["completion_tokens"]
             for choice in chunk.get("choices", ()):
                 delta = choice.get("delta") or {}
+                res["pieces"] += [x["token"] for x in (choice.get("logprobs") or {}).get("content") or ()]
                 text = choice.get("text") or delta.get("content")
                 if text or delta.get("tool_calls"):
                     parts.append(text or "")
