@@ -22,7 +22,7 @@ import collections
 import hashlib
 import json
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -259,10 +259,10 @@ def _calls_parts(functions: dict[str, _Function], *, single: bool) -> ToolCallPa
                          _compact(defs) if defs else "", single)
 
 
-def _check_refs(params: Any, name: str) -> None:
-    """Refs into the parameters schema itself ('#', '#/properties/...', '#/definitions/...') would
-    point elsewhere once it sits inside the call array: refused rather than silently retargeted."""
-    stack: list[tuple[Any, bool]] = [(params, False)]     # (node, is a map of named schemas)
+def local_refs(schema: Any) -> Iterator[str]:
+    """Every ``$ref`` into the document itself (``#...``) at a schema position of ``schema`` (not
+    inside ``const``/``enum``/``default``/``examples``, which are instances), in no set order."""
+    stack: list[tuple[Any, bool]] = [(schema, False)]     # (node, is a map of named schemas)
     while stack:
         node, named = stack.pop()
         if isinstance(node, list):
@@ -271,11 +271,19 @@ def _check_refs(params: Any, name: str) -> None:
             stack.extend((x, False) for x in node.values())
         elif isinstance(node, dict):
             ref = node.get("$ref")
-            if isinstance(ref, str) and ref.startswith("#") and not ref.startswith("#/$defs/"):
-                raise SpecError(f"tool {name!r}: parameters refer to {ref!r}, inside the parameters schema; in the "
-                                "call array of tool_choice 'required' that pointer would land elsewhere. Put shared "
-                                "schemas under the parameters' $defs and refer to '#/$defs/NAME'")
+            if isinstance(ref, str) and ref.startswith("#"):
+                yield ref
             stack.extend((v, k in _SCHEMA_MAPS) for k, v in node.items() if k not in _INSTANCE_KEYWORDS)
+
+
+def _check_refs(params: Any, name: str) -> None:
+    """Refs into the parameters schema itself ('#', '#/properties/...', '#/definitions/...') would
+    point elsewhere once it sits inside the call array: refused rather than silently retargeted."""
+    for ref in local_refs(params):
+        if not ref.startswith("#/$defs/"):
+            raise SpecError(f"tool {name!r}: parameters refer to {ref!r}, inside the parameters schema; in the "
+                            "call array of tool_choice 'required' that pointer would land elsewhere. Put shared "
+                            "schemas under the parameters' $defs and refer to '#/$defs/NAME'")
 
 
 # -- the call array taken apart (per-tool pieces, issue 19) -------------------------------------

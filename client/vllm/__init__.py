@@ -55,18 +55,8 @@ from __future__ import annotations
 import os
 
 from maskd_client.engine_env import EngineConfigError
-from maskd_client.vllm import compat, worker_apply
-from maskd_client.vllm.common import (
-    BACKEND,
-    EXTRA_ARGS_KEY,
-    REGISTERED_KEY,
-    SPEC_KEY,
-    KnownSpecs,
-    _configured,
-    _serves_all,
-    log,
-    spec_of,
-)
+from maskd_client.vllm import common, compat, worker_apply
+from maskd_client.vllm.common import BACKEND, EXTRA_ARGS_KEY, REGISTERED_KEY, SPEC_KEY, KnownSpecs, spec_of
 from maskd_client.vllm.compat import VllmCompatError
 from maskd_client.vllm.drafts import GrammarDrafts
 from maskd_client.vllm.engine_core import STEP_DEADLINE_ENV, MaskdStructuredOutputs, VllmMaskdGrammar, mask_stride
@@ -84,11 +74,12 @@ def register() -> None:
     compat.install()
     worker_apply._grammar_output_class()
     for point in missing:
-        log.debug("maskd: this vLLM has no %s (optional: %s)", point.where, point.why)
-    if _configured():
+        common.log.debug("maskd: this vLLM has no %s (optional: %s)", point.where, point.why)
+    if common._configured():
         try:
-            which = "all" if _serves_all() else "vllm_xargs maskd"
+            which = "all" if common._serves_all() else "vllm_xargs maskd"
         except EngineConfigError as exc:     # each structured request is refused with this reason
-            log.error("maskd: %s", exc)
+            common.log.error("maskd: %s", exc)
             return
-        log.info("maskd serves %s structured-output requests (MASKD_TARGET=%s)", which, os.environ["MASKD_TARGET"])
+        common.log.info("maskd serves %s structured-output requests (MASKD_TARGET=%s)", which,
+                        os.environ["MASKD_TARGET"])

@@ -48,7 +48,7 @@ import json
 from typing import Any
 
 from maskd.specs import SpecError, unwrap_openai_json_schema
-from maskd.tool_specs import tool_call_schema
+from maskd.tool_specs import local_refs, tool_call_schema
 from maskd_client.engine_env import EngineConfigError
 from maskd_client.vllm.common import EXTRA_ARGS_KEY, _configured, _serves_all, log
 
@@ -57,10 +57,6 @@ __all__ = ["AnswerFormatError", "xlam_call_or_answer"]
 #: Where a schema's ``$ref`` may point once it sits in a branch of the combined schema (its own
 #: ``$defs`` / ``definitions`` are moved to the root, where these pointers land).
 _MOVABLE_REFS = ("#/$defs/", "#/definitions/")
-# Keywords whose values are JSON instances, not schemas ("$ref" inside them is data).
-_INSTANCE_KEYWORDS = frozenset(("const", "enum", "default", "examples"))
-# Keywords whose values map names to schemas.
-_SCHEMA_MAPS = frozenset(("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"))
 
 
 class AnswerFormatError(ValueError):
@@ -223,20 +219,11 @@ def _xlam_item(item: dict[str, Any]) -> dict[str, Any]:
 
 
 def _check_refs(schema: Any) -> None:
-    stack: list[tuple[Any, bool]] = [(schema, False)]     # (node, is a map of named schemas)
-    while stack:
-        node, named = stack.pop()
-        if isinstance(node, list):
-            stack.extend((x, False) for x in node)
-        elif isinstance(node, dict) and named:
-            stack.extend((x, False) for x in node.values())
-        elif isinstance(node, dict):
-            ref = node.get("$ref")
-            if isinstance(ref, str) and ref.startswith("#") and not ref.startswith(_MOVABLE_REFS):
-                raise AnswerFormatError(f"the response format's schema refers to {ref!r}; inside one grammar with the "
-                                        "tool calls that pointer would land elsewhere. Put shared schemas under $defs "
-                                        "and refer to '#/$defs/NAME'")
-            stack.extend((v, k in _SCHEMA_MAPS) for k, v in node.items() if k not in _INSTANCE_KEYWORDS)
+    for ref in local_refs(schema):
+        if not ref.startswith(_MOVABLE_REFS):
+            raise AnswerFormatError(f"the response format's schema refers to {ref!r}; inside one grammar with the "
+                                    "tool calls that pointer would land elsewhere. Put shared schemas under $defs "
+                                    "and refer to '#/$defs/NAME'")
 
 
 def _may_be_array(node: Any, root: dict[str, Any], depth: int) -> bool:

@@ -19,6 +19,7 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")   # vLLM's platform on a mach
 import numpy as np
 import pytest
 import torch
+import vllm_interfaces
 from vllm.config import (
     CacheConfig,
     ModelConfig,
@@ -34,8 +35,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.structured_output.backend_types import StructuredOutputGrammar
 
-from conftest import hold_compiles
-from maskd.server import MaskServer, ServerConfig
+from holds import hold_compiles
 from maskd.specs import GrammarSpec
 from maskd_client import vllm as plugin
 from maskd_client.vllm import admission, common, engine_core, worker_apply
@@ -45,24 +45,8 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required
 CONFIG = StructuredOutputsConfig(backend="guidance")
 COMPILES = ("maskd_compile_seconds_count", {"backend": "llguidance"})
 
-
-class Vocabulary:
-    """What admission reads of vLLM's ModelConfig: the vocabulary size (a model that is no diffusion LM)."""
-
-    is_diffusion = False
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-
-    def get_vocab_size(self) -> int:
-        return self.size
-
-
-@pytest.fixture(scope="module")
-def server():
-    srv = MaskServer(ServerConfig(port=0, tokenizer="cl100k", threads=1, compile_threads=1)).start()
-    yield srv
-    srv.stop(grace=0.5)
+Vocabulary = vllm_interfaces.Vocabulary
+server = vllm_interfaces.server      # the fixture: a real maskd server for the module
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -13,6 +13,7 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")   # vLLM's platform on a mach
 
 import jsonschema
 import pytest
+import vllm_interfaces
 from vllm.config import StructuredOutputsConfig
 from vllm.entrypoints.openai.chat_completion.message_assembly import assemble_chat_message_fields
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
@@ -20,7 +21,6 @@ from vllm.exceptions import VLLMValidationError
 from vllm.parser.abstract_parser import DelegatingParser
 from vllm.parser.parser_manager import ParserManager
 
-from maskd.server import MaskServer, ServerConfig
 from maskd_client import vllm as plugin
 from maskd_client.vllm import tools_and_format as tf
 
@@ -39,22 +39,8 @@ CALL = {"xlam": '[{"name": "get_weather", "arguments": {"city": "Paris", "at": {
 ANSWER = '{"name": "Ann", "age": 41}'
 CONFIG = StructuredOutputsConfig(backend="guidance")
 
-
-class Vocabulary:
-    is_diffusion = False
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-
-    def get_vocab_size(self) -> int:
-        return self.size
-
-
-@pytest.fixture(scope="module")
-def server():
-    srv = MaskServer(ServerConfig(port=0, tokenizer="cl100k", threads=1, compile_threads=1)).start()
-    yield srv
-    srv.stop(grace=0.5)
+Vocabulary = vllm_interfaces.Vocabulary
+server = vllm_interfaces.server      # the fixture: a real maskd server for the module
 
 
 @pytest.fixture(scope="module", autouse=True)
