@@ -330,18 +330,26 @@ class JsonDocumentChecker(DocumentChecker):
                 return k, sc.in_string, escaped
         return None
 
+    def _watched_top(self, state: _DocState):
+        """(scanner, innermost container, closers) where the container is watched and there are
+        closers to check its tokens with; None elsewhere."""
+        sc = state.scanner
+        assert sc is not None
+        top = sc.stack[-1]
+        if self.closers is None or top.ctx is None:
+            return None
+        return sc, top, self.closers
+
     def _value_end_fails(self, state: _DocState, data: bytearray, row):
         """The tokens the row allows that would end the number or string value being written with a
         value that does not pass its pinned subschemas ('"', '",' but also '29",': each distinct
         addition is checked once). Where the row's tokens could end the value in more than
         ``_ENDINGS_CHECKED`` ways (a string the grammar leaves free), the value as it stands decides
         for all of them (see below)."""
-        sc = state.scanner
-        assert sc is not None
-        top = sc.stack[-1]
-        closers = self.closers
-        if closers is None or top.ctx is None:
+        found = self._watched_top(state)
+        if found is None:
             return None
+        sc, top, closers = found
         if sc.in_string:
             start, kind, tail = sc.string_start, "escaped string" if sc.escape else "string", b'"'
             if top.is_object and top.expect_key:
@@ -417,12 +425,10 @@ class JsonDocumentChecker(DocumentChecker):
         would write what none of them starts with, or end it as none of them (a mask: most of the
         vocabulary). Tokens holding a backslash are left to the grammar (an escape may write any
         character), and so is a string whose escapes so far do not decode."""
-        sc = state.scanner
-        assert sc is not None
-        top = sc.stack[-1]
-        closers = self.closers
-        if closers is None or top.ctx is None or (top.is_object and top.expect_key):
+        found = self._watched_top(state)
+        if found is None or (found[1].is_object and found[1].expect_key):
             return None
+        sc, top, closers = found
         key = top.key if top.is_object else top.index
         start = sc.string_start
         choices = self._string_choices(state, data, key, start, lambda: bytes(data[top.start:start]))
@@ -454,12 +460,10 @@ class JsonDocumentChecker(DocumentChecker):
         """Where a value starts: the tokens the row allows that open a string value and write what no
         string it may be starts with (it must be one of a few), or write a whole string (opened and
         closed by the token) that does not pass what judges a value there."""
-        sc = state.scanner
-        assert sc is not None
-        top = sc.stack[-1]
-        closers = self.closers
-        if closers is None or top.ctx is None:
+        found = self._watched_top(state)
+        if found is None:
             return None
+        _, top, closers = found
         ids, rests = closers.quoted[lead]
         allowed = closers.allowed(row, ids)
         if not allowed.size:

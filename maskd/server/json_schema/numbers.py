@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from maskd.server.json_schema.relax import map_schemas, node_at, pointer_path
+from maskd.server.json_schema.relax import map_schemas, node_at, pointer_path, put_at
 
 _RANGE_LIMIT = 1 << 62   # llguidance's integer ranges work on i64: past this, any integer
 
@@ -195,19 +195,15 @@ def interval_of(node: Any) -> Interval | None:
     if not isinstance(node, dict) or not BOUND_WORDS & node.keys():
         return None
     out = Interval()
-    ex_lo, ex_hi = node.get("exclusiveMinimum"), node.get("exclusiveMaximum")
-    for word, open_ in (("minimum", ex_lo is True), ("exclusiveMinimum", True)):
-        if word in node and not (word == "exclusiveMinimum" and isinstance(ex_lo, bool)):
-            value = _exact(node[word])
-            if value is None:
-                return None
-            out = out.meet(Interval(lo=value, lo_open=open_))
-    for word, open_ in (("maximum", ex_hi is True), ("exclusiveMaximum", True)):
-        if word in node and not (word == "exclusiveMaximum" and isinstance(ex_hi, bool)):
-            value = _exact(node[word])
-            if value is None:
-                return None
-            out = out.meet(Interval(hi=value, hi_open=open_))
+    for word, strict in (("minimum", "exclusiveMinimum"), ("maximum", "exclusiveMaximum")):
+        ex = node.get(strict)
+        for w, open_ in ((word, ex is True), (strict, True)):
+            if w in node and not (w == strict and isinstance(ex, bool)):
+                value = _exact(node[w])
+                if value is None:
+                    return None
+                out = out.meet(Interval(lo=value, lo_open=open_) if word == "minimum"
+                               else Interval(hi=value, hi_open=open_))
     if out.lo is None and out.hi is None:
         return None
     return out
@@ -304,18 +300,8 @@ def grammar_number_bounds(schema: Any) -> tuple[Any, frozenset[str]]:
         path = pointer_path(ptr)
         node = node_at(out, path)
         words |= BOUND_WORDS & node.keys()
-        out = _put(out, path, {k: v for k, v in node.items() if k not in BOUND_WORDS})
+        out = put_at(out, path, {k: v for k, v in node.items() if k not in BOUND_WORDS})
     return out, frozenset(words)
-
-
-def _put(doc: Any, path: tuple[str, ...], value: Any) -> Any:
-    if not path:
-        return value
-    head, rest = path[0], path[1:]
-    if isinstance(doc, dict):
-        return {**doc, head: _put(doc[head], rest, value)}
-    i = int(head)
-    return [*doc[:i], _put(doc[i], rest, value), *doc[i + 1:]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -386,6 +372,15 @@ def _ceil_at(x: Dec, s: int) -> int:
     return x[0] * 10 ** -e if e <= 0 else -((-x[0]) // 10 ** e)
 
 
+def _within_far(side: tuple[Dec, bool, Dec | None, bool], x: Dec) -> bool:
+    """Whether magnitude ``x`` is not past the side's bound farther from zero (none: never)."""
+    _, _, far, far_open = side
+    if far is None:
+        return True
+    c = _cmp(x, far)
+    return c < 0 or (c == 0 and not far_open)
+
+
 class NumberRule:
     """The rows' check of a number whose subschemas' bounds the grammar leaves to them: which numbers
     may still be written (see above), and which tokens would leave none. Exact, in integers."""
@@ -432,15 +427,7 @@ class NumberRule:
         if low[0] == 0 and self.zero:
             return True
         side = self.sides[neg]
-        if side is None:
-            return False
-        a, _, b, b_open = side
-        if _cmp(high, a) <= 0:
-            return False
-        if b is None:
-            return True
-        c = _cmp(low, b)
-        return c < 0 or (c == 0 and not b_open)
+        return side is not None and _cmp(high, side[0]) > 0 and _within_far(side, low)
 
     def _allowed(self, neg: bool, x: Dec) -> bool:
         if x[0] == 0:
@@ -448,14 +435,8 @@ class NumberRule:
         side = self.sides[neg]
         if side is None:
             return False
-        a, a_open, b, b_open = side
-        c = _cmp(x, a)
-        if c < 0 or (c == 0 and a_open):
-            return False
-        if b is None:
-            return True
-        c = _cmp(x, b)
-        return c < 0 or (c == 0 and not b_open)
+        c = _cmp(x, side[0])
+        return (c > 0 or (c == 0 and not side[1])) and _within_far(side, x)
 
     def _int_hits(self, neg: bool, digits: int) -> bool:
         side = self.sides[neg]
