@@ -143,6 +143,38 @@ def test_no_dead_ends_on_generated_schemas(server, cl100k, table):
     assert not refused, refused
 
 
+# Number bounds the rows check (numbers.py: the grammar takes any number there): exponent forms,
+# prefixes and trailing zeros of a bound's digits, -0; each with a valid guide in those forms.
+NUMBER_SCHEMAS = {
+    "bounded members": ({"type": "object", "required": ["p"], "properties": {
+        "p": {"type": "number", "minimum": 0, "maximum": 1}, "q": {"type": "number", "exclusiveMinimum": 0},
+        "r": {"type": "array", "items": {"type": "number", "maximum": 12.75}}}},
+        {"p": 1e-06, "q": 2.5e+16, "r": [12.7, -0.0]}),
+    "a bounded root": ({"type": "number", "minimum": -0.999, "maximum": 5}, -0.9),
+    "one-sided bounds": ({"type": "array", "items": {"type": "object", "properties": {
+        "lo": {"type": "number", "minimum": 1024}, "hi": {"type": "number", "exclusiveMaximum": 0}}}},
+        [{"lo": 1.5e+3, "hi": -1e-05}, {"lo": 1024.0}]),
+}
+
+
+def test_no_dead_ends_where_the_rows_check_number_bounds(server, cl100k, table):
+    """Issue 50, item 3: where the grammar takes any number and the rows keep it within its bounds,
+    no writer (either style) starts a number no continuation ends inside them, and each guide (in
+    exponent form, a prefix of the bound's digits, -0.0) goes in token by token, then EOS."""
+    jobs = [(name, schema, json.dumps(doc)) for name, (schema, doc) in NUMBER_SCHEMAS.items()] * 8
+    outcomes = []
+    for style in STYLES:
+        for seed in range(3):
+            outcomes += write(server.address, cl100k, table, jobs, seed=seed, follow=0.7, max_tokens=80, style=style)
+    dead, summary = report(outcomes)
+    assert not dead, summary
+    assert sum(o.status == "finished" and o.strayed for o in outcomes) >= len(outcomes) // 4, summary
+    followed = write(server.address, cl100k, table, jobs, seed=0, follow=1.0, max_tokens=200)
+    guides = {name: guide for name, _, guide in jobs}
+    assert all(o.status == "finished" and o.text == guides[o.name] for o in followed), \
+        [(o.name, o.status, o.text[-60:]) for o in followed]
+
+
 R = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 NOT = {"not": {"const": {}}}   # llguidance refuses it: complete mode relaxes the schema, keys in any order
 # construct -> (schema, text up to an empty object that needs "a", what completes it): the object
@@ -273,6 +305,68 @@ def test_an_empty_string_written_by_one_token_is_checked_like_a_closing_quote(se
         assert not _bit(r, sid, spaced) and not _bit(r, sid, empty)
         r = _feed(mc, cl100k, sid, r, '"x"], "names": [')
         assert _bit(r, sid, empty)   # no oneOf there: "" passes
+
+
+# OpenAPI 1.2's data types, cut down to o11666's dead ends (MaskBench-dev, the invent writer): a
+# oneOf of a reference and a primitive type whose "enum" member allows only "string" as its type,
+# and whose "format" depends on that type.
+DATA_TYPE = {"$schema": "http://json-schema.org/draft-04/schema#", "type": "object",
+             "oneOf": [{"$ref": "#/definitions/ref"}, {"$ref": "#/definitions/primitive"}],
+             "definitions": {
+                 "ref": {"required": ["$ref"], "properties": {"$ref": {"type": "string"}},
+                         "additionalProperties": False},
+                 "primitive": {"required": ["type"], "additionalProperties": False, "properties": {
+                     "type": {"enum": ["boolean", "integer", "number", "string"]}, "format": {"type": "string"},
+                     "enum": {"type": "array", "items": {"type": "string"}}},
+                     "dependencies": {
+                         "format": {"oneOf": [{"properties": {"type": {"enum": ["integer"]},
+                                                              "format": {"enum": ["int32", "int64"]}}},
+                                              {"properties": {"type": {"enum": ["string"]},
+                                                              "format": {"enum": ["date"]}}}]},
+                         "enum": {"properties": {"type": {"enum": ["string"]}}}}}}}
+
+
+def test_a_string_that_must_be_one_of_a_few_never_takes_a_start_none_has(server, cl100k):
+    """Issue 50, the string-prefix class (o11666, MaskBench-dev, the invent writer): once "enum" is
+    written, "type" may only be "string" (its dependent schema), though its own enum and the grammar
+    allow four. A token that writes "number" (or "n", "num", "boolean") inside that string would
+    leave a prefix whose every ending fails: the rows refuse it; "s", "str", "string" stay, and the
+    document ends. Before the string opens, a token that opens it with such a start is refused too."""
+    ids = {t: cl100k.encode(t)[0] for t in ("number", "n", "num", "boolean", "string", "s", "str", "integer")}
+    with MaskClient(server.address, want_forced_tokens=False) as mc:
+        sid = "prefix"
+        mc.open(sid, {"json_schema": DATA_TYPE})
+        r = _feed(mc, cl100k, sid, _step_until_ready(mc, sid, []), '{"enum": ["a"], "type":')
+        opened = cl100k.encode('"s')
+        assert len(opened) == 1 and _bit(r, sid, opened[0]) and _bit(r, sid, cl100k.encode(' "')[0])
+        r = _feed(mc, cl100k, sid, r, ' "')
+        assert {t: _bit(r, sid, i) for t, i in ids.items()} == {"number": False, "n": False, "num": False,
+                                                               "boolean": False, "integer": False,
+                                                               "string": True, "s": True, "str": True}
+        r = _feed(mc, cl100k, sid, r, 'string"}')
+        assert r.seqs[sid].accepting and _bit(r, sid, cl100k.eos_token_ids[0])
+        # after "format": "int32" instead, only "integer" passes (that dependent schema's branch)
+        mc.open("other", {"json_schema": DATA_TYPE})
+        r = _feed(mc, cl100k, "other", _step_until_ready(mc, "other", []), '{"format": "int32", "type": "')
+        assert {t: _bit(r, "other", ids[t]) for t in ("integer", "number", "string")} == {
+            "integer": True, "number": False, "string": False}
+
+
+def test_a_whole_string_written_by_one_token_is_checked_where_a_value_starts(server, cl100k):
+    """Issue 50 (o11666 with the invent writer, seen on other seeds): the token '":"' opens and
+    closes a string at once; under "type": "integer", "format" must be int32 or int64 (a dependent
+    schema), so the rows refuse it where the value starts and keep the quote; where ":" passes (a
+    reference's "$ref"), it stays."""
+    whole, quote = cl100k.encode('":"')[0], cl100k.encode('"')[0]
+    assert cl100k.decode([whole]) == '":"'
+    with MaskClient(server.address, want_forced_tokens=False) as mc:
+        sid = "whole"
+        mc.open(sid, {"json_schema": DATA_TYPE})
+        r = _feed(mc, cl100k, sid, _step_until_ready(mc, sid, []), '{"type": "integer", "format":')
+        assert not _bit(r, sid, whole) and _bit(r, sid, quote)
+        mc.open("ref", {"json_schema": DATA_TYPE})
+        r = _feed(mc, cl100k, "ref", _step_until_ready(mc, "ref", []), '{"$ref":')
+        assert _bit(r, "ref", whole)
 
 
 @needs_maskbench

@@ -55,7 +55,7 @@ from maskd.tool_specs import ToolCallParts
 log = logging.getLogger("maskd.server.engines.llguidance")
 
 # Bumped when maskd changes how a spec maps onto llguidance (it is part of every grammar id).
-_MAPPING_REVISION = 5
+_MAPPING_REVISION = 6
 # A serialized grammar with document checks: magic, 8-byte length, the checker's description, grammar.
 _CHECKED_MAGIC = b"maskd-checked-grammar-v2\n"
 # x-guidance options that loosen the schema: only complete mode relaxes (and then validates).
@@ -261,7 +261,7 @@ class LLGuidanceEngine(Engine):
             except ValidatorError as exc:   # no validator: the schema's own grammar, enforced alone
                 log.info("json schema enforced by the grammar alone: %s", exc)
                 return self._json_grammar(spec, schema, lenient=False), None
-        relaxed, compiled = self._relax(spec, schema, strict_error)
+        relaxed, compiled = self._relax(spec, schema, strict_error, number_rows=True)
         try:
             checker = document_checker(schema, self.tokenizer, markers, relaxed.keywords)
         except ValidatorError as exc:
@@ -273,8 +273,8 @@ class LLGuidanceEngine(Engine):
     def _whole(self, spec: GrammarSpec, schema: Any) -> tuple[tuple[str, llguidance.LLMatcher], frozenset[str]]:
         """The grammar of a schema compiled whole, and the keywords it leaves to the validator: in
         complete mode, the schema as ``whole_schema`` rewrites it (allOf members' keys in any
-        order, numbers llguidance's lexemes would narrow), else (or where that does not compile)
-        the schema itself."""
+        order, number bounds to the rows, big integer constants), else (or where that does not
+        compile) the schema itself."""
         if self.json_schema_mode == "complete" and isinstance(schema, dict):
             grammar_schema, words = whole_schema(schema, self._regex_ok)
             if words:
@@ -326,7 +326,7 @@ class LLGuidanceEngine(Engine):
             grammar = self._json_form(text)
         return grammar, self._checked(grammar)
 
-    def _relax(self, spec: GrammarSpec, schema: dict, strict_error: str):
+    def _relax(self, spec: GrammarSpec, schema: dict, strict_error: str, number_rows: bool = False):
         built: dict[str, tuple[str, llguidance.LLMatcher]] = {}
 
         def try_compile(candidate: Any, lenient: bool) -> str | None:
@@ -337,7 +337,7 @@ class LLGuidanceEngine(Engine):
                 return str(exc)
 
         try:
-            relaxed = relax_schema(schema, try_compile, self._regex_ok)
+            relaxed = relax_schema(schema, try_compile, self._regex_ok, number_rows)
         except RelaxError as exc:
             raise GrammarCompileError(f"{strict_error} (complete mode: even the relaxed schema does not "
                                       f"compile: {_first_line(str(exc))})") from exc

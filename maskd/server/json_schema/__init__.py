@@ -9,8 +9,8 @@ place that knows how. Its modules:
   MaskBench's reference validators do) and the map of sub-documents worth checking early.
 - ``formats``: the formats asserted whatever the schema's draft, and the exact patterns complete
   mode's grammar takes for the date and time formats.
-- ``numbers``: the number bounds and big integer constants complete mode's grammar leaves to the
-  validator (llguidance's number lexemes would refuse valid numbers).
+- ``numbers``: the number bounds (checked by the rows) and big integer constants complete mode's
+  grammar leaves to the validator (llguidance's number lexemes would refuse valid numbers).
 - ``scan``: the incremental JSON structure of the output (where sub-documents open and close).
 - ``documents``: one sequence's output as the checks see it (bytes, scan state, rollbacks).
 - ``step_checks``: the hooks the step protocol calls (``DocumentChecks``).
@@ -33,7 +33,7 @@ from maskd.server.json_schema.documents import (
     checker_from_description,
 )
 from maskd.server.json_schema.formats import grammar_formats
-from maskd.server.json_schema.numbers import grammar_numbers
+from maskd.server.json_schema.numbers import grammar_number_bounds, grammar_numbers
 from maskd.server.json_schema.relax import (
     LENIENT_KEYWORDS,
     ORDER_FREE_WORDS,
@@ -71,27 +71,33 @@ __all__ = [
 Markers = tuple[bytes, bytes]
 
 
-def relax_schema(schema: Any, try_compile: TryCompile, try_regex: TryRegex) -> Relaxation:
+def relax_schema(schema: Any, try_compile: TryCompile, try_regex: TryRegex, number_rows: bool = False) -> Relaxation:
     """Complete mode's relaxed schema for one the grammar engine refused (RelaxError when even
     that does not compile): see ``relax``; its numbers as ``grammar_numbers`` takes them (every
-    candidate is compiled so)."""
+    candidate is compiled so), and with ``number_rows`` (a JSON document the rows check, not a
+    tool call's arguments) the bounds ``grammar_number_bounds`` leaves to the rows."""
+    bounds: frozenset[str] = frozenset()
+    if number_rows:
+        schema, bounds = grammar_number_bounds(schema)
     found = relax(schema, lambda candidate, lenient: try_compile(grammar_numbers(candidate)[0], lenient), try_regex)
     grammar, words = grammar_numbers(found.schema)
+    words |= bounds
     if not words:
         return found
     return dataclasses.replace(found, schema=grammar, keywords=found.keywords | words,
                                steps=(*found.steps, _NUMBERS_STEP))
 
 
-_NUMBERS_STEP = "number bounds and big integer constants left to the validator"
+_NUMBERS_STEP = "number bounds (to the rows) and big integer constants left to the validator"
 
 
 def whole_schema(schema: Any, try_regex: TryRegex) -> tuple[Any, frozenset[str]]:
     """(the schema complete mode's grammar takes for one the engine compiles whole, the keywords it
-    leaves to the validator): ``allOf`` members' properties in any order (``free_all_of_order``)
-    and numbers as ``grammar_numbers`` takes them. The schema itself, and no keyword, where
-    neither changes anything; the engine compiles the schema itself where this does not compile."""
-    words: frozenset[str] = frozenset()
+    leaves to the validator): number bounds the rows check (``grammar_number_bounds``), ``allOf``
+    members' properties in any order (``free_all_of_order``) and numbers as ``grammar_numbers``
+    takes them. The schema itself, and no keyword, where none changes anything; the engine
+    compiles the schema itself where this does not compile."""
+    schema, words = grammar_number_bounds(schema)
     inlined = schema
     for _ in range(4):   # allOf members that are references, as copies (a copy's own such members in turn)
         before, inlined = inlined, inline_intersected_refs(inlined, try_regex)
@@ -99,7 +105,7 @@ def whole_schema(schema: Any, try_regex: TryRegex) -> tuple[Any, frozenset[str]]
             break
     ordered = free_all_of_order(inlined, try_regex)
     if ordered != inlined:
-        schema, words = ordered, ORDER_FREE_WORDS
+        schema, words = ordered, words | ORDER_FREE_WORDS
     grammar, number_words = grammar_numbers(schema)
     return grammar, words | number_words
 

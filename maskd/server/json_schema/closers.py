@@ -15,6 +15,7 @@ then one comparison over those arrays.
 from __future__ import annotations
 
 import bisect
+import re
 import threading
 
 import numpy as np
@@ -69,6 +70,54 @@ def _string_end(data: bytes, escape: bool = False) -> bytes | None:
     return None
 
 
+_NUMBER_FIRST = tuple(bytes([c]) for c in b"-0123456789")
+_NUMBER_PART = re.compile(rb"-?[0-9]*(\.[0-9]*)?([eE][+-]?[0-9]*)?|[+-][0-9]*")
+
+
+def _number_part(data: bytes) -> tuple[bytes, bool] | None:
+    """(what a token adds to a number, whether it then ends it), or None where it cannot go on with
+    one (after its number characters comes something that cannot follow a number, or they are no
+    piece of a number)."""
+    end = _number_end(data)
+    part = data if end is None else end
+    if end is None and not all(c in _NUMBER_CHARS for c in data):
+        return None
+    if part and _NUMBER_PART.fullmatch(part) is None:
+        return None
+    return part, end is not None
+
+
+class NumberTokens:
+    """Tokens that write (part of) a number, by kind: digits only (how many, their value, a leading 0,
+    whether the token then ends the number) and the rest (what they add, whether they end it; those
+    that only end it add nothing)."""
+
+    def __init__(self, found: list[tuple[int, bytes, bool]]) -> None:
+        digits = [(t, p, e) for t, p, e in found if p.isdigit()]
+        self.digit_ids = np.array([t for t, _, _ in digits], dtype=np.int64)
+        self.width = np.array([len(p) for _, p, _ in digits], dtype=np.int64)
+        self.value = np.array([int(p) for _, p, _ in digits], dtype=np.int64)
+        self.lead0 = np.array([len(p) > 1 and p[:1] == b"0" for _, p, _ in digits], dtype=bool)
+        self.digit_ends = np.array([e for _, _, e in digits], dtype=bool)
+        groups: dict[tuple[bytes, bool], list[int]] = {}
+        for t, p, e in found:
+            if p and not p.isdigit():
+                groups.setdefault((p, e), []).append(t)
+        self.other = [(p, e, np.array(ids, dtype=np.int64)) for (p, e), ids in groups.items()]
+        self.ender_ids = np.array([t for t, p, _ in found if not p], dtype=np.int64)
+        self._ender_mask: np.ndarray | None = None
+
+    def ender_mask(self, words: int) -> np.ndarray:
+        """The tokens that only end the number, as a packed mask of ``words`` words."""
+        mask = self._ender_mask
+        if mask is None or mask.shape[0] != words:
+            mask = np.zeros(words, dtype=np.uint32)
+            ids = self.ender_ids[(self.ender_ids >> 5) < words]
+            np.bitwise_or.at(mask, ids >> 5, np.uint32(1) << (ids & 31).astype(np.uint32))
+            self._ender_mask = mask
+        return mask
+
+
 def _number_end(data: bytes) -> bytes | None:
     """What a token adds to a number before ending it (digits, then a separator, bracket or
     whitespace), or None when it does not end it."""
@@ -91,6 +140,9 @@ class CloserTable:
                                        for k in ("{}", "[]", "{}+", "[]+", "null", "true", "false", '""')}
         enders: dict[str, tuple[list[int], list[bytes]]] = {"string": ([], []), "escaped string": ([], []),
                                                              "number": ([], [])}
+        quoted: dict[str, tuple[list[int], list[bytes]]] = {lead: ([], []) for lead in WHOLE_LEADS}
+        numbers: dict[str, list[tuple[int, bytes, bool]]] = {lead: [] for lead in (*WHOLE_LEADS, "in")}
+        backslash: list[int] = []
         for t in range(tokenizer.vocab_size):
             if ll.is_special_token(t):
                 continue
@@ -98,6 +150,8 @@ class CloserTable:
             texts.append((data, t))
             if data.isdigit():
                 digits[t] = data
+            if b"\\" in data:
+                backslash.append(t)
             if data.lstrip(_WS)[:1] in (b'"', b",", b"}", b"]"):
                 key_leads.append(t)
             if b'"' in data:
@@ -109,6 +163,9 @@ class CloserTable:
                 if prefix is not None:
                     enders["escaped string"][0].append(t)
                     enders["escaped string"][1].append(prefix)
+            part = _number_part(data)
+            if part is not None:
+                numbers["in"].append((t, *part))
             if data[:1] and data[0] in _NUMBER_START:
                 prefix = _number_end(data)
                 if prefix is not None:
@@ -128,6 +185,13 @@ class CloserTable:
                         empty[lead + literal.decode()].append(t)   # writes the literal, or starts it
                 if value[:2] == b'""':
                     empty[lead + '""'].append(t)   # an empty string, opened and closed by one token
+                if value[:1] == b'"':
+                    quoted[lead][0].append(t)      # opens a string value: what follows its quote
+                    quoted[lead][1].append(value[1:])
+                if value[:1] in _NUMBER_FIRST:
+                    part = _number_part(value)
+                    if part is not None and part[0]:
+                        numbers[lead].append((t, *part))   # starts a number
                 if value[:2] in (b"{}", b"[]"):
                     empty[lead + value[:2].decode()].append(t)
                     if _lowest(value[2:], False) < 0:
@@ -158,6 +222,14 @@ class CloserTable:
         # and closed by one token); keys with a lead (":{}", ",null") are the tokens that write the colon
         # after a key, or the comma after an item, first.
         self.empty = {k: np.array(v, dtype=np.int64) for k, v in empty.items()}
+        # Tokens that open a string where a value starts (after the lead), with the bytes after that
+        # quote ('"n' writes n, '":"' the whole string ":"); tokens holding a backslash (an escape
+        # may write any character).
+        self.quoted = {lead: (np.array(ids, dtype=np.int64), rest) for lead, (ids, rest) in quoted.items()}
+        # Tokens that go on with the number being written ("in") or start one where a value starts
+        # (after the lead): what they add to it, and whether they end it.
+        self.numbers = {where: NumberTokens(found) for where, found in numbers.items()}
+        self.backslash_ids = np.array(backslash, dtype=np.int64)
         # Tokens that end the string / number being written, with what each adds to it first
         # ('29",' ends a string with 29; "escaped string": scanned from right after a backslash, 'n",'
         # adds n): ids, and per id the index of its prefix in ``prefixes``.
@@ -209,13 +281,41 @@ class CloserTable:
         words = row.view(np.uint32)[ids >> 5]
         return bool(((words >> (ids & 31).astype(np.uint32)) & 1).any())
 
-    @staticmethod
-    def clear(row: np.ndarray, ids: np.ndarray) -> None:
-        """Clears the bits of ``ids`` in one packed row."""
+    def keep_only(self, row: np.ndarray, keep: list[np.ndarray]) -> RowMask | None:
+        """The tokens the packed row allows other than ``keep`` (and those holding a backslash), as
+        a mask: a string whose value must be one of a few left most of the vocabulary to refuse."""
+        mask = np.zeros(row.shape[0], dtype=np.uint32)
+        ids = np.concatenate([self.backslash_ids, *keep])
         ids = ids[(ids >> 5) < row.shape[0]]
-        if ids.size:
-            words = row.view(np.uint32)
-            np.bitwise_and.at(words, ids >> 5, ~(np.uint32(1) << (ids & 31).astype(np.uint32)))
+        np.bitwise_or.at(mask, ids >> 5, np.uint32(1) << (ids & 31).astype(np.uint32))
+        out = row.view(np.uint32) & ~mask
+        return RowMask(out) if out.any() else None
+
+    @staticmethod
+    def clear(row: np.ndarray, ids: np.ndarray | RowMask) -> None:
+        """Clears the bits of ``ids`` in one packed row."""
+        words = row.view(np.uint32)
+        if isinstance(ids, RowMask):
+            words &= ~ids.mask
+            return
+        inside = ids[(ids >> 5) < row.shape[0]]
+        if inside.size:
+            np.bitwise_and.at(words, inside >> 5, ~(np.uint32(1) << (inside & 31).astype(np.uint32)))
+
+
+class RowMask:
+    """Tokens to take out of one packed row, as a packed mask of the row's shape (``ids`` lists them)."""
+    __slots__ = ("mask",)
+
+    def __init__(self, mask: np.ndarray) -> None:
+        self.mask = mask
+
+    def ids(self) -> np.ndarray:
+        bits = np.unpackbits(self.mask.view(np.uint8), bitorder="little")
+        return np.flatnonzero(bits).astype(np.int64)
+
+    def tolist(self) -> list[int]:
+        return self.ids().tolist()
 
 
 def closer_table(tokenizer) -> CloserTable:

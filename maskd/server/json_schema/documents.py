@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from maskd.server.json_schema.closers import CloserTable, closer_table
+from maskd.server.json_schema.closers import CloserTable, RowMask, closer_table
 from maskd.server.json_schema.scan import JsonScanner
 from maskd.server.json_schema.validation import Problem, SchemaValidator, parse
 
@@ -38,6 +38,25 @@ _ENDINGS_CHECKED = 16
 # Values one token may write whole where a value starts (CloserTable.empty holds those tokens).
 _WHOLE_VALUES: tuple[tuple[str, Any], ...] = (("{}", {}), ("[]", []), ("null", None), ("true", True), ("false", False),
                                               ('""', ""))
+
+
+# A string value that must be one of this many strings or fewer is narrowed by what judges it there
+# (its dependent schemas on the members so far, ...); past that, by its subschemas alone.
+_CHOICES_JUDGED = 64
+
+
+def _plain_end(text: bytes) -> int:
+    """How many bytes of ``text`` a JSON string holds as they are (up to a quote, a backslash or a
+    control character, which need an escape)."""
+    for i, c in enumerate(text):
+        if c == 0x22 or c == 0x5C or c < 0x20:
+            return i
+    return len(text)
+
+
+def _shown(choices) -> str:
+    shown = ", ".join(json.dumps(c.decode("utf-8", "replace")) for c in choices[:5])
+    return shown + (", ..." if len(choices) > 5 else "")
 
 
 def _whole_value_lead(sc: JsonScanner) -> str | None:
@@ -182,6 +201,8 @@ class _DocState:
     body: int = -1
     scanner: JsonScanner | None = None
     veto: str | Problem = ""   # why the row's last veto was needed (the validator's message, built when read)
+    # the strings the value being written may still be (string_start, their UTF-8 bytes or None)
+    choices: tuple[int, tuple[bytes, ...] | None] | None = None
 
 
 class JsonDocumentChecker(DocumentChecker):
@@ -247,10 +268,20 @@ class JsonDocumentChecker(DocumentChecker):
             keys = self._key_vetoes(state, data, row)
             if keys is not None:
                 out.append(keys)
+            if sc.in_string:
+                prefix = self._string_prefix_fails(state, data, row)
+                if prefix is not None:
+                    out.append(prefix)
         grows = self._integer_growth_fails(state, data, row)
         if grows is not None:
             out.append(grows)
+        if self.validator.number_nodes and not sc.in_string:
+            out += self._number_vetoes(state, data, row)
         lead = _whole_value_lead(sc)
+        if lead is not None and sc.stack:
+            opened = self._string_start_fails(state, data, row, lead)
+            if opened is not None:
+                out.append(opened)
         if lead is not None:
             for text, value in _WHOLE_VALUES:
                 ids = closers.empty[lead + text]
@@ -299,18 +330,26 @@ class JsonDocumentChecker(DocumentChecker):
                 return k, sc.in_string, escaped
         return None
 
+    def _watched_top(self, state: _DocState):
+        """(scanner, innermost container, closers) where the container is watched and there are
+        closers to check its tokens with; None elsewhere."""
+        sc = state.scanner
+        assert sc is not None
+        top = sc.stack[-1]
+        if self.closers is None or top.ctx is None:
+            return None
+        return sc, top, self.closers
+
     def _value_end_fails(self, state: _DocState, data: bytearray, row):
         """The tokens the row allows that would end the number or string value being written with a
         value that does not pass its pinned subschemas ('"', '",' but also '29",': each distinct
         addition is checked once). Where the row's tokens could end the value in more than
         ``_ENDINGS_CHECKED`` ways (a string the grammar leaves free), the value as it stands decides
         for all of them (see below)."""
-        sc = state.scanner
-        assert sc is not None
-        top = sc.stack[-1]
-        closers = self.closers
-        if closers is None or top.ctx is None:
+        found = self._watched_top(state)
+        if found is None:
             return None
+        sc, top, closers = found
         if sc.in_string:
             start, kind, tail = sc.string_start, "escaped string" if sc.escape else "string", b'"'
             if top.is_object and top.expect_key:
@@ -321,6 +360,8 @@ class JsonDocumentChecker(DocumentChecker):
                 judge = self._member_judge(ctx, top, lambda: bytes(data[top.start:start]))
         elif sc.scalar_start >= 0:
             start, kind, tail = sc.scalar_start, "number", b""
+            if self._numbers_decide(top):
+                return None   # the rows' number check refuses what ends it outside its bounds (exact)
             judge = self._member_judge(top.child_ctx, top, lambda: bytes(data[top.start:start]))
         else:
             return None
@@ -358,6 +399,168 @@ class JsonDocumentChecker(DocumentChecker):
         fails = np.zeros(len(prefixes), dtype=bool)
         fails[failing] = True
         return ids[fails[which]]
+
+    def _string_choices(self, state: _DocState, data: bytearray, key, start: int, members) -> tuple[bytes, ...] | None:
+        """The strings (UTF-8) the string value starting at ``start`` (the child ``key`` of the
+        innermost container) may be and still pass: the few its subschemas and unions allow
+        (``SchemaValidator.string_choices``) that pass what judges a value there (its dependent schemas
+        on the members so far, ...); None when any string may. Kept per string."""
+        if state.choices is not None and state.choices[0] == start:
+            return state.choices[1]
+        sc = state.scanner
+        assert sc is not None
+        top = sc.stack[-1]
+        found: tuple[bytes, ...] | None = None
+        ctx = self._watch(top.ctx, key) if top.ctx is not None else None
+        if ctx is not None:
+            allowed = self.validator.string_choices(top.ctx[0], key, ctx[2])
+            if allowed is not None:
+                judge = self._member_judge(ctx, top, members) if len(allowed) <= _CHOICES_JUDGED else None
+                found = tuple(sorted(c.encode() for c in allowed if judge is None or judge(c) is None))
+        state.choices = (start, found)
+        return found
+
+    def _string_prefix_fails(self, state: _DocState, data: bytearray, row):
+        """Inside a string value that must be one of a few strings: the tokens the row allows that
+        would write what none of them starts with, or end it as none of them (a mask: most of the
+        vocabulary). Tokens holding a backslash are left to the grammar (an escape may write any
+        character), and so is a string whose escapes so far do not decode."""
+        found = self._watched_top(state)
+        if found is None or (found[1].is_object and found[1].expect_key):
+            return None
+        sc, top, closers = found
+        key = top.key if top.is_object else top.index
+        start = sc.string_start
+        choices = self._string_choices(state, data, key, start, lambda: bytes(data[top.start:start]))
+        if choices is None or sc.escape:
+            return None
+        written = bytes(data[start + 1:])
+        if b"\\" in written:
+            try:
+                written = json.loads(b'"' + written + b'"').encode()
+            except ValueError:
+                return None
+        keep = []
+        for choice in choices:
+            if not choice.startswith(written):
+                continue
+            rest = choice[len(written):]
+            plain = _plain_end(rest)
+            keep += [closers.equal_to(rest[:i]) for i in range(1, plain + 1)]
+            if plain == len(rest):
+                keep.append(closers.starting_with(rest + b'"'))
+        if not keep:
+            return None   # nothing it may still be: the ending checks refuse what ends it
+        vetoed = closers.keep_only(row, keep)
+        if vetoed is not None:
+            state.veto = f"writing a string here that none of {_shown(choices)} starts with"
+        return vetoed
+
+    def _string_start_fails(self, state: _DocState, data: bytearray, row, lead: str):
+        """Where a value starts: the tokens the row allows that open a string value and write what no
+        string it may be starts with (it must be one of a few), or write a whole string (opened and
+        closed by the token) that does not pass what judges a value there."""
+        found = self._watched_top(state)
+        if found is None:
+            return None
+        _, top, closers = found
+        ids, rests = closers.quoted[lead]
+        allowed = closers.allowed(row, ids)
+        if not allowed.size:
+            return None
+        key = top.key if top.is_object else top.index + (lead == ",")
+        if key is None:
+            return None
+        members = lambda: bytes(data[top.start:]).rstrip(_WS).removesuffix(b":") + b":"
+        choices = self._string_choices(state, data, key, -2 - len(data), members)
+        judge = None
+        if choices is None:
+            ctx = self._watch(top.ctx, key)
+            judge = self._member_judge(ctx, top, members) if ctx is not None else None
+            if judge is None:
+                return None
+        verdicts: dict[bytes, bool] = {}
+        vetoed = []
+        for t, at in zip(allowed.tolist(), np.searchsorted(ids, allowed).tolist()):   # ids are sorted
+            rest = rests[at]
+            if b"\\" in rest:
+                continue
+            end = rest.find(b'"')
+            if end < 0:
+                if choices is not None and not any(c.startswith(rest) for c in choices):
+                    vetoed.append(t)
+                continue
+            value = rest[:end]
+            bad = verdicts.get(value)
+            if bad is None:
+                if choices is not None:
+                    bad = value not in choices
+                else:
+                    try:
+                        text = value.decode()
+                    except UnicodeDecodeError:
+                        continue
+                    bad = judge(text) is not None   # type: ignore[misc]
+                verdicts[value] = bad
+            if bad:
+                vetoed.append(t)
+        if not vetoed:
+            return None
+        state.veto = f"opening a string here that none of {_shown(choices)} starts with" if choices is not None \
+            else "writing a string here that does not pass"
+        return np.array(vetoed, dtype=np.int64)
+
+    def _numbers_decide(self, top) -> bool:
+        """Whether the number being written in ``top`` is judged by its bounds alone, which the rows'
+        number check enforces (no union, no dependent schema, nothing else pinned there)."""
+        ctx = top.child_ctx
+        if ctx is None or ctx[2] or (top.ctx is not None and top.ctx[2]) or not self.validator.number_nodes:
+            return False
+        if not ctx[0] or not ctx[0] <= self.validator.number_nodes.keys():
+            return False
+        return self.validator.number_rule(ctx[0]) is not None and not (
+            top.is_object and top.ctx is not None and self.validator.dependents(top.ctx[0]))
+
+    def _number_vetoes(self, state: _DocState, data: bytearray, row) -> list:
+        """Where a number is being written, or may start, at a node whose bounds the grammar leaves to
+        the rows (``numbers.NumberRule``): the tokens that would leave a number no continuation ends
+        within them, or end one outside them."""
+        sc = state.scanner
+        closers = self.closers
+        assert sc is not None and closers is not None
+        if sc.scalar_start >= 0:
+            text, where = bytes(data[sc.scalar_start:]), "in"
+            ctx = sc.stack[-1].child_ctx if sc.stack else sc.root_ctx
+        else:
+            lead = _whole_value_lead(sc)
+            if lead is None:
+                return []
+            text, where = b"", lead
+            if sc.stack:
+                top = sc.stack[-1]
+                key = top.key if top.is_object else top.index + (lead == ",")
+                ctx = self._watch(top.ctx, key) if top.ctx is not None and key is not None else None
+            else:
+                ctx = sc.root_ctx
+        rule = self.validator.number_rule(ctx[0]) if ctx is not None else None
+        if rule is None:
+            return []
+        found = rule.token_vetoes(text, closers.numbers[where])
+        if found is None:
+            return []   # a literal, or no number
+        bad, ends_bad = found
+        out: list = []
+        vetoed = closers.allowed(row, bad)
+        if vetoed.size:
+            out.append(vetoed)
+        if ends_bad and where == "in":
+            words = row.view(np.uint32)
+            enders = words & closers.numbers[where].ender_mask(words.shape[0])
+            if enders.any():
+                out.append(RowMask(enders))
+        if out:
+            state.veto = "writing a number here that cannot end within its bounds"
+        return out
 
     def _integer_growth_fails(self, state: _DocState, data: bytearray, row):
         """The digit tokens the row allows that would take an integer being written past 2^53 to one

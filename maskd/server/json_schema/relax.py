@@ -153,7 +153,7 @@ def open_cycles(schema: Any, target: str) -> Any:
                 todo.append(pointer_path(ref[1:]))
     out = schema
     for path in inside:
-        out = _put(out, path, _unref(node_at(out, path), target))
+        out = put_at(out, path, _unref(node_at(out, path), target))
     return out
 
 
@@ -308,7 +308,7 @@ def any_key_order(schema: Any, try_regex: TryRegex) -> Any:
             continue
         rewritten = _free_order(node_at(out, path), try_regex)
         if rewritten is not None:
-            out = _put(out, path, rewritten)
+            out = put_at(out, path, rewritten)
     return out
 
 
@@ -366,7 +366,7 @@ def free_all_of_order(schema: Any, try_regex: TryRegex) -> Any:
         folded = _fold_all_of(current, legacy)
         rewritten = _free_folded(folded, try_regex) if folded is not None else None
         if rewritten is not None:
-            out = _put(out, path, rewritten)
+            out = put_at(out, path, rewritten)
     return out
 
 
@@ -785,15 +785,15 @@ def node_at(doc: Any, path: tuple[str, ...]) -> Any:
     return doc
 
 
-def _put(doc: Any, path: tuple, value: Any) -> Any:
+def put_at(doc: Any, path: tuple, value: Any) -> Any:
     """A copy of ``doc`` with the node at ``path`` replaced (copies along the path only)."""
     if not path:
         return value
     head, rest = path[0], path[1:]
     if isinstance(doc, dict):
-        return {**doc, head: _put(doc[head], rest, value)}
+        return {**doc, head: put_at(doc[head], rest, value)}
     i = int(head)
-    return [*doc[:i], _put(doc[i], rest, value), *doc[i + 1:]]
+    return [*doc[:i], put_at(doc[i], rest, value), *doc[i + 1:]]
 
 
 def _names_outside(props: dict, patterns: dict) -> bool:

@@ -22,7 +22,7 @@ from typing import Any
 import jsonschema_rs
 
 from maskd.server.json_schema.formats import FORMAT_CHECKERS
-from maskd.server.json_schema.numbers import inexact_integers
+from maskd.server.json_schema.numbers import BOUND_WORDS, NumberRule, inexact_integers, row_checked_numbers
 from maskd.server.json_schema.relax import map_schemas, node_at, pointer_path, subschemas
 from maskd.specs import json_depth
 
@@ -195,6 +195,9 @@ class SchemaValidator:
         # integer constants the grammar widens to a range (numbers.py): a number may not grow into the
         # range's other integers where it could then only end failing
         self.big_integers = inexact_integers(schema) if {"const", "enum"} & relaxed_keywords else ()
+        # number nodes whose bounds the grammar leaves to the rows (numbers.py): pointer -> interval
+        self.number_nodes = row_checked_numbers(schema) if BOUND_WORDS & relaxed_keywords else {}
+        self._number_rules: dict[frozenset[str], NumberRule | None] = {}
         sch = schema.get("$schema", "") if isinstance(schema, dict) else ""
         self.legacy = isinstance(sch, str) and any(d in sch for d in _LEGACY_DRAFTS)
         self._map: Any = None
@@ -206,6 +209,7 @@ class SchemaValidator:
         self._patterns: dict[tuple[str, str], bool | None] = {}
         self._pattern_validators: dict[str, Any] = {}
         self._dependents: dict[frozenset[str], dict[str, tuple[Any, ...]]] = {}
+        self._choices: dict[tuple, frozenset[str] | None] = {}
         self.root_ctx: frozenset[str] | None = None   # None: nothing below the root to check early
         if relaxed_keywords and isinstance(schema, dict):
             try:
@@ -391,6 +395,79 @@ class SchemaValidator:
         if len(self._dependents) < 4096:
             self._dependents[ctx] = out
         return out
+
+    def number_rule(self, ctx: frozenset[str]) -> NumberRule | None:
+        """The rows' check of a number pinned to ``ctx`` whose bounds the grammar leaves to them, or
+        None where the grammar keeps them (or there are none)."""
+        if not self.number_nodes:
+            return None
+        if ctx in self._number_rules:
+            return self._number_rules[ctx]
+        intervals = [self.number_nodes[p] for p in ctx if p in self.number_nodes]
+        rule = None
+        if intervals:
+            interval = intervals[0]
+            for other in intervals[1:]:
+                interval = interval.meet(other)
+            rule = NumberRule(interval) if not interval.empty else None
+        if len(self._number_rules) < 4096:
+            self._number_rules[ctx] = rule
+        return rule
+
+    # -- strings that must be one of a few ----------------------------------------------------------
+    def string_choices(self, parent: frozenset[str], key: str | int, unions: Unions) -> frozenset[str] | None:
+        """The strings a child ``key`` of a value pinned to ``parent`` must be one of, if it is a
+        string, as far as ``enum`` / ``const`` / ``type`` of the subschemas that apply to it say: those
+        its parent's pointers give it (allOf and local $ref followed), and per union it is under
+        (``unions``: each branch as pointers) those of one branch. None when they allow any string.
+        A necessary condition: a string outside it passes no document."""
+        known_key = (parent, key, unions)
+        if known_key in self._choices:
+            return self._choices[known_key]
+        ptrs: set[str] = set()
+        for ptr in parent:
+            node = self._node(ptr)
+            if isinstance(node, dict):
+                for child in self._children(ptr, node, key):
+                    ptrs |= self._expand(child)
+        found = self._strings(frozenset(ptrs))
+        for branches in unions:
+            each = [self._strings(b) for b in branches]
+            if all(e is not None for e in each):
+                union = frozenset().union(*each)   # type: ignore[arg-type]
+                found = union if found is None else found & union
+        if len(self._choices) < 4096:
+            self._choices[known_key] = found
+        return found
+
+    def _strings(self, ptrs: frozenset[str], depth: int = 0) -> frozenset[str] | None:
+        """The strings every subschema of ``ptrs`` allows, where one of them lists them (None: any)."""
+        found: frozenset[str] | None = None
+        for ptr in ptrs:
+            node = self._node(ptr)
+            if node is False:
+                return frozenset()
+            if not isinstance(node, dict) or (self.legacy and "$ref" in node):
+                continue
+            own: frozenset[str] | None = None
+            if "const" in node:
+                own = frozenset([node["const"]]) if isinstance(node["const"], str) else frozenset()
+            if isinstance(node.get("enum"), list):
+                listed = frozenset(v for v in node["enum"] if isinstance(v, str))
+                own = listed if own is None else own & listed
+            t = node.get("type")
+            if (isinstance(t, str) and t != "string") or (isinstance(t, list) and "string" not in t):
+                own = frozenset()
+            for word in ("anyOf", "oneOf"):
+                branches = node.get(word)
+                if isinstance(branches, list) and branches and depth < 4:
+                    each = [self._strings(self._expand(f"{ptr}/{word}/{i}"), depth + 1) for i in range(len(branches))]
+                    if all(e is not None for e in each):
+                        union = frozenset().union(*each)   # type: ignore[arg-type]
+                        own = union if own is None else own & union
+            if own is not None:
+                found = own if found is None else found & own
+        return found
 
     def closed_keys(self, ctx: frozenset[str]) -> frozenset[str] | None:
         """The only keys an object pinned to ``ctx`` may have (``additionalProperties: false`` with no
