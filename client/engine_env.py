@@ -13,6 +13,9 @@ tensor-parallel rank, so their adapters read where maskd is from the environment
 * ``MASKD_TOKENIZER_FINGERPRINT``: refuse a server with another vocabulary.
 * ``MASKD_TIMEOUT_S`` (30): one step's reply; ``MASKD_WAIT_TIMEOUT_S`` (60): how long a sequence
   whose grammar is still compiling may hold a batch before it is given up.
+* ``MASKD_RECOVERY_TIMEOUT_S`` (60): how long, after a maskd server is lost, the steps it had wait for
+  it (restarted, or another cluster worker) to take their sequences back (the client's
+  ``recovery_timeout_s``).
 """
 from __future__ import annotations
 
@@ -46,6 +49,7 @@ class EngineSettings:
     tokenizer_fingerprint: str | None = None
     timeout_s: float = 30.0
     wait_timeout_s: float = 60.0
+    recovery_timeout_s: float = 60.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> EngineSettings:
@@ -64,13 +68,14 @@ class EngineSettings:
                    tls=_flag(env.get("MASKD_TLS", "")) or certs is not None, tls_root_certs=certs,
                    tokenizer_fingerprint=env.get("MASKD_TOKENIZER_FINGERPRINT") or None,
                    timeout_s=_seconds(env, "MASKD_TIMEOUT_S", 30.0),
-                   wait_timeout_s=_seconds(env, "MASKD_WAIT_TIMEOUT_S", 60.0))
+                   wait_timeout_s=_seconds(env, "MASKD_WAIT_TIMEOUT_S", 60.0),
+                   recovery_timeout_s=_seconds(env, "MASKD_RECOVERY_TIMEOUT_S", 60.0))
 
     def client(self, default_session: str) -> MaskClient:
         """A client on the shared session (MASKD_SESSION, or the engine's default key)."""
         return MaskClient(self.target, tokenizer=self.tokenizer_fingerprint, session=self.session or default_session,
                           auth_token=self.auth_token, tls=self.tls, tls_root_certs=self.tls_root_certs,
-                          timeout_s=self.timeout_s)
+                          timeout_s=self.timeout_s, recovery_timeout_s=self.recovery_timeout_s)
 
 
 def _read(path: str, name: str) -> bytes:

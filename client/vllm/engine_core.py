@@ -352,25 +352,25 @@ class MaskdStructuredOutputs:
                             now - sent, STEP_DEADLINE_ENV, self.deadline_s)
             self.holds += 1
             return False
-        came = future.done()
         self.collect_ahead()
-        if self.holding_since is not None:
-            if came:
-                log.warning("maskd at %s answered %.2f s after the step was sent: its requests are scheduled again",
-                            self.settings.target, now - self.holding_since)
-            else:
-                log.error("maskd at %s did not answer a step within %g s: the requests it held end with a "
-                          "retryable error", self.settings.target, self.settings.timeout_s + 5)
-            self.holding_since = None
         return True
 
     def collect_ahead(self) -> None:
         """Waits for the step sent ahead (up to ``timeout_s`` + 5 s from its send) and gives each
-        grammar its rows (or its failure); a grammar still compiling is asked again by grammar_bitmask."""
+        grammar its rows (or its failure); a grammar still compiling is asked again by grammar_bitmask.
+        Ends a hold (``answered``), whichever of vLLM's calls collects the answer that ends it."""
         if self.ahead is None:
             return
         future, grammars, sent = self.ahead
         self.ahead = None
+        if self.holding_since is not None:
+            if future.done():
+                log.warning("maskd at %s answered %.2f s after the step was sent: its requests are scheduled again",
+                            self.settings.target, time.monotonic() - self.holding_since)
+            else:
+                log.error("maskd at %s did not answer a step within %g s: the requests it held end with a "
+                          "retryable error", self.settings.target, self.settings.timeout_s + 5)
+            self.holding_since = None
         bound = self.settings.timeout_s + 5
         try:
             result = reply_within(future, max(0.0, sent + bound - time.monotonic()), self.settings.target)

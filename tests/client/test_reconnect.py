@@ -290,6 +290,7 @@ def _vllm_backend():
     backend.client = _Client()
     backend.steps = 0
     backend.polls = 0
+    backend.holding_since = None     # no hold under way
     backend.eos_row = np.zeros(4, dtype=np.int32)
     grammar = vllm.VllmMaskdGrammar(backend, "req-1", GrammarSpec.from_request(SPEC))
     return vllm, backend, grammar

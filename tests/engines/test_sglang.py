@@ -64,6 +64,7 @@ def test_no_target_is_a_clear_error(monkeypatch, tok):
 
 @pytest.mark.parametrize("env,message", [({"MASKD_TLS": "maybe"}, "MASKD_TLS"),
                                          ({"MASKD_TIMEOUT_S": "-1"}, "positive"),
+                                         ({"MASKD_RECOVERY_TIMEOUT_S": "soon"}, "MASKD_RECOVERY_TIMEOUT_S"),
                                          ({"MASKD_TLS_ROOT_CERTS": "/no/such/ca.pem"}, "MASKD_TLS_ROOT_CERTS")])
 def test_garbage_settings(monkeypatch, tok, server, env, message):
     monkeypatch.setenv("MASKD_TARGET", server.address)

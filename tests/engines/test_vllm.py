@@ -9,6 +9,7 @@ import importlib.metadata
 import inspect
 import itertools
 import json
+import logging
 import os
 import re
 import threading
@@ -38,6 +39,7 @@ from vllm.v1.structured_output.backend_types import StructuredOutputGrammar
 from holds import hold_compiles
 from maskd.specs import GrammarSpec
 from maskd_client import vllm as plugin
+from maskd_client.types import MaskClientError
 from maskd_client.vllm import admission, common, engine_core, worker_apply
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
@@ -223,6 +225,8 @@ def test_xargs_mode_leaves_standard_requests_to_vllm(target, monkeypatch):
     ("MASKD_ADMISSION_WAIT_S", "soon", "MASKD_ADMISSION_WAIT_S"),
     ("MASKD_ADMISSION_WAIT_S", "-1", "MASKD_ADMISSION_WAIT_S"),
     ("MASKD_TIMEOUT_S", "0", "MASKD_TIMEOUT_S"),
+    ("MASKD_RECOVERY_TIMEOUT_S", "a minute", "MASKD_RECOVERY_TIMEOUT_S='a minute' is not a number of seconds"),
+    ("MASKD_RECOVERY_TIMEOUT_S", "-5", "MASKD_RECOVERY_TIMEOUT_S='-5' must be positive"),
 ])
 def test_garbage_settings_refuse_maskd_requests_with_the_reason(target, server, monkeypatch, name, value, words):
     monkeypatch.setenv(name, value)
@@ -827,8 +831,6 @@ def test_a_failure_mid_generation_reaches_the_client_with_maskds_reason(
     from vllm.outputs import RequestError
     from vllm.v1.engine import FinishReason
 
-    from maskd_client.types import MaskClientError
-
     monkeypatch.setenv("MASKD_WAIT_TIMEOUT_S", "10")
     scheduler = _scheduler(vllm_config(0))
     regex, text = LAYOUT_SPECS["a"]
@@ -887,14 +889,18 @@ def _gated_replies(monkeypatch, maskd) -> tuple[threading.Event, list[concurrent
     return gate, late
 
 
+@pytest.mark.parametrize("comes", ["before the schedule", "while a step runs"])
 def test_a_maskd_request_whose_rows_are_late_sits_the_step_out_while_the_others_decode(
-        target, server, vllm_config, cl100k_tokens, monkeypatch):
+        target, server, vllm_config, cl100k_tokens, monkeypatch, caplog, comes):
     # vLLM's own Scheduler as EngineCore.step drives it: the step sent ahead after update_from_output
     # has no answer within MASKD_STEP_DEADLINE_S, so the next schedule leaves maskd's requests out
     # (running and waiting, in their places), schedules vLLM's own, and asks no maskd row; once the
-    # answer is in, maskd's requests are scheduled again with the rows it brought.
+    # answer is in, maskd's requests are scheduled again with the rows it brought, and the log says
+    # so, whether the answer came before the schedule (which collects it) or while a step of the
+    # others ran (update_from_output collects it).
     monkeypatch.setenv("MASKD_WAIT_TIMEOUT_S", "10")
     monkeypatch.setenv(plugin.STEP_DEADLINE_ENV, "0.05")
+    caplog.set_level(logging.WARNING, logger="maskd_client")
     import llguidance.torch
 
     scheduler = _scheduler(vllm_config(0))
@@ -917,7 +923,7 @@ def test_a_maskd_request_whose_rows_are_late_sits_the_step_out_while_the_others_
     scheduler.add_request(_vllms_request("x", 2))
     order = [r.request_id for r in scheduler.running]
     bitmasks = []
-    for _ in range(3):
+    for i in range(3):
         began = time.monotonic()
         step = scheduler.schedule()
         assert time.monotonic() - began < 1.0                   # never the whole step's wait on maskd
@@ -927,16 +933,20 @@ def test_a_maskd_request_whose_rows_are_late_sits_the_step_out_while_the_others_
         assert type(output) is not worker_apply.MaskdGrammarOutput      # vLLM's rows only, no maskd row
         assert set(output.structured_output_request_ids) <= {"v", "x"}
         bitmasks.append(output)
+        if i == 2 and comes == "while a step runs":
+            gate.set()
+            late[0].result(30)
         scheduler.update_from_output(step, _sampled(*((r, [7]) for r in step.num_scheduled_tokens)))
         assert [r.request_id for r in scheduler.running][:len(order)] == order      # in their places
         assert [r.request_id for r in scheduler.waiting] in ([], ["w"])
     assert "w" in [r.request_id for r in scheduler.waiting]
     assert scheduler.requests["m"].num_output_tokens == 1              # no token for m while held
-    assert maskd.holds == 3 and maskd.holding_since is not None
+    assert maskd.holds == 3
     # maskd answers: m (with the rows that came) and w are scheduled again, with maskd's rows
     gate.set()
     late[0].result(30)
     step = scheduler.schedule()
+    assert caplog.text.count("has not answered a step") == 1 and caplog.text.count("are scheduled again") == 1
     assert {"m", "w", "v"} <= set(step.num_scheduled_tokens)
     steps = maskd.steps
     output = scheduler.get_grammar_bitmask(step)
@@ -1023,3 +1033,23 @@ def test_a_garbage_step_deadline_is_refused_naming_the_setting(monkeypatch, raw,
         common._wait_seconds(plugin.STEP_DEADLINE_ENV, 0.0)
     monkeypatch.setenv(plugin.STEP_DEADLINE_ENV, "0")
     assert (common._wait_seconds(plugin.STEP_DEADLINE_ENV, 0.0) or None) is None     # 0: the hold is off
+
+
+def test_the_recovery_timeout_is_how_long_the_engine_cores_client_waits_for_a_lost_maskd(monkeypatch, vllm_config):
+    """MASKD_RECOVERY_TIMEOUT_S reaches the client the engine core builds: with maskd gone, a step
+    fails once that budget is spent (60 s by default), and the error says which budget it was."""
+    own = MaskServer(ServerConfig(port=0, tokenizer="cl100k", threads=1, compile_threads=1)).start()
+    monkeypatch.setenv("MASKD_TARGET", own.address)
+    monkeypatch.setenv("MASKD_RECOVERY_TIMEOUT_S", "0.5")
+    try:
+        maskd = engine_core.MaskdStructuredOutputs(vllm_config())
+        maskd.client.open("r", {"regex": "a+"}, grammar_id=maskd.client.register({"regex": "a+"}))
+        assert maskd.client.step({"r": []}).seqs["r"].has_rows
+    finally:
+        own.stop(grace=0)
+    try:
+        with pytest.raises(MaskClientError, match=rf"maskd at {re.escape(own.address)} was lost .* "
+                                                   r"\(recovery_timeout_s=0.5\)"):
+            maskd.client.step({"r": []})
+    finally:
+        maskd.shutdown()

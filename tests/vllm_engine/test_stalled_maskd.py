@@ -1,10 +1,20 @@
-"""A stalled maskd costs only maskd's requests (issue 48, item 3), in a real vLLM CPU engine.
+"""A stalled, killed or slow maskd costs only maskd's requests (issue 48, item 3), in a real vLLM CPU engine.
 
-A `maskd serve` process of the test's own is stopped (SIGSTOP) for STOP_S while unconstrained and
-maskd streams are in flight: the engine core waits at most ``MASKD_STEP_DEADLINE_S`` for maskd's
-answer, then holds maskd's requests out of its steps; the unconstrained streams keep decoding (their
-longest inter-token gap stays far under the stop), and once maskd is continued its requests are
-scheduled again and finish, their outputs matching their grammar.
+One engine (``MASKD_STEP_DEADLINE_S=0.1``: the hold is opt-in) on a ``maskd serve`` process of this
+module's own, and three faults of that process while unconstrained and maskd streams are in flight:
+
+* stopped (SIGSTOP) for STOP_S: the engine core waits at most the deadline for maskd's answer, then
+  holds maskd's requests out of its steps; the unconstrained streams keep decoding, and once maskd
+  is continued its requests are scheduled again and finish, their outputs matching their grammar;
+* killed (SIGKILL) and started again at once on the same port, vLLM not restarted: the client
+  reconnects and restores every sequence from the history it holds (each maskd stream finishes
+  matching its grammar, or ends with an error naming maskd), and a new maskd request is served
+  soon after the new server listens;
+* slow: stopped and continued in a duty cycle (SLOW_OFF_S of every SLOW_OFF_S + SLOW_ON_S) for
+  SLOW_S; maskd's answers come late, its streams slow down and finish valid, the others do not.
+
+The figures (gaps, the restarted server's first answer) are printed; the assertions are generous
+bounds (CI is a loaded 2-core machine): speed is measured by hand, see docs/engines.md.
 """
 import concurrent.futures
 import itertools
@@ -17,7 +27,9 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
+from collections.abc import Callable
 
 import pytest
 from harness import ENGINE_OPTIONS, MODEL, vllm_engine
@@ -25,43 +37,86 @@ from harness import ENGINE_OPTIONS, MODEL, vllm_engine
 from maskd_tools.vllm_serve import free_port
 
 STOP_S = 5.0
-GAP_BOUND_S = 1.5          # an unconstrained stream's longest gap while maskd is stopped for STOP_S
+SLOW_S, SLOW_OFF_S, SLOW_ON_S = 4.0, 0.3, 0.1
+GAP_BOUND_S = 1.5          # an unconstrained stream's longest gap during a fault (normal p99 ~0.2 s)
+SERVED_BOUND_S = 15.0      # a new maskd request's answer after a restarted maskd listens (measured ~1 s)
 WORDS = r"([a-z]{2,5} ){40}end"
+SHORT = r"(yes|no) [a-z]{2,5} [a-z]{2,5} end"
 PLAIN, MASKD = 4, 4
-IN_FLIGHT = 20             # tokens every stream has before maskd is stopped (the normal gaps come from these)
+IN_FLIGHT = 20             # tokens every stream has before the fault (the normal gaps come from these)
 
 
-@pytest.fixture
-def maskd_process():
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "maskd.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-                             "--tokenizer", "deepseek-v4", "--threads", "1", "--compile-threads", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    try:
-        ready, _, _ = select.select([proc.stdout], [], [], 60)
-        line = proc.stdout.readline() if ready else ""
+class MaskdProcess:
+    """``maskd serve`` on one loopback port, which a test may stop, kill and start again."""
+
+    def __init__(self, log_dir) -> None:
+        self.port = free_port()
+        self.target = f"127.0.0.1:{self.port}"
+        self.log = log_dir / "maskd-serve.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> float:
+        """Starts the server; returns when it said it listens (time.monotonic())."""
+        if self.proc is not None:
+            self.proc.stdout.close()        # the one before, ended
+        with open(self.log, "ab") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "maskd.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+                 "--tokenizer", "deepseek-v4", "--threads", "1", "--compile-threads", "1"],
+                stdout=subprocess.PIPE, stderr=err, text=True)
+        ready, _, _ = select.select([self.proc.stdout], [], [], 60)
+        line = self.proc.stdout.readline() if ready else ""
         assert "maskd serving on" in line, f"maskd serve did not start: {line!r}"
-        yield proc, f"127.0.0.1:{port}"
+        return time.monotonic()
+
+    def signal(self, sig: int) -> None:
+        os.kill(self.proc.pid, sig)
+
+    def end(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.kill()
+        if self.proc is not None:
+            self.proc.wait(10)
+            self.proc.stdout.close()
+
+
+@pytest.fixture(scope="module")
+def maskd_process(logs):
+    proc = MaskdProcess(logs)
+    try:
+        proc.start()
+        yield proc
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGCONT)
-            proc.kill()
-        proc.wait(10)
+        proc.end()
 
 
-def stream(url: str, body: dict, times: list, text: list, started: threading.Event) -> dict:
-    """A streamed /v1/completions request: each chunk's arrival (time.monotonic()) and text (``started``
-    set at the IN_FLIGHT-th); the last chunk's finish reason."""
+@pytest.fixture(scope="module")
+def engine(logs, maskd_process):
+    env = {"MASKD_TARGET": maskd_process.target, "MASKD_STEP_DEADLINE_S": "0.1"}     # the hold is opt-in
+    with vllm_engine(logs, *ENGINE_OPTIONS, "--max-num-seqs", "16", env=env, name="maskd-stalled") as engine:
+        for regex in (WORDS, SHORT):
+            assert engine.complete({"prompt": "warm", "max_tokens": 400, "structured_outputs": {"regex": regex}})
+        yield engine
+
+
+def stream(url: str, body: dict, times: list, text: list, started: threading.Event,
+           enough: threading.Event) -> dict:
+    """A streamed /v1/completions request: each chunk's arrival (time.monotonic()) and text
+    (``started`` set at the IN_FLIGHT-th); read until it ends or ``enough`` is set (the request is
+    then cancelled). Its finish reason, text, and the error chunk's message if one came."""
     req = urllib.request.Request(url + "/v1/completions", headers={"content-type": "application/json"},
                                  data=json.dumps({"model": MODEL, "stream": True, **body}).encode())
-    finish = None
+    finish = error = None
     with urllib.request.urlopen(req, timeout=120) as reply:
         for raw in reply:
             line = raw.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
-            assert "error" not in chunk, chunk
+            if "error" in chunk:
+                error = chunk["error"].get("message", str(chunk["error"]))
+                break
             choice = chunk["choices"][0]
             if choice.get("text"):
                 times.append(time.monotonic())
@@ -69,55 +124,153 @@ def stream(url: str, body: dict, times: list, text: list, started: threading.Eve
                 if len(times) >= IN_FLIGHT:
                     started.set()
             finish = choice.get("finish_reason") or finish
-    return {"finish_reason": finish, "text": "".join(text)}
+            if enough.is_set():
+                break
+    return {"finish_reason": finish, "text": "".join(text), "error": error}
 
 
-def test_a_stopped_maskd_stalls_only_maskds_requests(logs, maskd_process):
-    proc, target = maskd_process
-    env = {"MASKD_TARGET": target, "MASKD_STEP_DEADLINE_S": "0.1"}     # the hold is opt-in
-    with vllm_engine(logs, *ENGINE_OPTIONS, "--max-num-seqs", "16", env=env, name="maskd-stalled") as engine:
-        regex = {"structured_outputs": {"regex": WORDS}}
-        assert engine.complete({"prompt": "warm", "max_tokens": 400, **regex})   # the grammar compiled
-        bodies = {f"plain-{i}": {"prompt": f"Story {i}:", "max_tokens": 900, "ignore_eos": True, "temperature": 0.8,
-                                 "seed": i} for i in range(PLAIN)}
-        bodies.update({f"maskd-{i}": {"prompt": f"Words {i}:", "max_tokens": 400, "temperature": 0.8, "seed": i,
-                                      **regex} for i in range(MASKD)})
-        times = {k: [] for k in bodies}
-        texts = {k: [] for k in bodies}
-        started = {k: threading.Event() for k in bodies}
-        with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
-            futures = {k: pool.submit(stream, engine.url, b, times[k], texts[k], started[k]) for k, b in bodies.items()}
+class Run:
+    """The streams of one fault: their chunks' times, their results, the fault's window."""
+
+    def __init__(self, times: dict, results: dict, begun: float, ended: float) -> None:
+        self.times, self.results, self.begun, self.ended = times, results, begun, ended
+
+    def keys(self, kind: str) -> list[str]:
+        return [k for k in self.times if k.startswith(kind)]
+
+    def gap(self, k: str) -> float:
+        """A stream's longest gap that overlaps the fault."""
+        return max((b - a for a, b in itertools.pairwise(self.times[k]) if b > self.begun and a < self.ended),
+                   default=0.0)
+
+    def during(self, k: str) -> int:
+        return sum(self.begun <= t <= self.ended for t in self.times[k])
+
+    def report(self, what: str) -> float:
+        """Prints the unconstrained streams' normal gaps and their longest during the fault; returns the
+        latter."""
+        normal = sorted(b - a for k in self.keys("plain") for a, b in itertools.pairwise(self.times[k])
+                        if b < self.begun)
+        p50, p99 = normal[len(normal) // 2], normal[int(len(normal) * 0.99)]
+        plain, at = max((b - a, a) for k in self.keys("plain") for a, b in itertools.pairwise(self.times[k])
+                        if b > self.begun and a < self.ended)
+        print(f"\n{what} ({self.ended - self.begun:.2f} s): unconstrained inter-token gaps before it p50 {p50:.3f} s, "
+              f"p99 {p99:.3f} s ({len(normal)}); longest during it {plain:.3f} s ({plain / p99:.2f}x p99, from "
+              f"{at - self.begun:+.2f} s; tokens during it {[self.during(k) for k in self.keys('plain')]}); maskd "
+              f"streams' longest gap {max(self.gap(k) for k in self.keys('maskd')):.3f} s")
+        return plain
+
+
+def under_fault(engine, fault: Callable[[], None], maskd_tokens: int = 400) -> Run:
+    """PLAIN unconstrained and MASKD regex streams; ``fault()`` once every stream is IN_FLIGHT tokens
+    in. The unconstrained streams are cancelled once every maskd stream has ended."""
+    regex = {"structured_outputs": {"regex": WORDS}}
+    bodies = {f"plain-{i}": {"prompt": f"Story {i}:", "max_tokens": 900, "ignore_eos": True, "temperature": 0.8,
+                             "seed": i} for i in range(PLAIN)}
+    bodies.update({f"maskd-{i}": {"prompt": f"Words {i}:", "max_tokens": maskd_tokens, "temperature": 0.8,
+                                  "seed": i, **regex} for i in range(MASKD)})
+    times = {k: [] for k in bodies}
+    texts = {k: [] for k in bodies}
+    started = {k: threading.Event() for k in bodies}
+    enough = threading.Event()
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+        futures = {k: pool.submit(stream, engine.url, b, times[k], texts[k], started[k],
+                                  enough if k.startswith("plain") else threading.Event())
+                   for k, b in bodies.items()}
+        try:
             for k, event in started.items():          # every stream in flight
                 assert event.wait(60), f"{k} sent fewer than {IN_FLIGHT} tokens in 60 s"
-            os.kill(proc.pid, signal.SIGSTOP)
-            stopped = time.monotonic()
-            try:
-                time.sleep(STOP_S)          # the fault's length (the outcome is read from the streams)
-            finally:
-                os.kill(proc.pid, signal.SIGCONT)
-            resumed = time.monotonic()
-            results = {k: f.result(timeout=120) for k, f in futures.items()}
+            begun = time.monotonic()
+            fault()
+            ended = time.monotonic()
+            results = {k: futures[k].result(timeout=180) for k in bodies if k.startswith("maskd")}
+        finally:
+            enough.set()
+        results.update({k: futures[k].result(timeout=60) for k in bodies if k.startswith("plain")})
+    return Run(times, results, begun, ended)
 
-    during = {k: sum(stopped <= t <= resumed for t in ts) for k, ts in times.items()}
-    gaps = {k: max((b - a for a, b in itertools.pairwise(ts) if b > stopped and a < resumed), default=0.0)
-            for k, ts in times.items()}
-    plain_gap = max(gaps[k] for k in bodies if k.startswith("plain"))
-    maskd_gap = max(gaps[k] for k in bodies if k.startswith("maskd"))
-    normal = sorted(b - a for k, ts in times.items() if k.startswith("plain") for a, b in itertools.pairwise(ts)
-                    if b < stopped)
-    p50, p99 = normal[len(normal) // 2], normal[int(len(normal) * 0.99)]
-    print(f"\nbefore the stop: unconstrained inter-token gaps p50 {p50:.3f} s, p99 {p99:.3f} s ({len(normal)})")
-    print(f"maskd stopped {resumed - stopped:.2f} s: unconstrained streams' longest gap {plain_gap:.3f} s "
-          f"(tokens during the stop: {[during[k] for k in bodies if k.startswith('plain')]}); "
-          f"maskd streams' longest gap {maskd_gap:.3f} s")
-    for k in bodies:
-        if k.startswith("plain"):
-            assert during[k] > 0, f"{k} got no token while maskd was stopped"
-            assert gaps[k] < GAP_BOUND_S, f"{k}: a gap of {gaps[k]:.2f} s while maskd was stopped {STOP_S} s"
-        else:
-            assert results[k]["finish_reason"] == "stop", (k, results[k])
-            assert re.fullmatch(WORDS, results[k]["text"]), (k, results[k]["text"])
-    assert maskd_gap > STOP_S / 2         # maskd's streams did wait for maskd (held, not unconstrained)
+
+def check_unconstrained(run: Run) -> None:
+    for k in run.keys("plain"):
+        assert run.results[k]["error"] is None, (k, run.results[k])
+        assert run.during(k) > 0, f"{k} got no token during the fault"
+        assert run.gap(k) < GAP_BOUND_S, f"{k}: a gap of {run.gap(k):.2f} s during the fault"
+
+
+def test_a_stopped_maskd_stalls_only_maskds_requests(engine, maskd_process):
+    def stop():
+        maskd_process.signal(signal.SIGSTOP)
+        try:
+            time.sleep(STOP_S)          # the fault's length (the outcome is read from the streams)
+        finally:
+            maskd_process.signal(signal.SIGCONT)
+
+    run = under_fault(engine, stop)
+    run.report("maskd stopped")
+    check_unconstrained(run)
+    for k in run.keys("maskd"):
+        assert run.results[k]["finish_reason"] == "stop", (k, run.results[k])
+        assert re.fullmatch(WORDS, run.results[k]["text"]), (k, run.results[k]["text"])
+    assert max(run.gap(k) for k in run.keys("maskd")) > STOP_S / 2    # they did wait (held, not unconstrained)
     log = engine.log_text()
     assert "maskd's requests are held out of vLLM's steps" in log
     assert "are scheduled again" in log
+
+
+def test_a_killed_maskd_restarted_at_once_serves_its_requests_again(engine, maskd_process):
+    served: dict[str, float] = {}
+    marks: dict[str, float] = {}
+
+    def kill_and_restart():
+        maskd_process.signal(signal.SIGKILL)
+        maskd_process.proc.wait(10)
+        marks["killed"] = time.monotonic()
+        listening = marks["listening"] = maskd_process.start()
+        # a new request of a spec the engine saw before (its grammar id is not on the new server) and
+        # one of a spec new to it, both sent as the new server listens
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            asks = {name: pool.submit(engine.post, {"prompt": "Answer:", "max_tokens": 20, "temperature": 0.8,
+                                                    "structured_outputs": {"regex": regex}}, timeout=60)
+                    for name, regex in (("seen", SHORT), ("new", SHORT.replace("end", "done")))}
+            for name, ask in asks.items():
+                ask.add_done_callback(lambda _, name=name: served.setdefault(name, time.monotonic() - listening))
+            for name, ask in asks.items():
+                status, reply = ask.result(timeout=90)
+                assert status == 200, (name, status, reply)
+                regex = SHORT if name == "seen" else SHORT.replace("end", "done")
+                assert re.fullmatch(regex, reply["choices"][0]["text"]), (name, reply)
+
+    run = under_fault(engine, kill_and_restart)
+    run.report("maskd killed and restarted")
+    print(f"the restarted maskd listened {marks['listening'] - marks['killed']:.2f} s after the kill "
+          f"({marks['listening'] - run.begun:+.2f} s); new maskd requests answered {served['seen']:.2f} s (spec "
+          f"seen before) and {served['new']:.2f} s (a new spec) after it listened")
+    check_unconstrained(run)
+    for k in run.keys("maskd"):
+        res = run.results[k]
+        if res["error"] is not None:      # ended by maskd's absence: said so, never a bare server error
+            assert "maskd" in res["error"], (k, res)
+        else:
+            assert res["finish_reason"] == "stop", (k, res)
+            assert re.fullmatch(WORDS, res["text"]), (k, res["text"])
+    assert max(served.values()) < SERVED_BOUND_S, served
+
+
+def test_a_slow_maskd_slows_only_maskds_requests(engine, maskd_process):
+    def duty_cycle():
+        end = time.monotonic() + SLOW_S
+        while time.monotonic() < end:
+            maskd_process.signal(signal.SIGSTOP)
+            try:
+                time.sleep(SLOW_OFF_S)      # the fault itself: maskd answers only in the gaps between
+            finally:
+                maskd_process.signal(signal.SIGCONT)
+            time.sleep(SLOW_ON_S)
+
+    run = under_fault(engine, duty_cycle)
+    run.report(f"maskd stopped {SLOW_OFF_S:g} s of every {SLOW_OFF_S + SLOW_ON_S:g} s")
+    check_unconstrained(run)
+    for k in run.keys("maskd"):
+        assert run.results[k]["finish_reason"] == "stop", (k, run.results[k])
+        assert re.fullmatch(WORDS, run.results[k]["text"]), (k, run.results[k]["text"])
+        assert run.during(k) > 0, f"{k} got no token while maskd was slow"
