@@ -37,6 +37,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.structured_output.backend_types import StructuredOutputGrammar
 
 from holds import hold_compiles
+from maskd.server import MaskServer, ServerConfig
 from maskd.specs import GrammarSpec
 from maskd_client import vllm as plugin
 from maskd_client.types import MaskClientError
