@@ -13,6 +13,8 @@ chaos
     llguidance's (so every output equals the undisturbed run's).
 
 Both write ``<mode>.json`` and ``<mode>.md`` into ``--out`` and exit non-zero when a check failed.
+The servers they start run strict JSON-schema mode: the mirror is llguidance's own grammar, which
+complete mode's rows no longer equal where they check a number's bounds (decision 0025).
 """
 from __future__ import annotations
 
@@ -62,10 +64,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# the servers' JSON-schema mode: the one whose rows in-process llguidance computes too
+STRICT = "strict"
+
+
 def serve(tokenizer: str, threads: int, port: int, log_path: pathlib.Path) -> subprocess.Popen:
     with open(log_path, "a") as log:
         proc = subprocess.Popen([sys.executable, "-m", "maskd.cli", "serve", "--host", "127.0.0.1",
-                                 "--port", str(port), "--tokenizer", tokenizer, "--threads", str(threads)],
+                                 "--port", str(port), "--tokenizer", tokenizer, "--threads", str(threads),
+                                 "--json-schema-mode", STRICT],
                                 stdout=subprocess.PIPE, stderr=log, text=True)
     line = proc.stdout.readline() if proc.stdout else ""
     if "maskd serving on" not in line:
@@ -232,7 +239,7 @@ def _chaos_cluster(args) -> int:
         cfg = launcher.ClusterConfig(workers=args.workers, namespace="maskd-chaos", worker_cpus=0.5,
                                      detached=False, poll_s=0.25, ready_timeout_s=300,
                                      server=ServerConfig(port=0, tokenizer=args.tokenizer, threads=args.threads,
-                                                         compile_threads=1))
+                                                         compile_threads=1, json_schema_mode=STRICT))
         directory = launcher.up(cfg)
 
         def killer() -> None:
