@@ -204,17 +204,21 @@ class CompilePool:
         self.users = 0
         self.crashes = 0
         self.timeouts = 0
-        self._warmers = [threading.Thread(target=self._warm_one, daemon=True, name="maskd-compile-warm")
+        # the first workers load at the process's priority: their server does not serve before they are
+        # warm, and at compile_nice on a busy machine (a restart beside an engine using every core) a
+        # 129k vocabulary's load took 46 s
+        self._warmers = [threading.Thread(target=self._warm_one, args=(True,), daemon=True, name="maskd-compile-warm")
                          for _ in range(workers)]
         self._started = workers
         for t in self._warmers:
             t.start()
 
-    def _warm_one(self) -> None:
-        """Starts a worker and waits for it to load the engine (seconds for a large vocabulary)."""
+    def _warm_one(self, at_once: bool = False) -> None:
+        """Starts a worker and waits for it to load the engine (seconds for a large vocabulary);
+        ``at_once``: at the process's priority (before the server serves), else at compile_nice."""
         try:
             worker = _Worker(self.key)
-            if worker.call(("warm", None), ENGINE_LOAD_LIMIT_S) != ("ok", None):
+            if worker.call(("warm", at_once), ENGINE_LOAD_LIMIT_S) != ("ok", None):
                 raise RuntimeError("unexpected answer")
             worker.ready = True
             with self._cond:

@@ -2,7 +2,8 @@
 (MODE: the server's JSON schema mode; NICE: the CPU priority it runs at, the server's compile_nice).
 
 Reads length-prefixed pickled requests on stdin and answers on stdout (see compile_pool):
-``("warm", None)`` loads the engine; ``("compile", GrammarSpec)`` answers ``("ok", bytes)`` with the
+``("warm", at_once)`` loads the engine (``at_once``: at the process's own priority, for a server that
+does not serve yet; lowered to NICE only after it); ``("compile", GrammarSpec)`` answers ``("ok", bytes)`` with the
 serialized compiled grammar or ``("error", message)``. Where the engine loads more on the way (the
 fallback's secondary engine), ``("loading", None)`` and ``("loaded", None)`` come before the
 answer. The worker runs at CPU priority NICE (19, the lowest, by default); its time limit is of
@@ -31,7 +32,7 @@ def main(argv: list[str]) -> int:
     json_schema_mode = argv[4] if len(argv) > 4 else "strict"
     nice = int(argv[5]) if len(argv) > 5 else 0
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    lower_priority(nice)                    # compiles take only what the server's step path leaves
+    lowered = False
     out = os.fdopen(os.dup(1), "wb")        # the answers' channel ...
     os.dup2(2, 1)                           # ... and stdout (prints of any library) goes to stderr
     inp = sys.stdin.buffer.fileno()
@@ -54,10 +55,16 @@ def main(argv: list[str]) -> int:
         except EOFError:
             return 0
         kind, payload = pickle.loads(read_exact(inp, size, None))
+        if not lowered and not (kind == "warm" and payload):
+            lower_priority(nice)            # compiles take only what the server's step path leaves
+            lowered = True
         answer: list[Any] = []
         thread = threading.Thread(target=_serve, args=(load, kind, payload, answer), name="maskd-compile-worker")
         thread.start()
         thread.join()
+        if not lowered:                     # loaded at once (at the start, where nothing waits on a step)
+            lower_priority(nice)
+            lowered = True
         try:
             write_message(out, answer[0])
         except BrokenPipeError:   # the server is gone (or killed this worker's slot): nothing to answer

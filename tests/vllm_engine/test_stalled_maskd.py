@@ -246,10 +246,15 @@ def test_a_killed_maskd_restarted_at_once_serves_its_requests_again(engine, mask
           f"({marks['listening'] - run.begun:+.2f} s); new maskd requests answered {served['seen']:.2f} s (spec "
           f"seen before) and {served['new']:.2f} s (a new spec) after it listened")
     check_unconstrained(run)
+    failed = re.findall(r"maskd sequence \S+ failed: (.*); vLLM ends its request", engine.log_text())
     for k in run.keys("maskd"):
         res = run.results[k]
-        if res["error"] is not None:      # ended by maskd's absence: said so, never a bare server error
-            assert "maskd" in res["error"], (k, res)
+        if res["error"] is not None:
+            # ended by maskd's absence (a restart slower than the client's recovery window: 46 s on a
+            # loaded CI machine once): said so to the client where vLLM carries a reason (0.33's
+            # RequestError); 0.32's bare HTTP 500 has none, and the engine's log then says why
+            assert "maskd" in res["error"] or res["error"] == "Internal server error", (k, res)
+            assert failed and all(reason.strip() for reason in failed), failed
         else:
             assert res["finish_reason"] == "stop", (k, res)
             assert re.fullmatch(WORDS, res["text"]), (k, res["text"])
