@@ -16,6 +16,10 @@ tensor-parallel rank, so their adapters read where maskd is from the environment
 * ``MASKD_RECOVERY_TIMEOUT_S`` (60): how long, after a maskd server is lost, the steps it had wait for
   it (restarted, or another cluster worker) to take their sequences back (the client's
   ``recovery_timeout_s``).
+
+An engine whose step waits for maskd's answer waits ``MASKD_TIMEOUT_S`` + 5 s; one that holds
+maskd's requests out of its steps meanwhile (vLLM's ``MASKD_STEP_DEADLINE_S``) waits as long as the
+client may take, the later of its two clocks + 5 s (``EngineSettings.reply_bound_s``).
 """
 from __future__ import annotations
 
@@ -50,6 +54,16 @@ class EngineSettings:
     timeout_s: float = 30.0
     wait_timeout_s: float = 60.0
     recovery_timeout_s: float = 60.0
+
+    def reply_bound_s(self, held: bool) -> float:
+        """How long an engine waits for a step's answer before its sequences fail. ``held``: the
+        engine holds the step's requests out of its steps meanwhile (the others decode), so as long
+        as the client may take (``timeout_s`` for a server that answers, ``recovery_timeout_s`` for
+        one it lost and reconnects to, a restart replaying the sequences) and 5 s more: with
+        ``timeout_s`` + 5, a maskd restarted within the recovery window but after 35 s (one took 46 s
+        beside an engine using every core) failed the requests the client was about to restore.
+        Not held (the engine's step waits for the answer): ``timeout_s`` + 5."""
+        return (max(self.timeout_s, self.recovery_timeout_s) if held else self.timeout_s) + 5
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> EngineSettings:

@@ -329,7 +329,7 @@ class MaskdGrammarBackend(BaseGrammarBackend):
     def _step(self, request: dict) -> StepResult:
         self.steps += 1
         fut: Future = self.client.step_async(request)
-        return reply_within(fut, self.settings.timeout_s + 5, self.settings.target)
+        return reply_within(fut, self.settings.reply_bound_s(held=False), self.settings.target)
 
     def _set_row(self, vocab_mask: torch.Tensor, row: int, words: np.ndarray) -> None:
         target = vocab_mask[row].numpy()

@@ -330,10 +330,16 @@ class MaskdStructuredOutputs:
         self.steps += 1
         self.ahead = (future, grammars, time.monotonic())
 
+    @property
+    def reply_bound_s(self) -> float:
+        """How long a step's answer is waited for (EngineSettings.reply_bound_s): with the hold on, as
+        long as the client may take; with it off, the engine's step waits, MASKD_TIMEOUT_S + 5 s."""
+        return self.settings.reply_bound_s(held=self.deadline_s is not None)
+
     def answered(self) -> bool:
         """(before vLLM schedules a step) Whether maskd's requests may be scheduled: no step is in
         flight, or its answer came within ``deadline_s`` of its send (it is collected: the rows wait
-        in the grammars), or it is past the long bound (``timeout_s`` + 5 s: its grammars fail, and
+        in the grammars), or it is past the long bound (``reply_bound_s``: its grammars fail, and
         are scheduled to end with that error). False: the answer is late, and maskd's requests are
         held out of this step; waits at most what is left of ``deadline_s``."""
         if self.ahead is None:
@@ -344,7 +350,7 @@ class MaskdStructuredOutputs:
         if left > 0 and not future.done():
             concurrent.futures.wait([future], timeout=left)
         now = time.monotonic()
-        if not future.done() and now < sent + self.settings.timeout_s + 5:
+        if not future.done() and now < sent + self.reply_bound_s:
             if self.holding_since is None:
                 self.holding_since = sent
                 log.warning("maskd at %s has not answered a step in %.2f s (%s=%g): maskd's requests are held "
@@ -356,7 +362,7 @@ class MaskdStructuredOutputs:
         return True
 
     def collect_ahead(self) -> None:
-        """Waits for the step sent ahead (up to ``timeout_s`` + 5 s from its send) and gives each
+        """Waits for the step sent ahead (up to ``reply_bound_s`` from its send) and gives each
         grammar its rows (or its failure); a grammar still compiling is asked again by grammar_bitmask.
         Ends a hold (``answered``), whichever of vLLM's calls collects the answer that ends it."""
         if self.ahead is None:
@@ -369,9 +375,9 @@ class MaskdStructuredOutputs:
                             self.settings.target, time.monotonic() - self.holding_since)
             else:
                 log.error("maskd at %s did not answer a step within %g s: the requests it held end with a "
-                          "retryable error", self.settings.target, self.settings.timeout_s + 5)
+                          "retryable error", self.settings.target, self.reply_bound_s)
             self.holding_since = None
-        bound = self.settings.timeout_s + 5
+        bound = self.reply_bound_s
         try:
             result = reply_within(future, max(0.0, sent + bound - time.monotonic()), self.settings.target)
         except (MaskClientError, concurrent.futures.TimeoutError) as exc:
@@ -413,7 +419,7 @@ class MaskdStructuredOutputs:
 
         def send(step: dict[str, Any]) -> StepResult:
             self.steps += 1
-            return reply_within(self.client.step_async(step), self.settings.timeout_s + 5, self.settings.target)
+            return reply_within(self.client.step_async(step), self.reply_bound_s, self.settings.target)
 
         def ready(e: _Entry, res: SeqResult, result: StepResult) -> None:
             sid = e.grammar.seq_id

@@ -992,7 +992,8 @@ def test_without_a_step_deadline_the_schedule_never_waits_for_maskd_and_its_rows
 def test_a_maskd_request_held_past_the_long_bound_ends_with_the_retryable_error_naming_maskd(
         target, server, vllm_config, cl100k_tokens, monkeypatch):
     # maskd never answers the step sent ahead: its request is held (not scheduled) until the step's
-    # long bound (MASKD_TIMEOUT_S + 5 s from its send), then scheduled to end: EOS rows, finish
+    # long bound (the later of MASKD_TIMEOUT_S and MASKD_RECOVERY_TIMEOUT_S, + 5 s from its send),
+    # then scheduled to end: EOS rows, finish
     # reason error, the RequestError retryable and naming maskd (never an unconstrained row)
     from vllm.exceptions import RetryableRequestError
     from vllm.v1.engine import FinishReason
@@ -1011,7 +1012,8 @@ def test_a_maskd_request_held_past_the_long_bound_ends_with_the_retryable_error_
     scheduler.update_from_output(step, _sampled(("m", tokens[:1])))
     assert not scheduler.schedule().num_scheduled_tokens          # held
     future, grammars, sent = maskd.ahead
-    bound = maskd.settings.timeout_s + 5
+    bound = maskd.reply_bound_s
+    assert bound == max(maskd.settings.timeout_s, maskd.settings.recovery_timeout_s) + 5     # held: the client's clocks
     maskd.ahead = (future, grammars, sent - bound)                  # as if it had waited that long
     step = scheduler.schedule()
     assert "m" in step.num_scheduled_tokens
