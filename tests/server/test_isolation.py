@@ -193,6 +193,7 @@ def test_compiles_take_only_what_the_step_path_leaves_and_their_limit_is_cpu_tim
     # burst on the server's core leaves the step path's wait flat, maskd bench burst); a worker that gets no core for
     # longer than the limit (here: stopped) has not used its limit, and its compile is not stopped
     import os
+    import pathlib
     import signal
     import sys
     import time
@@ -206,6 +207,9 @@ def test_compiles_take_only_what_the_step_path_leaves_and_their_limit_is_cpu_tim
         assert pool.wait_warm(120.0)
         worker = pool._idle[0]
         assert os.getpriority(os.PRIO_PROCESS, worker.proc.pid) == 19
+        group = pathlib.Path(f"/proc/{worker.proc.pid}/autogroup")
+        if group.exists():      # its session's scheduling group too (the nice value counts only inside it)
+            assert group.read_text().split()[-1] == "19", group.read_text()
         assert cpu_seconds(worker.proc.pid) > 0       # it loaded an engine
         spec = GrammarSpec.create("regex", "[0-9]{3}-cpu")
         os.kill(worker.proc.pid, signal.SIGSTOP)     # no core for 1.5 s, 3x the limit
