@@ -136,8 +136,13 @@ class _Worker:
         cmd = [sys.executable, "-m", "maskd.server.compile_worker", backend, tokenizer, str(width or 0),
                str(COMPILE_STACK_BYTES), json_schema_mode, str(nice)]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
-                                     start_new_session=True)   # ^C to the server does not reach it
+        # A process group of its own (^C at a terminal does not reach it) in the server's session: where
+        # the kernel groups tasks by session (sched_autogroup_enabled, on in most distributions'
+        # kernels) a nice value counts only inside the session's group, so a worker in a session of its
+        # own at nice 19 still took half of a core it shared with the server (a busy loop beside it:
+        # 50 %; in the server's session: 1 %). In the server's group it yields to the step path, and
+        # the group as a whole shares the machine with other sessions as before.
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, process_group=0)
         self.ready = False
 
     def call(self, request: Any, timeout_s: float | None) -> Any:

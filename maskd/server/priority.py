@@ -24,22 +24,5 @@ def lower_priority(nice: int = LOWEST, thread: bool = False) -> None:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
         elif not thread:
             os.setpriority(os.PRIO_PROCESS, 0, nice)
-            _lower_autogroup(nice)
     except (OSError, AttributeError):
-        pass
-
-
-def _lower_autogroup(nice: int) -> None:
-    """A process that leads its own session (a compile worker: ``start_new_session``) is, where the
-    kernel groups tasks by session (``kernel.sched_autogroup_enabled``, on by default in most
-    distributions' kernels), a scheduling group of its own, and a nice value counts only inside its
-    group: at nice 19 it still took half of a core it shared with the server (a busy loop beside it:
-    50 %, with the group's nice 19 as well: 1 %). Such a process lowers its group too; one in
-    another's session does not touch the group it shares."""
-    if not sys.platform.startswith("linux") or os.getsid(0) != os.getpid():
-        return
-    try:
-        with open("/proc/self/autogroup", "w") as group:
-            group.write(str(nice))
-    except OSError:     # no autogroups (disabled, or a kernel without them): the nice value alone counts
         pass
