@@ -21,7 +21,9 @@ re-imported): the worker compiles the spec with the server's engine on a thread 
 
 Pools are shared within a process by (backend, tokenizer, width, mode, nice) and live until it exits: several
 servers in one process (tests, tools) start their workers once. Workers start with the first server
-that uses them and load the engine at once, off the request path.
+that uses them and load the engine at once, off the request path: at the process's priority (the
+server serves only once they are warm), then at compile_nice; a worker that replaces another loads
+at compile_nice.
 """
 from __future__ import annotations
 
