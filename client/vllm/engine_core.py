@@ -419,7 +419,9 @@ class MaskdStructuredOutputs:
 
         def send(step: dict[str, Any]) -> StepResult:
             self.steps += 1
-            return reply_within(self.client.step_async(step), self.reply_bound_s, self.settings.target)
+            # a wait inside vLLM's step (no step ahead: drafts, a new request's first step): not a hold
+            return reply_within(self.client.step_async(step), self.settings.reply_bound_s(held=False),
+                                self.settings.target)
 
         def ready(e: _Entry, res: SeqResult, result: StepResult) -> None:
             sid = e.grammar.seq_id
