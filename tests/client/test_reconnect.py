@@ -291,6 +291,7 @@ def _vllm_backend():
     backend.steps = 0
     backend.polls = 0
     backend.holding_since = None     # no hold under way
+    backend.deadline_s = None        # no step deadline: the engine's step waits (MASKD_TIMEOUT_S + 5 s)
     backend.eos_row = np.zeros(4, dtype=np.int32)
     grammar = vllm.VllmMaskdGrammar(backend, "req-1", GrammarSpec.from_request(SPEC))
     return vllm, backend, grammar
