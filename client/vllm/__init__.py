@@ -22,8 +22,10 @@ What a maskd request meets (docs/engines.md tells each in full):
 * each engine step: one maskd step for every maskd request, sent as soon as vLLM accepts the
   tokens and answered beside the forward pass; maskd's rows sit in vLLM's bitmask beside those of
   vLLM's own backend, and a batch whose rows are all maskd's is applied with maskd's kernel (CPU
-  and CUDA). ``MASKD_STEP_DEADLINE_S`` (opt-in, e.g. 0.1): a slow or stopped maskd holds only
-  maskd's requests out of the steps while every other request decodes;
+  and CUDA). A slow or stopped maskd holds only maskd's requests out of the steps while every
+  other request decodes: rows later than ``MASKD_STEP_DEADLINE_S`` (0.05 s; 0: off) after the step's
+  send take maskd's requests out of that step (preempted, their token dropped, never an
+  unconstrained one) and out of the steps after, until maskd answers;
 * a sequence the server fails (a rejected token, a document that cannot pass its schema, no
   answer) ends that request with finish reason ``error``, never a cut-short "stop"; on vLLM 0.33
   the client gets maskd's reason (HTTP 500; 503, retryable, where maskd did not answer);

@@ -105,7 +105,10 @@ POINTS: tuple[PatchPoint, ...] = (
                why="maskd's requests held out of a step while maskd's answer is late (MASKD_STEP_DEADLINE_S)"),
     PatchPoint(_SCHEDULER, "Scheduler", "update_from_output", ("self",), scheduler._update_from_output,
                not_overridden_in=(_ASYNC_SCHEDULER,),
-               why="the step of the accepted tokens sent ahead; a failed request's reason on its output"),
+               why="the step of the accepted tokens sent ahead; a failed request's reason on its output; late rows' "
+                   "requests preempted"),
+    PatchPoint(_SCHEDULER, "Scheduler", "_preempt_request", ("self", "request", "timestamp", "drop_stale_output"),
+               None, why="a maskd request whose rows were late taken out of the step it was in, its token dropped"),
     PatchPoint(_SCHEDULER, "Scheduler", "_free_request", ("self", "request"), scheduler._free_request,
                not_overridden_in=(_ASYNC_SCHEDULER,), why="the request's maskd sequence closed"),
     PatchPoint(_SCHEDULER, "Scheduler", "update_draft_token_ids", ("self", "draft_token_ids"),

@@ -19,7 +19,8 @@ from maskd_client.types import MaskClientError, SeqResult, SeqStatus, StepInput,
 from maskd_client.vllm.common import REGISTERED_KEY, SPEC_KEY, KnownSpecs, _is_maskd, _wait_seconds, log, spec_of
 from maskd_client.vllm.drafts import _grammar_drafts
 
-STEP_DEADLINE_ENV = "MASKD_STEP_DEADLINE_S"   # opt-in: how long vLLM's schedule waits for maskd's answers
+STEP_DEADLINE_ENV = "MASKD_STEP_DEADLINE_S"   # how long a step's rows may be late before maskd's requests sit out
+DEFAULT_STEP_DEADLINE_S = 0.05                 # 0: off (the engine's step waits for maskd as long as the client may)
 
 
 class VllmMaskdGrammar:
@@ -159,12 +160,16 @@ class MaskdStructuredOutputs:
         self.failed: dict[str, VllmMaskdGrammar] = {}  # failed requests vLLM freed in this update (their reasons)
         # (the step's reply, its grammars, when it was sent)
         self.ahead: tuple[concurrent.futures.Future, list[VllmMaskdGrammar], float] | None = None
-        # Opt-in: vLLM's schedule waits this long (from the send) for the step sent ahead; past it,
-        # maskd's requests are held out of that step (``_schedule``), the others decode. None (unset
-        # or 0): the step's rows are waited for beside the forward pass (grammar_bitmask), as always.
-        self.deadline_s = _wait_seconds(STEP_DEADLINE_ENV, 0.0) or None
+        # How late (from its send) the step sent ahead may answer: grammar_bitmask waits for it that
+        # long, beside the forward pass; past it, the maskd requests of that step are taken out of it
+        # (``dropped``: preempted, their token dropped) and maskd's requests sit out the steps that
+        # follow (``_schedule``) until the answer comes, while the others decode. The schedule itself
+        # never waits. None (0): off, the rows are waited for as long as the client may take.
+        self.deadline_s = _wait_seconds(STEP_DEADLINE_ENV, DEFAULT_STEP_DEADLINE_S) or None
         self.holding_since: float | None = None      # when a late answer first held maskd's requests
         self.holds = 0                               # schedules that held maskd's requests out
+        self.dropped: dict[str, VllmMaskdGrammar] = {}   # request id -> grammar: this step's late rows
+        self.preempted = 0                           # requests taken out of a step they were scheduled in
 
     # -- compiles -------------------------------------------------------------------------------
     def grammar(self, request: Any) -> concurrent.futures.Future:
@@ -201,7 +206,7 @@ class MaskdStructuredOutputs:
         grammar constrains, and a strided layout's rows past a request's positions, allow every token."""
         from vllm.v1.structured_output.utils import strip_speculative_padding
 
-        self.collect_ahead()
+        late = self.await_ahead()
         starts, total = _bitmask_layout(manager, req_ids, spec_tokens)
         out = np.full((total, self.words), -1, dtype=np.int32)
         entries: list[_Entry] = []
@@ -214,8 +219,8 @@ class MaskdStructuredOutputs:
             grammar = request.structured_output_request.grammar
             raw = spec_tokens.get(req_id, ())
             n = 1 + len(raw)
-            if grammar.failure is not None or grammar.terminated:
-                out[start:start + n] = self.eos_row
+            if grammar.failure is not None or grammar.terminated or request.status == _preempted():
+                out[start:start + n] = self.eos_row     # (preempted: a stale placeholder, its output dropped)
             else:
                 drafts = strip_speculative_padding(list(raw))
                 begin, constrain = manager._get_constraint_bounds(request, drafts)
@@ -232,6 +237,15 @@ class MaskdStructuredOutputs:
                     grammar.prepared = None
                 elif thinking and masks_ends and self._needs_first_row(manager, request, grammar):
                     entries.append(_Entry(grammar, start, n, range(0), 0, []))   # its first row, no row placed
+        if entries and late:
+            # maskd has not answered the step sent ahead: asking it more would wait inside vLLM's step.
+            # These requests sit this step out: their rows are EOS rows whose sample update_from_output
+            # drops (``_drop_late``), never given to the request
+            for e in entries:
+                if e.positions:     # (one only asked for its first row while reasoning: asked later)
+                    out[e.start:e.start + e.count] = self.eos_row
+                    self.dropped[e.grammar.seq_id] = e.grammar     # (a sequence's id is its request's)
+            entries = []
         if entries:
             self._step(entries, out)
         for request, start, thinking in reasoning:
@@ -312,6 +326,9 @@ class MaskdStructuredOutputs:
         accepted, self.accepted = self.accepted, []
         if not self.step_ahead_on or not accepted:
             return
+        if self.ahead is not None and not self.ahead[0].done() and self.deadline_s is not None:
+            self.accepted = accepted      # the step before is late: their tokens go with a later step
+            return
         self.collect_ahead()
         request: dict[str, list[int]] = {}
         grammars: list[VllmMaskdGrammar] = []
@@ -337,29 +354,52 @@ class MaskdStructuredOutputs:
         return self.settings.reply_bound_s(held=self.deadline_s is not None)
 
     def answered(self) -> bool:
-        """(before vLLM schedules a step) Whether maskd's requests may be scheduled: no step is in
-        flight, or its answer came within ``deadline_s`` of its send (it is collected: the rows wait
-        in the grammars), or it is past the long bound (``reply_bound_s``: its grammars fail, and
-        are scheduled to end with that error). False: the answer is late, and maskd's requests are
-        held out of this step; waits at most what is left of ``deadline_s``."""
+        """(before vLLM schedules a step; never waits) Whether maskd's requests may be scheduled: no
+        step is in flight, or its answer is in (collected: the rows wait in the grammars), or it is
+        younger than ``deadline_s`` (grammar_bitmask waits the rest, beside the forward pass), or it
+        is past the long bound (``reply_bound_s``: its grammars fail, and are scheduled to end with
+        that error). False: the answer is late, and maskd's requests are held out of this step."""
         if self.ahead is None:
             return True
         future, _, sent = self.ahead
-        assert self.deadline_s is not None
-        left = sent + self.deadline_s - time.monotonic()
-        if left > 0 and not future.done():
-            concurrent.futures.wait([future], timeout=left)
         now = time.monotonic()
-        if not future.done() and now < sent + self.reply_bound_s:
-            if self.holding_since is None:
-                self.holding_since = sent
-                log.warning("maskd at %s has not answered a step in %.2f s (%s=%g): maskd's requests are held "
-                            "out of vLLM's steps until it answers, the others go on", self.settings.target,
-                            now - sent, STEP_DEADLINE_ENV, self.deadline_s)
+        if future.done() or self.deadline_s is None or now < sent + self.deadline_s:
+            if future.done():
+                self.collect_ahead()
+            return True
+        if now < sent + self.reply_bound_s:
+            self._late(now - sent)
             self.holds += 1
             return False
         self.collect_ahead()
         return True
+
+    def await_ahead(self) -> bool:
+        """(grammar_bitmask, beside the forward pass) The step sent ahead's answer, waited for up to
+        ``deadline_s`` from its send (with the deadline off, as long as the client may take) and
+        given to its grammars. True: it is late, still in flight: nothing more may be asked of maskd
+        in this step."""
+        if self.ahead is None:
+            return False
+        future, _, sent = self.ahead
+        if self.deadline_s is not None and not future.done():
+            left = sent + self.deadline_s - time.monotonic()
+            if left > 0:
+                concurrent.futures.wait([future], timeout=left)
+            now = time.monotonic()
+            if not future.done() and now < sent + self.reply_bound_s:
+                self._late(now - sent)
+                return True
+        self.collect_ahead()
+        return False
+
+    def _late(self, waited: float) -> None:
+        if self.holding_since is None:
+            assert self.ahead is not None
+            self.holding_since = self.ahead[2]
+            log.warning("maskd at %s has not answered a step in %.2f s (%s=%g): maskd's requests sit out vLLM's "
+                        "steps until it answers (those scheduled already are preempted, their token dropped), "
+                        "the others go on", self.settings.target, waited, STEP_DEADLINE_ENV, self.deadline_s)
 
     def collect_ahead(self) -> None:
         """Waits for the step sent ahead (up to ``reply_bound_s`` from its send) and gives each
@@ -475,6 +515,13 @@ class MaskdStructuredOutputs:
         self.ahead = None
         self.compiles.shutdown(wait=False, cancel_futures=True)
         self.client.shutdown()
+
+
+@functools.cache
+def _preempted() -> Any:
+    from vllm.v1.request import RequestStatus
+
+    return RequestStatus.PREEMPTED
 
 
 @functools.cache

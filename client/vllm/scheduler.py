@@ -1,16 +1,18 @@
 """The engine core's scheduler: maskd's requests in vLLM's ``Scheduler``. The step of the tokens a
 step accepted is sent ahead after ``update_from_output`` (and a failed request's reason rides on its
-output); ``schedule`` holds maskd's requests out of a step while maskd's answer is late
-(``MASKD_STEP_DEADLINE_S``, opt-in); ``_free_request`` closes the request's maskd sequence."""
+output, and the requests whose rows came too late for the step they were in are preempted, their
+token dropped); ``schedule`` holds maskd's requests out of a step while maskd's answer is late
+(``MASKD_STEP_DEADLINE_S``); ``_free_request`` closes the request's maskd sequence."""
 from __future__ import annotations
 
 import collections
 import functools
+import time
 from collections.abc import Callable
 from typing import Any
 
-from maskd_client.vllm.common import _is_maskd
-from maskd_client.vllm.engine_core import MaskdStructuredOutputs, VllmMaskdGrammar
+from maskd_client.vllm.common import _is_maskd, log
+from maskd_client.vllm.engine_core import STEP_DEADLINE_ENV, MaskdStructuredOutputs, VllmMaskdGrammar
 
 
 def _free_request(original: Callable, scheduler: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
@@ -26,6 +28,8 @@ def _free_request(original: Callable, scheduler: Any, request: Any, *args: Any, 
 
 def _update_from_output(original: Callable, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
     maskd = getattr(scheduler.structured_output_manager, "_maskd", None)
+    if maskd is not None and maskd.dropped:
+        _drop_late(scheduler, maskd)
     if maskd is not None and maskd.ahead is not None and (maskd.deadline_s is None or maskd.ahead[0].done()):
         maskd.collect_ahead()      # with a step deadline never waits here: a late answer holds maskd's requests
     outputs = original(scheduler, *args, **kwargs)
@@ -33,6 +37,39 @@ def _update_from_output(original: Callable, scheduler: Any, *args: Any, **kwargs
         _request_errors(maskd, outputs)
         maskd.step_ahead()
     return outputs
+
+
+def _drop_late(scheduler: Any, maskd: MaskdStructuredOutputs) -> None:
+    """(before vLLM's update_from_output) The maskd requests whose rows were late in this step
+    (``MaskdStructuredOutputs.dropped``: they sampled under an EOS row) are preempted as vLLM preempts
+    a running request, their in-flight output dropped (``drop_stale_output``, as vLLM's
+    reset_prefix_cache drops it): vLLM's update_from_output skips their token, so the grammar never
+    sees it, and the worker realigns when they are scheduled again (recomputed from their tokens,
+    the prefix cache's blocks where still there) with the rows maskd's late answer brings. One that
+    cannot be preempted ends: its grammar fails (retryable, naming maskd), never an unconstrained token."""
+    dropped, maskd.dropped = maskd.dropped, {}
+    from vllm.v1.request import RequestStatus
+
+    now = time.monotonic()
+    preempted: list[str] = []
+    for req_id, grammar in dropped.items():
+        request = scheduler.requests.get(req_id)
+        if request is None or request.is_finished():
+            continue
+        if request.status == RequestStatus.RUNNING and request in scheduler.running:
+            scheduler.running.remove(request)
+            scheduler._preempt_request(request, now, drop_stale_output=True)
+            # as reset_prefix_cache: a request scheduled the step before and resumed is sent whole
+            getattr(scheduler, "prev_step_scheduled_req_ids", set()).discard(req_id)
+            preempted.append(req_id)
+        else:
+            grammar.fail(f"maskd at {maskd.settings.target} did not answer within {STEP_DEADLINE_ENV}="
+                         f"{maskd.deadline_s:g} s and the request could not sit the step out "
+                         f"({request.status.name})", retryable=True)
+    maskd.preempted += len(preempted)
+    if preempted:
+        log.warning("maskd's rows were late for %d requests in this step: preempted, their tokens dropped; "
+                    "they wait in vLLM's queue until maskd answers", len(preempted))
 
 
 @functools.cache

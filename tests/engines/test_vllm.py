@@ -894,15 +894,19 @@ def _gated_replies(monkeypatch, maskd) -> tuple[threading.Event, list[concurrent
 def test_a_maskd_request_whose_rows_are_late_sits_the_step_out_while_the_others_decode(
         target, server, vllm_config, cl100k_tokens, monkeypatch, caplog, comes):
     # vLLM's own Scheduler as EngineCore.step drives it: the step sent ahead after update_from_output
-    # has no answer within MASKD_STEP_DEADLINE_S, so the next schedule leaves maskd's requests out
-    # (running and waiting, in their places), schedules vLLM's own, and asks no maskd row; once the
-    # answer is in, maskd's requests are scheduled again with the rows it brought, and the log says
-    # so, whether the answer came before the schedule (which collects it) or while a step of the
-    # others ran (update_from_output collects it).
+    # has no answer within MASKD_STEP_DEADLINE_S. The schedule right after never waits: maskd's
+    # requests are scheduled (the answer is young); grammar_bitmask waits for it up to the deadline
+    # and, past it, gives them EOS rows whose tokens update_from_output drops: they are preempted (as
+    # vLLM preempts, their KV blocks freed), not given a token. The schedules after leave maskd's
+    # requests out (waiting, in their places), schedule vLLM's own, and ask no maskd row; once the
+    # answer is in, maskd's requests are scheduled again (recomputed) with the rows it brought, and
+    # the log says so, whether the answer came before the schedule (which collects it) or while a
+    # step of the others ran (update_from_output collects it).
     monkeypatch.setenv("MASKD_WAIT_TIMEOUT_S", "10")
     monkeypatch.setenv(plugin.STEP_DEADLINE_ENV, "0.05")
     caplog.set_level(logging.WARNING, logger="maskd_client")
     import llguidance.torch
+    from vllm.v1.request import RequestStatus
 
     scheduler = _scheduler(vllm_config(0))
     # vLLM's backend for its own requests (_TaggedGrammar) allocates the manager's bitmask
@@ -920,35 +924,53 @@ def test_a_maskd_request_whose_rows_are_late_sits_the_step_out_while_the_others_
     gate, late = _gated_replies(monkeypatch, maskd)     # maskd stops answering until the gate opens
     scheduler.update_from_output(step, _sampled(("m", tokens[:1]), ("v", [7])))
     assert len(late) == 1 and not late[0].done()
-    _add(scheduler, _maskd_request(server, "w", regex))        # a new maskd request waits too
+    _add(scheduler, _maskd_request(server, "w", regex))        # a new maskd request
     scheduler.add_request(_vllms_request("x", 2))
-    order = [r.request_id for r in scheduler.running]
-    bitmasks = []
-    for i in range(3):
+    # the schedule right after the send: the answer is young, maskd's requests are scheduled
+    began = time.monotonic()
+    step = scheduler.schedule()
+    assert time.monotonic() - began < 0.05 and maskd.holds == 0       # the schedule did not wait for maskd
+    assert set(step.num_scheduled_tokens) == {"m", "v", "w", "x"}
+    steps = maskd.steps
+    output = scheduler.get_grammar_bitmask(step)      # waits out the deadline: m's and w's rows are late
+    assert maskd.steps == steps                       # nothing more asked of a maskd that does not answer
+    rows = dict(zip(output.structured_output_request_ids, output.grammar_bitmask))
+    assert np.array_equal(rows["m"], maskd.eos_row) and np.array_equal(rows["w"], maskd.eos_row)
+    assert set(maskd.dropped) == {"m", "w"}
+    # they sampled (under EOS rows): update_from_output drops those tokens and preempts them
+    outputs = scheduler.update_from_output(step, _sampled(*((r, [min(maskd.eos_ids)] if r in "mw" else [7])
+                                                           for r in step.num_scheduled_tokens)))
+    assert {o.request_id for o in outputs[0].outputs} == {"v", "x"}     # nothing of m's or w's goes out
+    for r in ("m", "w"):
+        request = scheduler.requests[r]
+        assert request.status == RequestStatus.PREEMPTED and request.num_computed_tokens == 0
+        assert request.structured_output_request.grammar.failure is None
+    assert list(scheduler.requests["m"].output_token_ids) == tokens[:1]
+    assert scheduler.requests["w"].num_output_tokens == 0
+    assert maskd.preempted == 2 and not maskd.dropped
+    assert [r.request_id for r in scheduler.running] == ["v", "x"]
+    for i in range(2):
         began = time.monotonic()
         step = scheduler.schedule()
-        assert time.monotonic() - began < 1.0                   # never the whole step's wait on maskd
-        assert "m" not in step.num_scheduled_tokens and "w" not in step.num_scheduled_tokens
-        assert "v" in step.num_scheduled_tokens
+        assert time.monotonic() - began < 0.05                  # never a wait on maskd
+        assert set(step.num_scheduled_tokens) == {"v", "x"}     # m and w sit out, in the waiting queue
         output = scheduler.get_grammar_bitmask(step)
         assert type(output) is not worker_apply.MaskdGrammarOutput      # vLLM's rows only, no maskd row
         assert set(output.structured_output_request_ids) <= {"v", "x"}
-        bitmasks.append(output)
-        if i == 2 and comes == "while a step runs":
+        if i == 1 and comes == "while a step runs":
             gate.set()
             late[0].result(30)
         scheduler.update_from_output(step, _sampled(*((r, [7]) for r in step.num_scheduled_tokens)))
-        assert [r.request_id for r in scheduler.running][:len(order)] == order      # in their places
-        assert [r.request_id for r in scheduler.waiting] in ([], ["w"])
-    assert "w" in [r.request_id for r in scheduler.waiting]
-    assert scheduler.requests["m"].num_output_tokens == 1              # no token for m while held
-    assert maskd.holds == 3
+        assert [r.request_id for r in scheduler.waiting] == ["w", "m"]    # (preempted: each to the front)
+    assert maskd.holds == 2 and maskd.preempted == 2
     # maskd answers: m (with the rows that came) and w are scheduled again, with maskd's rows
     gate.set()
     late[0].result(30)
     step = scheduler.schedule()
     assert caplog.text.count("has not answered a step") == 1 and caplog.text.count("are scheduled again") == 1
-    assert {"m", "w", "v"} <= set(step.num_scheduled_tokens)
+    assert caplog.text.count("preempted, their tokens dropped") == 1
+    assert step.num_scheduled_tokens["m"] == 3 + 1 and step.num_scheduled_tokens["w"] == 3    # recomputed
+    assert {"v", "x"} <= set(step.num_scheduled_tokens)
     steps = maskd.steps
     output = scheduler.get_grammar_bitmask(step)
     assert maskd.holding_since is None
@@ -956,18 +978,62 @@ def test_a_maskd_request_whose_rows_are_late_sits_the_step_out_while_the_others_
     expected = _server_rows(server, regex, tokens[:1])
     assert np.array_equal(rows["m"], expected[1])       # the row after "123" that the late answer brought
     assert np.array_equal(rows["w"], expected[0])       # w's first row, from its first step
-    assert not (rows["m"] == -1).all() and not (rows["w"] == -1).all()
     assert maskd.steps == steps + 1                     # only w needed a step here: m's rows came ahead
+    outputs = scheduler.update_from_output(step, _sampled(*((r, tokens[1:2] if r == "m" else [7])
+                                                           for r in step.num_scheduled_tokens)))
+    assert list(scheduler.requests["m"].output_token_ids) == tokens[:2]    # m goes on from where it was
     for request in scheduler.requests.values():
         grammar = request.structured_output_request.grammar
         assert getattr(grammar, "failure", None) is None
 
 
-def test_without_a_step_deadline_the_schedule_never_waits_for_maskd_and_its_rows_come_beside_the_forward(
+def test_under_async_scheduling_late_rows_drop_the_step_they_were_for_and_hold_the_next(
         target, server, vllm_config, cl100k_tokens, monkeypatch):
-    # The default: MASKD_STEP_DEADLINE_S unset. The step sent ahead is still out when vLLM schedules
-    # the next step: the schedule neither waits for it nor holds maskd's request (the rows are waited
-    # for in grammar_bitmask, which EngineCore.step runs while the forward pass is on the device).
+    # EngineCore.step_with_batch_queue (async scheduling, vLLM 0.33's default): the step after m's
+    # first is scheduled before m's token is known, its bitmask deferred to after update_from_output
+    # (which sends m's token ahead). maskd does not answer within the deadline: that bitmask gives m
+    # an EOS row, the schedule after (before that step's output is in) leaves m out, and the step's
+    # output drops m's token (preempted); once maskd answers, m resumes with the answer's rows.
+    from vllm.v1.request import RequestStatus
+
+    monkeypatch.setenv("MASKD_WAIT_TIMEOUT_S", "10")
+    monkeypatch.setenv(plugin.STEP_DEADLINE_ENV, "0.05")
+    scheduler = _scheduler(vllm_config(0), AsyncScheduler)
+    regex, text = LAYOUT_SPECS["a"]
+    tokens = cl100k_tokens(text)
+    _add(scheduler, _maskd_request(server, "m", regex))
+    first = scheduler.schedule()
+    scheduler.get_grammar_bitmask(first)
+    second = scheduler.schedule()
+    assert second.pending_structured_output_tokens and "m" in second.num_scheduled_tokens
+    maskd = scheduler.structured_output_manager._maskd
+    gate, late = _gated_replies(monkeypatch, maskd)
+    scheduler.update_from_output(first, _sampled(("m", tokens[:1])))
+    assert len(late) == 1 and not late[0].done()
+    (row,) = scheduler.get_grammar_bitmask(second).grammar_bitmask
+    assert np.array_equal(row, maskd.eos_row) and set(maskd.dropped) == {"m"}
+    third = scheduler.schedule()                       # second's output is not in yet: m sits this one out
+    assert "m" not in third.num_scheduled_tokens and maskd.holds == 1
+    outputs = scheduler.update_from_output(second, _sampled(("m", [min(maskd.eos_ids)])))
+    assert not any(o.request_id == "m" for eo in outputs.values() for o in eo.outputs)
+    request = scheduler.requests["m"]
+    assert request.status == RequestStatus.PREEMPTED and list(request.output_token_ids) == tokens[:1]
+    scheduler.update_from_output(third, _sampled())
+    gate.set()
+    late[0].result(30)
+    fourth = scheduler.schedule()
+    assert fourth.num_scheduled_tokens == {"m": 3 + 1}                 # resumed: recomputed
+    (row,) = scheduler.get_grammar_bitmask(fourth).grammar_bitmask
+    assert np.array_equal(row, _server_rows(server, regex, tokens[:1])[1])
+    assert request.structured_output_request.grammar.failure is None and maskd.preempted == 1
+
+
+def test_a_step_answered_within_the_deadline_costs_the_schedule_no_wait_and_drops_nothing(
+        target, server, vllm_config, cl100k_tokens, monkeypatch):
+    # The default deadline (MASKD_STEP_DEADLINE_S unset). The step sent ahead is still out when vLLM
+    # schedules the next step: the schedule neither waits for it nor holds maskd's request; its rows
+    # are waited for in grammar_bitmask, which EngineCore.step runs while the forward pass is on the
+    # device, and come within the deadline.
     monkeypatch.delenv(plugin.STEP_DEADLINE_ENV, raising=False)
     monkeypatch.setenv("MASKD_WAIT_TIMEOUT_S", "10")
     scheduler = _scheduler(vllm_config(0))
@@ -977,16 +1043,42 @@ def test_without_a_step_deadline_the_schedule_never_waits_for_maskd_and_its_rows
     step = scheduler.schedule()
     scheduler.get_grammar_bitmask(step)
     maskd = scheduler.structured_output_manager._maskd
-    assert maskd.deadline_s is None
+    assert maskd.deadline_s == engine_core.DEFAULT_STEP_DEADLINE_S
     gate, late = _gated_replies(monkeypatch, maskd)
     scheduler.update_from_output(step, _sampled(("m", tokens[:1])))
     assert len(late) == 1 and not late[0].done()
     step = scheduler.schedule()                       # the answer is still out: scheduled all the same
     assert "m" in step.num_scheduled_tokens and not late[0].done() and maskd.holds == 0
-    gate.set()                                        # (the forward pass); grammar_bitmask takes the rows
+    threading.Timer(0.01, gate.set).start()           # (the forward pass); the answer comes in time
     output = scheduler.get_grammar_bitmask(step)
     rows = dict(zip(output.structured_output_request_ids, output.grammar_bitmask))
     assert np.array_equal(rows["m"], _server_rows(server, regex, tokens[:1])[1])
+    assert not maskd.dropped and maskd.preempted == 0
+
+
+def test_with_the_deadline_off_the_rows_are_waited_for_beside_the_forward_however_late(
+        target, server, vllm_config, cl100k_tokens, monkeypatch):
+    # MASKD_STEP_DEADLINE_S=0: no hold; grammar_bitmask waits for the step's answer as long as the
+    # client may take (here: 0.2 s past the default deadline), and the request is never preempted.
+    monkeypatch.setenv(plugin.STEP_DEADLINE_ENV, "0")
+    monkeypatch.setenv("MASKD_WAIT_TIMEOUT_S", "10")
+    scheduler = _scheduler(vllm_config(0))
+    regex, text = LAYOUT_SPECS["a"]
+    tokens = cl100k_tokens(text)
+    _add(scheduler, _maskd_request(server, "m", regex))
+    step = scheduler.schedule()
+    scheduler.get_grammar_bitmask(step)
+    maskd = scheduler.structured_output_manager._maskd
+    assert maskd.deadline_s is None
+    gate, _ = _gated_replies(monkeypatch, maskd)
+    scheduler.update_from_output(step, _sampled(("m", tokens[:1])))
+    step = scheduler.schedule()
+    assert "m" in step.num_scheduled_tokens and maskd.holds == 0
+    threading.Timer(engine_core.DEFAULT_STEP_DEADLINE_S + 0.2, gate.set).start()
+    output = scheduler.get_grammar_bitmask(step)
+    rows = dict(zip(output.structured_output_request_ids, output.grammar_bitmask))
+    assert np.array_equal(rows["m"], _server_rows(server, regex, tokens[:1])[1])
+    assert not maskd.dropped and maskd.preempted == 0
 
 
 def test_a_maskd_request_held_past_the_long_bound_ends_with_the_retryable_error_naming_maskd(
@@ -1010,8 +1102,9 @@ def test_a_maskd_request_held_past_the_long_bound_ends_with_the_retryable_error_
     never: concurrent.futures.Future = concurrent.futures.Future()
     monkeypatch.setattr(maskd.client, "step_async", lambda *args, **kwargs: never)
     scheduler.update_from_output(step, _sampled(("m", tokens[:1])))
-    assert not scheduler.schedule().num_scheduled_tokens          # held
     future, grammars, sent = maskd.ahead
+    maskd.ahead = (future, grammars, sent - 0.01)                  # as if sent past the deadline
+    assert not scheduler.schedule().num_scheduled_tokens          # held
     bound = maskd.reply_bound_s
     assert bound == max(maskd.settings.timeout_s, maskd.settings.recovery_timeout_s) + 5     # held: the client's clocks
     maskd.ahead = (future, grammars, sent - bound)                  # as if it had waited that long
