@@ -36,6 +36,7 @@ class VllmMaskdGrammar:
         self.spec = spec
         self.grammar_id = grammar_id      # the open names it ("": the open carries the spec)
         self.pending: list[int] = []
+        self.sent: list[int] = []         # the tokens of its last step (sent again where its open was refused)
         self.prepared: tuple[list[int], np.ndarray, int] | None = None   # (drafts, rows, valid) for the next pass
         self.opened = False
         self.closed = False
@@ -334,7 +335,8 @@ class MaskdStructuredOutputs:
         grammars: list[VllmMaskdGrammar] = []
         for g in accepted:
             if g.opened and not g.closed and not g.is_terminated() and g.pending and g.seq_id not in request:
-                request[g.seq_id], g.pending = g.pending, []
+                request[g.seq_id] = g.sent = g.pending
+                g.pending = []
                 grammars.append(g)
         if not request:
             return
@@ -437,7 +439,13 @@ class MaskdStructuredOutputs:
                 g.prepared = ([], bitmask[row:row + 1], 0)
             elif status != SeqStatus.WAITING:
                 res = result.seqs[g.seq_id]
-                g.fail(res.reason or res.status.name)
+                if res.code is grpc.StatusCode.NOT_FOUND and g.grammar_id:
+                    # (a first step that came late) its open named an id the server no longer holds:
+                    # the client took the open back; the next step sends it again, with the spec
+                    g.grammar_id = ""
+                    g.pending[:0] = g.sent
+                else:
+                    g.fail(res.reason or res.status.name)
 
     def _step(self, entries: list[_Entry], out: np.ndarray) -> dict[str, int]:
         """Sends the entries' tokens and drafts, places their rows in ``out``; returns how many
@@ -450,7 +458,8 @@ class MaskdStructuredOutputs:
             if not g.opened:
                 self.client.open(g.seq_id, g.spec, grammar_id=g.grammar_id)
                 g.opened = True
-            tokens, g.pending = g.pending, []
+            tokens = g.sent = g.pending
+            g.pending = []
             if not tokens and not g.advanced and g.first_row is None:
                 first.add(g.seq_id)         # its row 0 is the grammar's first row
             request[g.seq_id] = StepInput(tokens, e.drafts, propose=e.propose) if e.drafts or e.propose else tokens
@@ -486,13 +495,38 @@ class MaskdStructuredOutputs:
             return None
 
         try:
-            self.polls += deliver_answers(send(request), by_id, send, self.settings.wait_timeout_s, ready, give_up,
-                                          again, poll=lambda e: StepInput((), e.drafts, propose=e.propose))
+            future = self.client.step_async(request)
+            self.steps += 1
+            if self._may_hold(entries):
+                sent = time.monotonic()
+                concurrent.futures.wait([future], timeout=self.deadline_s)
+                if not future.done():
+                    # maskd does not answer a step asked in vLLM's step (a new request's first, with
+                    # no step sent ahead): it is kept as the step ahead is, its requests sit this
+                    # step out (``dropped``) and the steps after until maskd answers
+                    self.ahead = (future, [e.grammar for e in entries], sent)
+                    self._late(time.monotonic() - sent)
+                    for e in entries:
+                        if e.positions:
+                            out[e.start:e.start + e.count] = self.eos_row
+                            self.dropped[e.grammar.seq_id] = e.grammar
+                    return valid
+            self.polls += deliver_answers(
+                reply_within(future, self.settings.reply_bound_s(held=False), self.settings.target), by_id, send,
+                self.settings.wait_timeout_s, ready, give_up, again,
+                poll=lambda e: StepInput((), e.drafts, propose=e.propose))
         except (MaskClientError, concurrent.futures.TimeoutError) as exc:
             for sid, e in by_id.items():   # no row may go out unconstrained: these requests end here
                 if sid not in answered:
                     self._give_up(e, f"maskd step failed: {describe(exc)}", out, retryable=True)
         return valid
+
+    def _may_hold(self, entries: list[_Entry]) -> bool:
+        """Whether a step asked inside vLLM's step may be held as a late step ahead is: the deadline
+        is on, no step is in flight, and it carries no drafts (speculative decoding's steps wait
+        for maskd in the step, up to MASKD_TIMEOUT_S + 5 s)."""
+        return (self.deadline_s is not None and self.step_ahead_on and self.ahead is None
+                and not any(e.drafts or e.propose for e in entries))
 
     def _place(self, e: _Entry, rows: np.ndarray, drafts_valid: int, out: np.ndarray) -> int:
         """Rows for the entry's positions; returns the drafts the grammar accepts (up to the first

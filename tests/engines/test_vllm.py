@@ -1028,6 +1028,54 @@ def test_under_async_scheduling_late_rows_drop_the_step_they_were_for_and_hold_t
     assert request.structured_output_request.grammar.failure is None and maskd.preempted == 1
 
 
+def test_a_new_requests_first_step_that_maskd_does_not_answer_holds_it_not_the_engine(
+        target, server, vllm_config, cl100k_tokens, monkeypatch):
+    # No step in flight (no maskd request decoding), maskd stopped: a new maskd request whose grammar
+    # is known is scheduled and its first step is asked inside vLLM's step. It waits the deadline,
+    # not MASKD_TIMEOUT_S: the request sits that step out (preempted, its token dropped) and the
+    # steps after while vLLM's own request decodes; maskd answers and it starts with its first row.
+    from vllm.v1.request import RequestStatus
+
+    monkeypatch.setenv("MASKD_WAIT_TIMEOUT_S", "10")
+    monkeypatch.setenv(plugin.STEP_DEADLINE_ENV, "0.05")
+    import llguidance.torch
+
+    scheduler = _scheduler(vllm_config(0))
+    scheduler.structured_output_manager.backend = _Scheduled(
+        allocate_token_bitmask=lambda n: llguidance.torch.allocate_token_bitmask(n, server.engine.width))
+    regex, text = LAYOUT_SPECS["a"]
+    tokens = cl100k_tokens(text)
+    scheduler.add_request(_vllms_request("v", 1))
+    _add(scheduler, _maskd_request(server, "m", regex))
+    maskd = scheduler.structured_output_manager._maskd
+    gate, late = _gated_replies(monkeypatch, maskd)
+    step = scheduler.schedule()
+    assert set(step.num_scheduled_tokens) == {"m", "v"}
+    began = time.monotonic()
+    output = scheduler.get_grammar_bitmask(step)
+    assert time.monotonic() - began < 5                    # the deadline, not MASKD_TIMEOUT_S
+    rows = dict(zip(output.structured_output_request_ids, output.grammar_bitmask))
+    assert np.array_equal(rows["m"], maskd.eos_row) and len(late) == 1 and not late[0].done()
+    outputs = scheduler.update_from_output(step, _sampled(("m", [min(maskd.eos_ids)]), ("v", [7])))
+    assert {o.request_id for o in outputs[0].outputs} == {"v"}
+    assert scheduler.requests["m"].status == RequestStatus.PREEMPTED and maskd.preempted == 1
+    step = scheduler.schedule()
+    assert set(step.num_scheduled_tokens) == {"v"} and maskd.holds == 1
+    scheduler.get_grammar_bitmask(step)
+    scheduler.update_from_output(step, _sampled(("v", [7])))
+    gate.set()
+    late[0].result(30)
+    step = scheduler.schedule()
+    assert set(step.num_scheduled_tokens) == {"m", "v"}
+    steps = maskd.steps
+    rows = dict(zip(*(lambda o: (o.structured_output_request_ids, o.grammar_bitmask))(
+        scheduler.get_grammar_bitmask(step))))
+    assert np.array_equal(rows["m"], _server_rows(server, regex, [])[0]) and maskd.steps == steps
+    scheduler.update_from_output(step, _sampled(("m", tokens[:1]), ("v", [7])))
+    assert list(scheduler.requests["m"].output_token_ids) == tokens[:1]
+    assert scheduler.requests["m"].structured_output_request.grammar.failure is None
+
+
 def test_a_step_answered_within_the_deadline_costs_the_schedule_no_wait_and_drops_nothing(
         target, server, vllm_config, cl100k_tokens, monkeypatch):
     # The default deadline (MASKD_STEP_DEADLINE_S unset). The step sent ahead is still out when vLLM
