@@ -1,8 +1,8 @@
 """The cluster directory: live workers and which worker owns a sequence.
 
-``DirectoryState`` is the membership and the hash ring (no Ray, no gRPC). ``DirectoryServicer``
+``DirectoryState`` is the membership and the hash ring (no Ray, no gRPC). ``DirectoryService``
 serves it as the Directory gRPC service on a real port, so GPU workers that do not run Ray can
-ask. ``Directory`` is the Ray actor that hosts both and keeps membership equal to Ray's view of
+ask. ``DirectoryActor`` is the Ray actor that hosts both and keeps membership equal to Ray's view of
 the live worker actors: workers push their address when they (re)start, a monitor thread asks
 every worker actor for its stats each ``poll_s`` (an actor Ray reports dead, or that does not
 answer twice in a row, leaves the ring; one that answers again rejoins), and a client that
@@ -219,7 +219,7 @@ def probe(address: str, timeout_s: float = 1.0) -> bool:
         return False
 
 
-class DirectoryServicer(dpb_grpc.DirectoryServicer):
+class DirectoryService(dpb_grpc.DirectoryServicer):
     def __init__(self, state: DirectoryState, *, refresh_stats=None, cache_stats=None,
                  probe_timeout_s: float = 1.0) -> None:
         self.state = state
@@ -260,7 +260,7 @@ class DirectoryServicer(dpb_grpc.DirectoryServicer):
             self.state.unreachable(rec.worker_id, address)
 
 
-class Directory:
+class DirectoryActor:
     """Ray actor (threaded): hosts DirectoryState and the Directory gRPC service."""
 
     def __init__(self, namespace: str, *, host: str | None = None, bind_host: str | None = None, port: int = 0,
@@ -278,7 +278,7 @@ class Directory:
         self._server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=16,
                                                                          thread_name_prefix="maskd-directory"))
         dpb_grpc.add_DirectoryServicer_to_server(
-            DirectoryServicer(self.state, refresh_stats=self.refresh, cache_stats=self.cache_stats), self._server)
+            DirectoryService(self.state, refresh_stats=self.refresh, cache_stats=self.cache_stats), self._server)
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         self.host = host or ray.util.get_node_ip_address()

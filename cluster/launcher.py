@@ -103,7 +103,7 @@ def up(cfg: ClusterConfig, on_ready: Callable[[str], None] | None = None) -> str
     """Starts (or completes, or scales) the cluster; returns the directory's HOST:PORT once
     `cfg.workers` workers are live. ``on_ready(worker_id)`` is called as each worker serves."""
     ray = _ray()
-    from maskd_cluster.directory import Directory
+    from maskd_cluster.directory import DirectoryActor
     from maskd_cluster.store import GrammarStore
     from maskd_cluster.worker import Worker
 
@@ -118,7 +118,7 @@ def up(cfg: ClusterConfig, on_ready: Callable[[str], None] | None = None) -> str
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
         placement["scheduling_strategy"] = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
                                                                           soft=False)
-    directory = ray.remote(Directory).options(name=DIRECTORY_NAME, num_cpus=0, max_concurrency=16, **common,
+    directory = ray.remote(DirectoryActor).options(name=DIRECTORY_NAME, num_cpus=0, max_concurrency=16, **common,
                                               **placement).remote(
         ns, host=cfg.directory_host, bind_host=cfg.directory_bind_host, port=cfg.directory_port, vnodes=cfg.vnodes,
         poll_s=cfg.poll_s)

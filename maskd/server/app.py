@@ -25,7 +25,7 @@ from maskd.server.drafts import SharedDraftCounts
 from maskd.server.engines import create_engine
 from maskd.server.grammar_cache import GrammarCache, SharedGrammarStore
 from maskd.server.metrics import Metrics
-from maskd.server.service import MaskService
+from maskd.server.service import MaskServicer
 from maskd.server.tokenizers import TokenizerError, load_tokenizer
 from maskd.v1 import maskd_pb2_grpc as pb_grpc
 
@@ -60,7 +60,7 @@ class MaskServer:
                                   max_queued=limits.max_compiles_queued,
                                   max_running_per_tenant=limits.max_compiles_running_per_tenant,
                                   nice=config.compile_nice)
-        self.service = MaskService(self.engine, self.cache, limits=limits, metrics=self.metrics,
+        self.service = MaskServicer(self.engine, self.cache, limits=limits, metrics=self.metrics,
                                    credentials=self.credentials, row_dict_size=config.row_dict_size,
                                    shared_drafts=_draft_counts(shared_cache))
         self.health = health.HealthServicer()

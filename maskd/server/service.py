@@ -37,7 +37,7 @@ log = logging.getLogger("maskd.server.service")
 MAX_BLOCKING_REGISTERS = 8
 
 
-class MaskService(pb_grpc.MaskServiceServicer):
+class MaskServicer(pb_grpc.MaskServiceServicer):
     def __init__(self, engine: Engine, cache: GrammarCache, *, limits: Limits, metrics: Metrics,
                  credentials: Credentials | None = None, row_dict_size: int = DEFAULT_DICT_SIZE,
                  row_encodings: tuple[int, ...] = tuple(ALL_ENCODINGS), shared_drafts: Any = None) -> None:

@@ -13,7 +13,7 @@ from maskd.v1 import directory_pb2_grpc as dpb_grpc
 from maskd_client import MaskClient, SeqStatus
 from maskd_client.routing import DirectoryClient, HashRing, is_directory
 from maskd_client.types import SeqResult, StepResult
-from maskd_cluster.directory import DirectoryServicer, DirectoryState
+from maskd_cluster.directory import DirectoryService, DirectoryState
 from maskd_cluster.store import GrammarStore
 
 # -- a deterministic generation driver (shared with test_cluster.py) ------------------------------
@@ -239,7 +239,7 @@ def mini_cluster():
     for i, (wid, srv) in enumerate(servers.items()):
         state.seen(wid, srv.address, i + 1)
     grpc_server = grpc.server(concurrent.futures.ThreadPoolExecutor(8))
-    dpb_grpc.add_DirectoryServicer_to_server(DirectoryServicer(state), grpc_server)
+    dpb_grpc.add_DirectoryServicer_to_server(DirectoryService(state), grpc_server)
     port = grpc_server.add_insecure_port("127.0.0.1:0")
     grpc_server.start()
 

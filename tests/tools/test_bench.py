@@ -282,10 +282,10 @@ def test_wire(tmp_path):
 def test_profile_parse():
     from maskd_tools.bench.profile import parse_raw, step_path, top_entries
 
-    raw = ("_stream_response_in_pool (grpc/_server.py:843);MaskService.Session (/x/maskd/server/service.py:84);"
+    raw = ("_stream_response_in_pool (grpc/_server.py:843);MaskServicer.Session (/x/maskd/server/service.py:84);"
            "Session.step (/x/maskd/server/session.py:85);"
            "LLGuidanceEngine.fill_batch (/x/maskd/server/engines/llguidance_engine.py:158) 6\n"
-           "_stream_response_in_pool (grpc/_server.py:843);MaskService.Session (/x/maskd/server/service.py:82);"
+           "_stream_response_in_pool (grpc/_server.py:843);MaskServicer.Session (/x/maskd/server/service.py:82);"
            "_RequestIterator.__next__ (grpc/_server.py:500);Condition.wait (threading.py:327) 5\n"
            "_serve (grpc/_server.py:1000) 9\n"
            "_stream_response_in_pool (grpc/_server.py:843);_send_response (grpc/_server.py:732) 2\n")
@@ -297,7 +297,7 @@ def test_profile_parse():
     assert tops["own_by_function"][0]["entry"] == \
         "LLGuidanceEngine.fill_batch (maskd/server/engines/llguidance_engine.py)"
     assert tops["own_by_function"][0]["share"] == pytest.approx(0.75)
-    assert tops["key_functions"]["MaskService.Session (maskd/server/service.py)"] == pytest.approx(0.75)
+    assert tops["key_functions"]["MaskServicer.Session (maskd/server/service.py)"] == pytest.approx(0.75)
 
 
 def test_profile(tmp_path):

@@ -27,12 +27,12 @@ _FRAME = re.compile(r"^(?P<func>.*) \((?P<file>[^()]*?)(?::(?P<line>\d+))?\)$")
 
 # Functions whose inclusive share tells where a step's time goes (py-spy's qualified names).
 _ENGINE = "maskd/server/engines/llguidance_engine.py"
-KEY_FUNCTIONS = ("MaskService.Session (maskd/server/service.py)", "Session.step (maskd/server/session.py)",
+KEY_FUNCTIONS = ("MaskServicer.Session (maskd/server/service.py)", "Session.step (maskd/server/session.py)",
                  "Session._route (maskd/server/session.py)", "Session._advance (maskd/server/session.py)",
                  "Session._fill (maskd/server/session.py)", f"LLGuidanceEngine.fill_batch ({_ENGINE})",
                  f"LLGuidanceEngine.consume_batch ({_ENGINE})", f"LLGuidanceEngine.new_matcher ({_ENGINE})",
                  "Session._open_entry (maskd/server/session.py)", "Session._admit (maskd/server/session.py)",
-                 "RowBlockEncoder.encode (maskd/rowcodec.py)", "MaskService._reply (maskd/server/service.py)",
+                 "RowBlockEncoder.encode (maskd/rowcodec.py)", "MaskServicer._reply (maskd/server/service.py)",
                  "Metrics.observe_step (maskd/server/metrics.py)", "_send_response (grpc/_server.py)")
 # The gRPC thread that serves a Session stream, and its frames while it waits for the next message.
 STREAM_FRAME = "_stream_response_in_pool"

@@ -40,7 +40,7 @@ SERVER_FRAMES = (
     ("Session.step", "Session.step ("),
     ("  consume", "Session._consume ("),
     ("  fill", "Session._fill ("),
-    ("reply (encode + send)", "MaskService._reply ("),
+    ("reply (encode + send)", "MaskServicer._reply ("),
 )
 
 
