@@ -1,7 +1,7 @@
 """A stalled, killed or slow maskd costs only maskd's requests (issue 48, item 3), in a real vLLM CPU engine.
 
 One engine (the default ``MASKD_STEP_DEADLINE_S``, 0.05 s) on a ``maskd serve`` process of this
-module's own, and three faults of that process while unconstrained and maskd streams are in flight:
+module's own, and four faults of that process while unconstrained (and maskd) streams are in flight:
 
 * stopped (SIGSTOP) for STOP_S: the engine core waits at most the deadline for maskd's answer (beside
   the forward pass), then takes maskd's requests out of that step (preempted, their token dropped)
@@ -12,7 +12,9 @@ module's own, and three faults of that process while unconstrained and maskd str
   matching its grammar, or ends with an error naming maskd), and a new maskd request is served
   soon after the new server listens;
 * slow: stopped and continued in a duty cycle (SLOW_OFF_S of every SLOW_OFF_S + SLOW_ON_S) for
-  SLOW_S; maskd's answers come late, its streams slow down and finish valid, the others do not.
+  SLOW_S; maskd's answers come late, its streams slow down and finish valid, the others do not;
+* stopped while no maskd request is in flight, and a new one sent meanwhile: its first step is held
+  (not waited for inside the engine's step), and it is answered once maskd continues.
 
 The figures (gaps, the restarted server's first answer) are printed; the assertions are generous
 bounds (CI is a loaded 2-core machine): speed is measured by hand, see docs/engines.md.
@@ -295,3 +297,41 @@ def test_a_slow_maskd_slows_only_maskds_requests(engine, maskd_process):
         assert run.results[k]["finish_reason"] == "stop", (k, run.results[k])
         assert re.fullmatch(WORDS, run.results[k]["text"]), (k, run.results[k]["text"])
         assert run.during(k) > 0, f"{k} got no token while maskd was slow"
+
+
+def test_a_new_maskd_request_sent_while_maskd_is_stopped_is_served_once_it_continues(engine, maskd_process):
+    """No maskd request in flight when maskd stops, unconstrained ones decoding; a new maskd request (of
+    a spec the engine knows) arrives during the stop: its first step is held, not failed, the
+    unconstrained streams keep decoding, and it is answered once maskd continues."""
+    bodies = {f"plain-{i}": {"prompt": f"Story {i}:", "max_tokens": 900, "ignore_eos": True, "temperature": 0.8,
+                             "seed": i} for i in range(PLAIN)}
+    times = {k: [] for k in bodies}
+    started = {k: threading.Event() for k in bodies}
+    enough = threading.Event()
+    with concurrent.futures.ThreadPoolExecutor(len(bodies) + 1) as pool:
+        plain = {k: pool.submit(stream, engine.url, b, times[k], [], started[k], enough) for k, b in bodies.items()}
+        try:
+            for k, event in started.items():
+                assert event.wait(60), f"{k} sent fewer than {IN_FLIGHT} tokens in 60 s"
+            maskd_process.signal(signal.SIGSTOP)
+            stopped = time.monotonic()
+            try:
+                ask = pool.submit(engine.post, {"prompt": "Answer:", "max_tokens": 20, "temperature": 0.8,
+                                                "structured_outputs": {"regex": SHORT}}, timeout=120)
+                time.sleep(STOP_S)      # the fault's length
+            finally:
+                maskd_process.signal(signal.SIGCONT)
+            continued = time.monotonic()
+            status, reply = ask.result(timeout=120)
+            answered = time.monotonic()
+        finally:
+            enough.set()
+        results = {k: f.result(timeout=60) for k, f in plain.items()}
+    run = Run(times, results, stopped, continued)
+    print(f"\na maskd request sent while maskd was stopped ({continued - stopped:.2f} s): answered "
+          f"{answered - continued:.2f} s after it continued; unconstrained streams' longest gap during the stop "
+          f"{max(run.gap(k) for k in bodies):.3f} s")
+    check_unconstrained(run)
+    assert status == 200, (status, reply)
+    assert re.fullmatch(SHORT, reply["choices"][0]["text"]), reply
+    assert answered - continued < SERVED_BOUND_S, answered - continued
