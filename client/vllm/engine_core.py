@@ -278,6 +278,10 @@ class MaskdStructuredOutputs:
         without any is skipped, and its drafts are cut to their count, as vLLM cuts them."""
         from vllm.v1.structured_output.utils import strip_speculative_padding
 
+        if self.deadline_s is not None and self.ahead is not None and not self.ahead[0].done():
+            # maskd has not answered a step (held past the deadline): its requests sit out the steps
+            # until it does, and these drafts go unchecked, so validate_tokens drops them
+            return
         self.collect_ahead()
         entries: list[_Entry] = []
         where: dict[str, int] = {}
@@ -311,7 +315,7 @@ class MaskdStructuredOutputs:
         at = 0
         for e in entries:
             e.start, at = at, at + e.count
-        answers = self._step(entries, scratch)
+        answers = self._step(entries, scratch, sits_out=False)
         for e in entries:
             sid = e.grammar.seq_id
             if sid in answers:
@@ -447,9 +451,12 @@ class MaskdStructuredOutputs:
                 else:
                     g.fail(res.reason or res.status.name)
 
-    def _step(self, entries: list[_Entry], out: np.ndarray) -> dict[str, int]:
+    def _step(self, entries: list[_Entry], out: np.ndarray, sits_out: bool = True) -> dict[str, int]:
         """Sends the entries' tokens and drafts, places their rows in ``out``; returns how many
-        drafts the grammar accepts, per sequence that got rows."""
+        drafts the grammar accepts, per sequence that got rows. Where maskd does not answer within
+        the deadline (``_may_hold``), the step is kept as a late step ahead is and nothing is placed:
+        ``sits_out``, the entries are scheduled in this step and sit it out (EOS rows, preempted:
+        ``dropped``); not, they are not scheduled yet (drafts checked after a step: unchecked, dropped)."""
         request: dict[str, Any] = {}
         valid: dict[str, int] = {}
         first: set[str] = set()
@@ -497,17 +504,17 @@ class MaskdStructuredOutputs:
         try:
             future = self.client.step_async(request)
             self.steps += 1
-            if self._may_hold(entries):
+            if self._may_hold():
                 sent = time.monotonic()
                 concurrent.futures.wait([future], timeout=self.deadline_s)
                 if not future.done():
                     # maskd does not answer a step asked in vLLM's step (a new request's first, with
-                    # no step sent ahead): it is kept as the step ahead is, its requests sit this
-                    # step out (``dropped``) and the steps after until maskd answers
+                    # no step sent ahead; drafts): it is kept as the step ahead is, its requests sit
+                    # this step out (``dropped``) and the steps after until maskd answers
                     self.ahead = (future, [e.grammar for e in entries], sent)
                     self._late(time.monotonic() - sent)
                     for e in entries:
-                        if e.positions:
+                        if e.positions and sits_out:
                             out[e.start:e.start + e.count] = self.eos_row
                             self.dropped[e.grammar.seq_id] = e.grammar
                     return valid
@@ -521,12 +528,12 @@ class MaskdStructuredOutputs:
                     self._give_up(e, f"maskd step failed: {describe(exc)}", out, retryable=True)
         return valid
 
-    def _may_hold(self, entries: list[_Entry]) -> bool:
-        """Whether a step asked inside vLLM's step may be held as a late step ahead is: the deadline
-        is on, no step is in flight, and it carries no drafts (speculative decoding's steps wait
-        for maskd in the step, up to MASKD_TIMEOUT_S + 5 s)."""
-        return (self.deadline_s is not None and self.step_ahead_on and self.ahead is None
-                and not any(e.drafts or e.propose for e in entries))
+    def _may_hold(self) -> bool:
+        """Whether a step asked inside vLLM's step (a new request's first; under speculative
+        decoding every step, its drafts' check included) may be held as a late step ahead is: the
+        deadline is on and no step is in flight. The answer then gives each grammar its next row
+        (``collect_ahead``); drafts it checked or proposed are not used."""
+        return self.deadline_s is not None and self.ahead is None
 
     def _place(self, e: _Entry, rows: np.ndarray, drafts_valid: int, out: np.ndarray) -> int:
         """Rows for the entry's positions; returns the drafts the grammar accepts (up to the first

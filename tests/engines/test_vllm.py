@@ -1076,6 +1076,110 @@ def test_a_new_requests_first_step_that_maskd_does_not_answer_holds_it_not_the_e
     assert scheduler.requests["m"].structured_output_request.grammar.failure is None
 
 
+@pytest.mark.parametrize("proposer", ["vLLM's drafter", "maskd's grammar drafts"])
+def test_under_speculative_decoding_a_drafts_check_maskd_does_not_answer_holds_its_requests_not_the_engine(
+        target, server, vllm_config, cl100k_tokens, monkeypatch, proposer):
+    # Speculative decoding, synchronous scheduling (EngineCore.post_step): the drafts of a maskd
+    # request are checked by maskd after update_from_output, in vLLM's step. maskd stopped: the check
+    # waits the deadline, not MASKD_TIMEOUT_S; the drafts go unchecked (validate_tokens drops them),
+    # the request sits the steps out while vLLM's own decodes, and once maskd answers it goes on with
+    # the row that answer brought, no step asked again.
+    monkeypatch.setenv("MASKD_WAIT_TIMEOUT_S", "10")
+    monkeypatch.setenv(plugin.STEP_DEADLINE_ENV, "0.05")
+    import llguidance.torch
+    from vllm.v1.outputs import DraftTokenIds
+
+    if proposer == "maskd's grammar drafts":     # (vLLM's config names GrammarDrafts: the server proposes 2)
+        monkeypatch.setattr(engine_core, "_grammar_drafts", lambda config: 2)
+    scheduler = _scheduler(vllm_config(2))
+    scheduler.structured_output_manager.backend = _Scheduled(
+        allocate_token_bitmask=lambda n: llguidance.torch.allocate_token_bitmask(n, server.engine.width))
+    regex, text = LAYOUT_SPECS["a"]
+    tokens = cl100k_tokens(text)
+    scheduler.add_request(_vllms_request("v", 1))
+    _add(scheduler, _maskd_request(server, "m", regex))
+    step = scheduler.schedule()
+    scheduler.get_grammar_bitmask(step)
+    maskd = scheduler.structured_output_manager._maskd
+    assert maskd.propose == (2 if proposer == "maskd's grammar drafts" else 0)
+    gate, late = _gated_replies(monkeypatch, maskd)
+    scheduler.update_from_output(step, _sampled(("m", tokens[:1]), ("v", [7])))
+    drafts = [] if maskd.propose else [tokens[1], tokens[2]]      # (grammar drafts: the worker's are empty)
+    began = time.monotonic()
+    scheduler.update_draft_token_ids(DraftTokenIds(["m", "v"], [drafts, []]))      # EngineCore.post_step
+    assert time.monotonic() - began < 5                    # the deadline, not MASKD_TIMEOUT_S
+    assert len(late) == 1 and not late[0].done()
+    assert scheduler.requests["m"].spec_token_ids == []      # unchecked: dropped, never verified
+    for _ in range(2):
+        began = time.monotonic()
+        step = scheduler.schedule()
+        assert time.monotonic() - began < 0.05
+        assert set(step.num_scheduled_tokens) == {"v"}      # m sits out; vLLM's request decodes
+        scheduler.get_grammar_bitmask(step)
+        scheduler.update_from_output(step, _sampled(("v", [7])))
+        scheduler.update_draft_token_ids(DraftTokenIds(["v"], [[]]))
+    assert maskd.holds == 2 and maskd.preempted == 0
+    gate.set()
+    late[0].result(30)
+    step = scheduler.schedule()
+    assert set(step.num_scheduled_tokens) == {"m", "v"} and step.num_scheduled_tokens["m"] == 1
+    steps = maskd.steps
+    output = scheduler.get_grammar_bitmask(step)
+    m = output.structured_output_request_ids.index("m") * 3         # (0.33's stride: 1 + 2 drafts)
+    assert np.array_equal(output.grammar_bitmask[m], _server_rows(server, regex, tokens[:1])[1])   # the late answer's
+    assert maskd.steps == steps                           # no step asked again
+    scheduler.update_from_output(step, _sampled(("m", tokens[1:2]), ("v", [7])))
+    assert list(scheduler.requests["m"].output_token_ids) == tokens[:2]
+    assert scheduler.requests["m"].structured_output_request.grammar.failure is None
+
+
+def test_under_async_scheduling_a_drafts_check_maskd_does_not_answer_drops_the_step_it_was_for(
+        target, server, vllm_config, cl100k_tokens, monkeypatch):
+    # Speculative decoding under async scheduling (EngineCore.step_with_batch_queue): the step after
+    # m's first is scheduled with placeholders; its drafts arrive (update_draft_token_ids_in_output)
+    # and maskd does not answer their check within the deadline: they go unchecked (-1), that step's
+    # bitmask gives m EOS rows, its output drops m's token (preempted), the schedule after leaves m
+    # out, and once maskd answers m resumes with the row that answer brought.
+    from vllm.v1.outputs import DraftTokenIds
+    from vllm.v1.request import RequestStatus
+
+    monkeypatch.setenv("MASKD_WAIT_TIMEOUT_S", "10")
+    monkeypatch.setenv(plugin.STEP_DEADLINE_ENV, "0.05")
+    scheduler = _scheduler(vllm_config(2), AsyncScheduler)
+    regex, text = LAYOUT_SPECS["a"]
+    tokens = cl100k_tokens(text)
+    _add(scheduler, _maskd_request(server, "m", regex))
+    first = scheduler.schedule()
+    scheduler.get_grammar_bitmask(first)
+    second = scheduler.schedule()
+    assert second.scheduled_spec_decode_tokens == {"m": [-1, -1]}
+    maskd = scheduler.structured_output_manager._maskd
+    gate, late = _gated_replies(monkeypatch, maskd)
+    scheduler.update_from_output(first, _sampled(("m", tokens[:1])))
+    began = time.monotonic()
+    scheduler.update_draft_token_ids_in_output(DraftTokenIds(["m"], [tokens[1:3]]), second)
+    assert time.monotonic() - began < 5                    # the deadline, not MASKD_TIMEOUT_S
+    assert second.scheduled_spec_decode_tokens == {"m": [-1, -1]}     # unchecked: never verified
+    bitmask = scheduler.get_grammar_bitmask(second).grammar_bitmask
+    assert all(np.array_equal(row, maskd.eos_row) for row in bitmask) and set(maskd.dropped) == {"m"}
+    third = scheduler.schedule()
+    assert "m" not in third.num_scheduled_tokens and maskd.holds == 1
+    outputs = scheduler.update_from_output(second, _sampled(("m", [min(maskd.eos_ids)])))
+    assert not any(o.request_id == "m" for eo in outputs.values() for o in eo.outputs)
+    request = scheduler.requests["m"]
+    assert request.status == RequestStatus.PREEMPTED and list(request.output_token_ids) == tokens[:1]
+    scheduler.update_from_output(third, _sampled())
+    gate.set()
+    late[0].result(30)
+    fourth = scheduler.schedule()
+    assert set(fourth.num_scheduled_tokens) == {"m"}                  # resumed
+    steps = maskd.steps
+    output = scheduler.get_grammar_bitmask(fourth)
+    m = output.structured_output_request_ids.index("m") * 3
+    assert np.array_equal(output.grammar_bitmask[m], _server_rows(server, regex, tokens[:1])[1])
+    assert maskd.steps == steps and request.structured_output_request.grammar.failure is None
+
+
 def test_a_step_answered_within_the_deadline_costs_the_schedule_no_wait_and_drops_nothing(
         target, server, vllm_config, cl100k_tokens, monkeypatch):
     # The default deadline (MASKD_STEP_DEADLINE_S unset). The step sent ahead is still out when vLLM

@@ -16,6 +16,10 @@ module's own, and four faults of that process while unconstrained (and maskd) st
 * stopped while no maskd request is in flight, and a new one sent meanwhile: its first step is held
   (not waited for inside the engine's step), and it is answered once maskd continues.
 
+The two stops run on a second engine too, with ngram speculative decoding: there every maskd step
+(the drafts' check after each step) is asked inside vLLM's step, and is held past the deadline the
+same way (before it, a stop stopped every stream: the unconstrained streams' longest gap 5.0 s).
+
 The figures (gaps, the restarted server's first answer) are printed; the assertions are generous
 bounds (CI is a loaded 2-core machine): speed is measured by hand, see docs/engines.md.
 
@@ -57,6 +61,11 @@ WORDS = r"([a-z]{2,5} ){40}end"
 SHORT = r"(yes|no) [a-z]{2,5} [a-z]{2,5} end"
 PLAIN, MASKD = 4, 4
 IN_FLIGHT = 20             # tokens every stream has before the fault (the normal gaps come from these)
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+# Every fault on the engine without drafts; a stop (with maskd's requests in flight, or a new one
+# sent during it) also on one with ngram drafts (vLLM's own drafter)
+PLAIN_ENGINE = pytest.mark.parametrize("engine", ["no drafts"], indirect=True)
+BOTH_ENGINES = pytest.mark.parametrize("engine", ["no drafts", "ngram"], indirect=True)
 
 
 class MaskdProcess:
@@ -107,11 +116,15 @@ def maskd_process(logs):
 
 
 @pytest.fixture(scope="module")
-def engine(logs, maskd_process):
-    env = {"MASKD_TARGET": maskd_process.target}       # the step deadline as users get it
+def engine(logs, maskd_process, request):
+    """The engine as users run it (the step deadline as they get it); ``ngram``: with speculative
+    decoding, where every maskd step (its drafts' check) is asked inside vLLM's step."""
+    env = {"MASKD_TARGET": maskd_process.target}
     if PINNED:
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(ENGINE_CPU)
-    with vllm_engine(logs, *ENGINE_OPTIONS, "--max-num-seqs", "16", env=env, name="maskd-stalled") as engine:
+    drafts = ("--speculative-config", NGRAM) if request.param == "ngram" else ()
+    with vllm_engine(logs, *ENGINE_OPTIONS, "--max-num-seqs", "16", *drafts, env=env,
+                     name=f"maskd-stalled-{request.param}") as engine:
         for regex in (WORDS, SHORT):
             assert engine.complete({"prompt": "warm", "max_tokens": 400, "structured_outputs": {"regex": regex}})
         yield engine
@@ -214,6 +227,7 @@ def check_unconstrained(run: Run) -> None:
         assert run.gap(k) < GAP_BOUND_S, f"{k}: a gap of {run.gap(k):.2f} s during the fault"
 
 
+@BOTH_ENGINES
 def test_a_stopped_maskd_stalls_only_maskds_requests(engine, maskd_process):
     def stop():
         maskd_process.signal(signal.SIGSTOP)
@@ -235,6 +249,7 @@ def test_a_stopped_maskd_stalls_only_maskds_requests(engine, maskd_process):
     assert "are scheduled again" in log
 
 
+@PLAIN_ENGINE
 def test_a_killed_maskd_restarted_at_once_serves_its_requests_again(engine, maskd_process):
     served: dict[str, float] = {}
     marks: dict[str, float] = {}
@@ -279,6 +294,7 @@ def test_a_killed_maskd_restarted_at_once_serves_its_requests_again(engine, mask
     assert max(served.values()) < SERVED_BOUND_S, served
 
 
+@PLAIN_ENGINE
 def test_a_slow_maskd_slows_only_maskds_requests(engine, maskd_process):
     def duty_cycle():
         end = time.monotonic() + SLOW_S
@@ -299,6 +315,7 @@ def test_a_slow_maskd_slows_only_maskds_requests(engine, maskd_process):
         assert run.during(k) > 0, f"{k} got no token while maskd was slow"
 
 
+@BOTH_ENGINES
 def test_a_new_maskd_request_sent_while_maskd_is_stopped_is_served_once_it_continues(engine, maskd_process):
     """No maskd request in flight when maskd stops, unconstrained ones decoding; a new maskd request (of
     a spec the engine knows) arrives during the stop: its first step is held, not failed, the
