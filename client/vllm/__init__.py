@@ -27,8 +27,8 @@ What a maskd request meets (docs/engines.md tells each in full):
   send take maskd's requests out of that step (preempted, their token dropped, never an
   unconstrained one) and out of the steps after, until maskd answers;
 * a sequence the server fails (a rejected token, a document that cannot pass its schema, no
-  answer) ends that request with finish reason ``error``, never a cut-short "stop"; on vLLM 0.33
-  the client gets maskd's reason (HTTP 500; 503, retryable, where maskd did not answer);
+  answer) ends that request with finish reason ``error``, never a cut-short "stop"; the client
+  gets maskd's reason (HTTP 500; 503, retryable, where maskd did not answer);
 * reasoning parsers work as with vLLM's own backends: the grammar starts where vLLM says the
   reasoning ends;
 * speculative decoding: the drafts of maskd's requests are checked by the server as they arrive
@@ -50,7 +50,8 @@ version maskd was not tested on whose methods all match loads with a warning.
 The parts: :mod:`~maskd_client.vllm.admission` (the API server), :mod:`~maskd_client.vllm.engine_core`
 (``StructuredOutputManager``: the grammars and the step), :mod:`~maskd_client.vllm.scheduler`
 (``Scheduler``: the step sent ahead, the hold, the request's end), :mod:`~maskd_client.vllm.drafts`,
-:mod:`~maskd_client.vllm.worker_apply` (the worker's apply), :mod:`~maskd_client.vllm.compat`.
+:mod:`~maskd_client.vllm.worker_apply` (the worker's apply), :mod:`~maskd_client.vllm.reasons` (a failed
+request's reason to the client), :mod:`~maskd_client.vllm.compat`.
 """
 from __future__ import annotations
 

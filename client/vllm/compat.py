@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from maskd_client.vllm import admission, drafts, engine_core, scheduler, tools_and_format, worker_apply
+from maskd_client.vllm import admission, drafts, engine_core, reasons, scheduler, tools_and_format, worker_apply
 from maskd_client.vllm.common import log
 
 __all__ = ["POINTS", "TESTED", "PatchPoint", "VllmCompatError", "check", "install", "vllm_version"]
@@ -83,6 +83,12 @@ POINTS: tuple[PatchPoint, ...] = (
     PatchPoint("vllm.parser.abstract_parser", "DelegatingParser", "adjust_request", ("self", "request"),
                tools_and_format._adjust_request, exact=True, required=False,
                why="tools (tool_choice auto) and a response format in one chat request: a call or the answer"),
+    PatchPoint("vllm.v1.engine.output_processor", "OutputProcessor", "process_outputs",
+               ("self", "engine_core_outputs"), reasons._process_outputs, required=False,
+               why="a failed maskd request's reason kept as its output arrives (vLLM without RequestError: 0.32)"),
+    PatchPoint("vllm.entrypoints.generate.base.serving", "GenerateBaseServing", "_raise_if_error",
+               ("self", "finish_reason", "request_id"), reasons._raise_if_error, exact=True, required=False,
+               why="a failed maskd request's reason to the client, not \"Internal server error\" (0.32)"),
     # the engine core: the structured-output manager
     PatchPoint(_MANAGER, "StructuredOutputManager", "grammar_init", ("self", "request"),
                engine_core._manager_grammar_init, exact=True, why="a maskd request's grammar: a maskd sequence"),

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from maskd_client.vllm import reasons
 from maskd_client.vllm.common import _is_maskd, log
 from maskd_client.vllm.engine_core import STEP_DEADLINE_ENV, MaskdStructuredOutputs, VllmMaskdGrammar
 
@@ -75,7 +76,7 @@ def _drop_late(scheduler: Any, maskd: MaskdStructuredOutputs) -> None:
 @functools.cache
 def _request_error_class() -> type | None:
     """vLLM's RequestError where EngineCoreOutput carries one to the client (0.33), else None (0.32:
-    the request ends with finish reason error, HTTP 500 "Internal server error", the reason logged)."""
+    the reason goes as the output's stop_reason, reasons.py)."""
     try:
         from vllm.outputs import RequestError
         from vllm.v1.engine import EngineCoreOutput
@@ -88,17 +89,22 @@ def _request_errors(maskd: MaskdStructuredOutputs, outputs: dict) -> None:
     """(after vLLM's update_from_output) Each maskd request this step ended with finish reason error
     because its sequence failed gets the failure's reason as the output's RequestError (code
     ``structured_output_error``), as vLLM's scheduler gives the requests whose grammar did not compile:
-    the API server raises it to the client (HTTP 500 with the reason; 503 where retryable)."""
+    the API server raises it to the client (HTTP 500 with the reason; 503 where retryable). A vLLM
+    without RequestError (0.32): the reason rides in the output's stop_reason (reasons.py)."""
     failed, maskd.failed = maskd.failed, {}
-    cls = _request_error_class()
-    if not failed or cls is None:
+    if not failed:
         return
+    cls = _request_error_class()
     from vllm.v1.engine import FinishReason
 
     for engine_outputs in outputs.values():
         for out in engine_outputs.outputs:
             grammar = failed.get(out.request_id)
-            if grammar is not None and out.finish_reason == FinishReason.ERROR and out.error is None:
+            if grammar is None or out.finish_reason != FinishReason.ERROR or grammar.failure is None:
+                continue
+            if cls is None:
+                out.stop_reason = reasons.as_stop_reason(grammar.failure, grammar.retryable)
+            elif out.error is None:
                 out.error = cls(code="structured_output_error", message=f"maskd: {grammar.failure}",
                                 retryable=grammar.retryable)
 

@@ -822,15 +822,35 @@ def test_implicit_reasoning_ends_the_grammar_refuses_first_are_masked_while_reas
         assert request.structured_output_request.grammar.failure is None
 
 
+@pytest.mark.parametrize("carried_by", ["RequestError", "stop_reason"])
 def test_a_failure_mid_generation_reaches_the_client_with_maskds_reason(
-        target, server, vllm_config, cl100k_tokens, monkeypatch):
+        target, server, vllm_config, cl100k_tokens, monkeypatch, carried_by):
     # vLLM 0.33 ends a request whose grammar failed with finish reason error; maskd's reason rides on
     # EngineCoreOutput.error (RequestError), which the API server raises to the client: HTTP 500 with
-    # the reason for the server's verdict, 503 (retryable) where maskd could not be reached.
+    # the reason for the server's verdict, 503 (retryable) where maskd could not be reached. A vLLM
+    # without RequestError (0.32; here its absence is made so): the reason rides as the output's
+    # stop_reason, vLLM's own output processor keeps it, and the API's _raise_if_error raises it.
     import grpc
+    from vllm.entrypoints.generate.base.serving import GenerateBaseServing
     from vllm.exceptions import GenerationError, RetryableRequestError
     from vllm.outputs import RequestError
     from vllm.v1.engine import FinishReason
+    from vllm.v1.engine.output_processor import OutputProcessor
+
+    from maskd_client.vllm import scheduler as maskd_scheduler
+
+    if carried_by == "stop_reason":
+        monkeypatch.setattr(maskd_scheduler, "_request_error_class", lambda: None)
+    api = OutputProcessor(None, log_stats=False)      # the API server's, its requests' states aside
+
+    def to_client(out, api_request_id: str) -> BaseException:
+        """What the API server raises for this output (the error vLLM's handlers answer with)."""
+        if carried_by == "RequestError":
+            return out.error.to_exception()
+        api.process_outputs([out])
+        with pytest.raises(GenerationError) as raised:
+            GenerateBaseServing._raise_if_error(None, "error", api_request_id)
+        return raised.value
 
     monkeypatch.setenv("MASKD_WAIT_TIMEOUT_S", "10")
     scheduler = _scheduler(vllm_config(0))
@@ -858,18 +878,27 @@ def test_a_failure_mid_generation_reaches_the_client_with_maskds_reason(
     refused = by_id["refused"]
     assert refused.finish_reason == FinishReason.ERROR
     reason = grammars["refused"].failure
-    assert refused.error == RequestError(code="structured_output_error", message=f"maskd: {reason}", retryable=False)
-    assert type(refused.error.to_exception()) is GenerationError      # HTTP 500 with maskd's reason
+    if carried_by == "RequestError":
+        assert refused.error == RequestError(code="structured_output_error", message=f"maskd: {reason}",
+                                             retryable=False)
+    else:
+        assert refused.error is None and refused.stop_reason == f"maskd: {reason}"
+    error = to_client(refused, "refused")
+    assert type(error) is GenerationError and str(error) == f"maskd: {reason}"     # HTTP 500 with maskd's reason
     assert by_id["lost"].finish_reason is None and by_id["lost"].error is None
     # "lost"'s token could not be sent ahead (maskd unreachable): it ends at its next step, retryable
     step = scheduler.schedule()
     scheduler.get_grammar_bitmask(step)
     outputs = scheduler.update_from_output(step, _sampled(("lost", [eos])))
     (lost,) = outputs[0].outputs
-    assert lost.finish_reason == FinishReason.ERROR and lost.error.retryable
-    assert lost.error.message.startswith("maskd: maskd step failed: UNAVAILABLE: maskd at 127.0.0.1:1")
-    assert isinstance(lost.error.to_exception(), RetryableRequestError)   # HTTP 503
+    assert lost.finish_reason == FinishReason.ERROR
+    error = to_client(lost, "lost")
+    assert isinstance(error, RetryableRequestError)   # HTTP 503
+    assert str(error).startswith("maskd: maskd step failed: UNAVAILABLE: maskd at 127.0.0.1:1")
     assert not maskd.failed
+    if carried_by == "stop_reason":     # a request of vLLM's own that ended with an error: vLLM's answer
+        with pytest.raises(GenerationError, match=r"^Internal server error$"):
+            GenerateBaseServing._raise_if_error(None, "error", "another")
 
 
 def _gated_replies(monkeypatch, maskd) -> tuple[threading.Event, list[concurrent.futures.Future]]:

@@ -13,12 +13,14 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")   # vLLM's platform on a mach
 
 import pytest
 import vllm.v1.structured_output.utils as utils
+from vllm.entrypoints.generate.base.serving import GenerateBaseServing
 from vllm.parser.abstract_parser import DelegatingParser
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.interface import SchedulerInterface
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.output_processor import OutputProcessor
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.version import __version__ as VLLM_VERSION
 
@@ -26,7 +28,8 @@ from maskd_client import vllm as plugin
 from maskd_client.vllm import compat
 from maskd_client.vllm.compat import POINTS, VllmCompatError
 
-OWNERS = [SamplingParams, AsyncLLM, StructuredOutputManager, Scheduler, utils, DelegatingParser]
+OWNERS = [SamplingParams, AsyncLLM, StructuredOutputManager, Scheduler, utils, DelegatingParser, OutputProcessor,
+          GenerateBaseServing]
 
 
 @pytest.fixture(scope="module", autouse=True)
