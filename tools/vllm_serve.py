@@ -18,7 +18,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -104,9 +104,10 @@ def vllm_prefix() -> pathlib.Path:
 @contextlib.contextmanager
 def vllm_engine(log_dir: pathlib.Path, *args: str, env: Mapping[str, str] | None = None,
                 name: str = "vllm", prefix: pathlib.Path | None = None,
-                model: pathlib.Path | None = None) -> Iterator[VllmServer]:
+                model: pathlib.Path | None = None, cpus: Collection[int] | None = None) -> Iterator[VllmServer]:
     """``vllm serve`` of the tiny model (or ``model``) with ``args``; ``env`` on top of this process's
-    environment (MASKD_* and vLLM's own variables removed first, so only what the caller names is set)."""
+    environment (MASKD_* and vLLM's own variables removed first, so only what the caller names is set);
+    ``cpus``: the CPUs of its processes (the API server, and the engine core and worker it starts)."""
     port = free_port()
     prefix = prefix or vllm_prefix()
     bindir = prefix / "bin"
@@ -124,7 +125,7 @@ def vllm_engine(log_dir: pathlib.Path, *args: str, env: Mapping[str, str] | None
            "--served-model-name", MODEL, "--max-model-len", "1024", "--seed", "0", *args]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full, start_new_session=True,
-                                cwd=REPO)
+                                cwd=REPO, preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
     engine = VllmServer(f"http://127.0.0.1:{port}", proc, log)
     try:
         deadline = time.monotonic() + READY_TIMEOUT_S

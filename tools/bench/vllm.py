@@ -27,7 +27,8 @@ the maskd server for S seconds while each mode decodes (vllm_profile.py).
 
 Placement: the maskd server (``maskd serve``, a child process, ``--json-schema-mode`` as a user
 runs it: complete by default) on ``--maskd-cpus``, vLLM's worker threads on ``--vllm-omp-cpus``
-(``VLLM_CPU_OMP_THREADS_BIND``); vLLM's API server and engine core are not pinned.
+(``VLLM_CPU_OMP_THREADS_BIND``); vLLM's API server and engine core on ``--vllm-cpus`` (default:
+not pinned), and this process's HTTP clients on ``--client-cpus`` (default: not pinned).
 
 ``--drafts K`` adds grammar drafts' comparison (vllm_drafts.py), greedy, on ``--drafts-workloads``:
 the first engine of ``--engines`` serves them without drafts (maskd, and its own backend as a
@@ -41,6 +42,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import json
+import os
 import pathlib
 import statistics
 import threading
@@ -90,6 +92,10 @@ def add_arguments(p) -> None:
                    help="with --quality, sampled requests per case and mode (temperature 0.7, seeds 0..S-1; default 3)")
     p.add_argument("--maskd-cpus", default="1", help="CPUs of the maskd server (comma-separated; '' for none)")
     p.add_argument("--vllm-omp-cpus", default="0", help="VLLM_CPU_OMP_THREADS_BIND of vLLM's worker")
+    p.add_argument("--vllm-cpus", default="", help="CPUs of vLLM's processes: the API server, the engine core "
+                   "and the worker, whose compute threads --vllm-omp-cpus binds (comma-separated; default: any)")
+    p.add_argument("--client-cpus", default="", help="CPUs of this process, whose threads are the HTTP clients "
+                   "(comma-separated; default: any)")
     p.add_argument("--vllm-venv", default=None, help="the venv with vLLM's CPU build (default .venv-vllm)")
     p.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
                    help="one more argument of `vllm serve` (repeat for several; e.g. --vllm-arg=--enforce-eager)")
@@ -137,10 +143,16 @@ def run(args, log: Callable[[str], None] = print) -> dict:
                          "in --engines")
     if args.profile and not workloads:
         raise SystemExit(f"{prog}: --profile profiles the first of --workloads: there is none")
-    try:
-        maskd_cpus = [int(c) for c in args.maskd_cpus.split(",") if c.strip()]
-    except ValueError:
-        raise SystemExit(f"{prog}: --maskd-cpus {args.maskd_cpus!r}: comma-separated CPU numbers") from None
+    cpus: dict[str, list[int]] = {}
+    for option in ("maskd_cpus", "vllm_cpus", "client_cpus"):
+        try:
+            cpus[option] = [int(c) for c in getattr(args, option).split(",") if c.strip()]
+        except ValueError:
+            raise SystemExit(f"{prog}: --{option.replace('_', '-')} {getattr(args, option)!r}: comma-separated "
+                             "CPU numbers") from None
+    maskd_cpus = cpus["maskd_cpus"]
+    if cpus["client_cpus"]:
+        os.sched_setaffinity(0, cpus["client_cpus"])
     max_tokens = args.max_tokens or 128
     built_in = vllm_workloads.BUILT_IN
     schemas: dict[str, list[dict]] = {w: [built_in[w]] for w in workloads if w in built_in}
@@ -179,8 +191,8 @@ def run(args, log: Callable[[str], None] = print) -> dict:
                                   "maskd_json_schema_mode": args.json_schema_mode,
                                   "json_whitespace": args.whitespace,
                                   "vllm_worker_omp_bind": args.vllm_omp_cpus,
-                                  "vllm_api_server_and_engine_core": "not pinned",
-                                  "this_process (HTTP clients)": "not pinned"},
+                                  "vllm_api_server_and_engine_core": cpus["vllm_cpus"] or "not pinned",
+                                  "this_process (HTTP clients)": cpus["client_cpus"] or "not pinned"},
                               "schemas": {w: len(v) for w, v in schemas.items()}, "runs": [], "bursts": [],
                               "refused_by_backend": {}, "profiles": []}
     drafts_runs: list[dict] = []
@@ -276,7 +288,8 @@ def start_engine(args, out: pathlib.Path, server: common.ServerHandle, backend: 
     with vllm_engine(out, "--structured-outputs-config", options, "--max-num-seqs", str(seqs),
                      *(REAL_MODEL_ARGS if real else ()), *extra, *args.vllm_arg, env=env, name=name,
                      prefix=pathlib.Path(args.vllm_venv) if args.vllm_venv else None,
-                     model=real_model_dir() if real else None) as engine:
+                     model=real_model_dir() if real else None,
+                     cpus=[int(c) for c in args.vllm_cpus.split(",") if c.strip()] or None) as engine:
         yield engine
 
 
