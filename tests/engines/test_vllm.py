@@ -348,6 +348,16 @@ def _scheduler(config: VllmConfig, cls: type = Scheduler):
                block_size=16)
 
 
+def _with_vllms_backend(server, scheduler):
+    """The scheduler with a backend for vLLM's own requests (_TaggedGrammar) that allocates the
+    manager's bitmask (guidance's allocation; the backend itself would need a Hugging Face tokenizer)."""
+    import llguidance.torch
+
+    scheduler.structured_output_manager.backend = _Scheduled(
+        allocate_token_bitmask=lambda n: llguidance.torch.allocate_token_bitmask(n, server.engine.width))
+    return scheduler
+
+
 class _TaggedGrammar(StructuredOutputGrammar):
     """vLLM's own backend beside maskd in a batch: every word of a row it fills says whose row it is
     and after how many drafts (tag * 16 + tokens accepted), so its rows' places can be checked."""
@@ -934,13 +944,9 @@ def test_a_maskd_request_whose_rows_are_late_sits_the_step_out_while_the_others_
     monkeypatch.setenv("MASKD_WAIT_TIMEOUT_S", "10")
     monkeypatch.setenv(plugin.STEP_DEADLINE_ENV, "0.05")
     caplog.set_level(logging.WARNING, logger="maskd_client")
-    import llguidance.torch
     from vllm.v1.request import RequestStatus
 
-    scheduler = _scheduler(vllm_config(0))
-    # vLLM's backend for its own requests (_TaggedGrammar) allocates the manager's bitmask
-    scheduler.structured_output_manager.backend = _Scheduled(
-        allocate_token_bitmask=lambda n: llguidance.torch.allocate_token_bitmask(n, server.engine.width))
+    scheduler = _with_vllms_backend(server, _scheduler(vllm_config(0)))
     regex, text = LAYOUT_SPECS["a"]
     tokens = cl100k_tokens(text)
     _add(scheduler, _maskd_request(server, "m", regex))
@@ -1016,18 +1022,23 @@ def test_a_maskd_request_whose_rows_are_late_sits_the_step_out_while_the_others_
         assert getattr(grammar, "failure", None) is None
 
 
+@pytest.mark.parametrize("drafts", [0, 2], ids=["no drafts", "drafts checked late"])
 def test_under_async_scheduling_late_rows_drop_the_step_they_were_for_and_hold_the_next(
-        target, server, vllm_config, cl100k_tokens, monkeypatch):
+        target, server, vllm_config, cl100k_tokens, monkeypatch, drafts):
     # EngineCore.step_with_batch_queue (async scheduling, vLLM 0.33's default): the step after m's
     # first is scheduled before m's token is known, its bitmask deferred to after update_from_output
     # (which sends m's token ahead). maskd does not answer within the deadline: that bitmask gives m
     # an EOS row, the schedule after (before that step's output is in) leaves m out, and the step's
     # output drops m's token (preempted); once maskd answers, m resumes with the answer's rows.
+    # With drafts (speculative decoding: no step ahead) the step is the drafts' check, once they fill
+    # the placeholders (update_draft_token_ids_in_output): it waits the deadline, not
+    # MASKD_TIMEOUT_S, and the drafts go unchecked (-1), never verified.
+    from vllm.v1.outputs import DraftTokenIds
     from vllm.v1.request import RequestStatus
 
     monkeypatch.setenv("MASKD_WAIT_TIMEOUT_S", "10")
     monkeypatch.setenv(plugin.STEP_DEADLINE_ENV, "0.05")
-    scheduler = _scheduler(vllm_config(0), AsyncScheduler)
+    scheduler = _scheduler(vllm_config(drafts), AsyncScheduler)
     regex, text = LAYOUT_SPECS["a"]
     tokens = cl100k_tokens(text)
     _add(scheduler, _maskd_request(server, "m", regex))
@@ -1038,9 +1049,15 @@ def test_under_async_scheduling_late_rows_drop_the_step_they_were_for_and_hold_t
     maskd = scheduler.structured_output_manager._maskd
     gate, late = _gated_replies(monkeypatch, maskd)
     scheduler.update_from_output(first, _sampled(("m", tokens[:1])))
+    if drafts:
+        began = time.monotonic()
+        scheduler.update_draft_token_ids_in_output(DraftTokenIds(["m"], [tokens[1:3]]), second)
+        assert time.monotonic() - began < 5                       # the deadline, not MASKD_TIMEOUT_S
+        assert second.scheduled_spec_decode_tokens == {"m": [-1, -1]}     # unchecked: never verified
     assert len(late) == 1 and not late[0].done()
-    (row,) = scheduler.get_grammar_bitmask(second).grammar_bitmask
-    assert np.array_equal(row, maskd.eos_row) and set(maskd.dropped) == {"m"}
+    bitmask = scheduler.get_grammar_bitmask(second).grammar_bitmask
+    assert len(bitmask) == 1 + drafts and all(np.array_equal(row, maskd.eos_row) for row in bitmask)
+    assert set(maskd.dropped) == {"m"}
     third = scheduler.schedule()                       # second's output is not in yet: m sits this one out
     assert "m" not in third.num_scheduled_tokens and maskd.holds == 1
     outputs = scheduler.update_from_output(second, _sampled(("m", [min(maskd.eos_ids)])))
@@ -1051,9 +1068,11 @@ def test_under_async_scheduling_late_rows_drop_the_step_they_were_for_and_hold_t
     gate.set()
     late[0].result(30)
     fourth = scheduler.schedule()
-    assert fourth.num_scheduled_tokens == {"m": 3 + 1}                 # resumed: recomputed
-    (row,) = scheduler.get_grammar_bitmask(fourth).grammar_bitmask
-    assert np.array_equal(row, _server_rows(server, regex, tokens[:1])[1])
+    assert set(fourth.num_scheduled_tokens) == {"m"}                   # resumed: recomputed
+    steps = maskd.steps
+    row = scheduler.get_grammar_bitmask(fourth).grammar_bitmask[0]
+    assert np.array_equal(row, _server_rows(server, regex, tokens[:1])[1])     # the late answer's
+    assert maskd.steps == steps                                        # no step asked again
     assert request.structured_output_request.grammar.failure is None and maskd.preempted == 1
 
 
@@ -1067,11 +1086,8 @@ def test_a_new_requests_first_step_that_maskd_does_not_answer_holds_it_not_the_e
 
     monkeypatch.setenv("MASKD_WAIT_TIMEOUT_S", "10")
     monkeypatch.setenv(plugin.STEP_DEADLINE_ENV, "0.05")
-    import llguidance.torch
 
-    scheduler = _scheduler(vllm_config(0))
-    scheduler.structured_output_manager.backend = _Scheduled(
-        allocate_token_bitmask=lambda n: llguidance.torch.allocate_token_bitmask(n, server.engine.width))
+    scheduler = _with_vllms_backend(server, _scheduler(vllm_config(0)))
     regex, text = LAYOUT_SPECS["a"]
     tokens = cl100k_tokens(text)
     scheduler.add_request(_vllms_request("v", 1))
@@ -1115,14 +1131,11 @@ def test_under_speculative_decoding_a_drafts_check_maskd_does_not_answer_holds_i
     # the row that answer brought, no step asked again.
     monkeypatch.setenv("MASKD_WAIT_TIMEOUT_S", "10")
     monkeypatch.setenv(plugin.STEP_DEADLINE_ENV, "0.05")
-    import llguidance.torch
     from vllm.v1.outputs import DraftTokenIds
 
     if proposer == "maskd's grammar drafts":     # (vLLM's config names GrammarDrafts: the server proposes 2)
         monkeypatch.setattr(engine_core, "_grammar_drafts", lambda config: 2)
-    scheduler = _scheduler(vllm_config(2))
-    scheduler.structured_output_manager.backend = _Scheduled(
-        allocate_token_bitmask=lambda n: llguidance.torch.allocate_token_bitmask(n, server.engine.width))
+    scheduler = _with_vllms_backend(server, _scheduler(vllm_config(2)))
     regex, text = LAYOUT_SPECS["a"]
     tokens = cl100k_tokens(text)
     scheduler.add_request(_vllms_request("v", 1))
@@ -1160,53 +1173,6 @@ def test_under_speculative_decoding_a_drafts_check_maskd_does_not_answer_holds_i
     scheduler.update_from_output(step, _sampled(("m", tokens[1:2]), ("v", [7])))
     assert list(scheduler.requests["m"].output_token_ids) == tokens[:2]
     assert scheduler.requests["m"].structured_output_request.grammar.failure is None
-
-
-def test_under_async_scheduling_a_drafts_check_maskd_does_not_answer_drops_the_step_it_was_for(
-        target, server, vllm_config, cl100k_tokens, monkeypatch):
-    # Speculative decoding under async scheduling (EngineCore.step_with_batch_queue): the step after
-    # m's first is scheduled with placeholders; its drafts arrive (update_draft_token_ids_in_output)
-    # and maskd does not answer their check within the deadline: they go unchecked (-1), that step's
-    # bitmask gives m EOS rows, its output drops m's token (preempted), the schedule after leaves m
-    # out, and once maskd answers m resumes with the row that answer brought.
-    from vllm.v1.outputs import DraftTokenIds
-    from vllm.v1.request import RequestStatus
-
-    monkeypatch.setenv("MASKD_WAIT_TIMEOUT_S", "10")
-    monkeypatch.setenv(plugin.STEP_DEADLINE_ENV, "0.05")
-    scheduler = _scheduler(vllm_config(2), AsyncScheduler)
-    regex, text = LAYOUT_SPECS["a"]
-    tokens = cl100k_tokens(text)
-    _add(scheduler, _maskd_request(server, "m", regex))
-    first = scheduler.schedule()
-    scheduler.get_grammar_bitmask(first)
-    second = scheduler.schedule()
-    assert second.scheduled_spec_decode_tokens == {"m": [-1, -1]}
-    maskd = scheduler.structured_output_manager._maskd
-    gate, late = _gated_replies(monkeypatch, maskd)
-    scheduler.update_from_output(first, _sampled(("m", tokens[:1])))
-    began = time.monotonic()
-    scheduler.update_draft_token_ids_in_output(DraftTokenIds(["m"], [tokens[1:3]]), second)
-    assert time.monotonic() - began < 5                    # the deadline, not MASKD_TIMEOUT_S
-    assert second.scheduled_spec_decode_tokens == {"m": [-1, -1]}     # unchecked: never verified
-    bitmask = scheduler.get_grammar_bitmask(second).grammar_bitmask
-    assert all(np.array_equal(row, maskd.eos_row) for row in bitmask) and set(maskd.dropped) == {"m"}
-    third = scheduler.schedule()
-    assert "m" not in third.num_scheduled_tokens and maskd.holds == 1
-    outputs = scheduler.update_from_output(second, _sampled(("m", [min(maskd.eos_ids)])))
-    assert not any(o.request_id == "m" for eo in outputs.values() for o in eo.outputs)
-    request = scheduler.requests["m"]
-    assert request.status == RequestStatus.PREEMPTED and list(request.output_token_ids) == tokens[:1]
-    scheduler.update_from_output(third, _sampled())
-    gate.set()
-    late[0].result(30)
-    fourth = scheduler.schedule()
-    assert set(fourth.num_scheduled_tokens) == {"m"}                  # resumed
-    steps = maskd.steps
-    output = scheduler.get_grammar_bitmask(fourth)
-    m = output.structured_output_request_ids.index("m") * 3
-    assert np.array_equal(output.grammar_bitmask[m], _server_rows(server, regex, tokens[:1])[1])
-    assert maskd.steps == steps and request.structured_output_request.grammar.failure is None
 
 
 def test_a_step_answered_within_the_deadline_costs_the_schedule_no_wait_and_drops_nothing(
