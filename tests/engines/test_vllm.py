@@ -3,7 +3,8 @@ tests/vllm_engine): the entry point (the points it wraps: test_vllm_compat.py), 
 0.33's own SamplingParams and StructuredOutputsParams against a real maskd server, the step's bitmask under
 speculative decoding as 0.33's own StructuredOutputManager.grammar_bitmask and apply_grammar_bitmask
 lay it out and read it, and 0.33's own VllmConfig, Scheduler / AsyncScheduler and manager driven as
-its engine core drives them: drafts under async scheduling, implicit reasoning ends, RequestError."""
+its engine core drives them: drafts under async scheduling (and Model Runner V2's apply of their
+rows, its Triton kernel interpreted), implicit reasoning ends, RequestError."""
 import concurrent.futures
 import importlib.metadata
 import inspect
@@ -720,7 +721,7 @@ def _sampled(*outputs):
 
 
 def test_drafts_under_async_scheduling_are_checked_where_vllm_hands_them_over(
-        target, server, vllm_config, cl100k_tokens, monkeypatch):
+        target, server, vllm_config, cl100k_tokens, monkeypatch, tmp_path):
     # EngineCore.step_with_batch_queue, as it runs with async scheduling and drafts: the step after a
     # request's first one is scheduled with -1 placeholders before that one's token is known, its
     # bitmask deferred; once the token is in (update_from_output) the worker's drafts fill the
@@ -767,6 +768,81 @@ def test_drafts_under_async_scheduling_are_checked_where_vllm_hands_them_over(
     inspect.unwrap(utils.apply_grammar_bitmask)(
         second, GrammarOutput(output.structured_output_request_ids, output.grammar_bitmask), batch, theirs)
     assert torch.equal(ours, theirs) and torch.isinf(ours).any()
+
+    # Model Runner V2 (0.33's default runner, async scheduling's): vLLM's own StructuredOutputsWorker
+    # and Triton kernel apply the rows maskd laid out, to the same logits, and the drafts its
+    # grammar_invalid_drafts leaves are the ones maskd checked ("bad": its placeholder, past 1)
+    assert output.num_acceptable_drafts == [2, 1]
+    v2, invalid = _model_runner_v2_apply(output, batch.req_ids, [0, 3, 6], logits, tmp_path)
+    assert torch.equal(v2, ours)
+    assert invalid.tolist() == [False, False, True, False, False, False]
+
+
+# Model Runner V2 applies a step's rows in its worker (vllm/v1/worker/gpu/structured_outputs.py):
+# StructuredOutputsWorker.apply_grammar_bitmask keys request k's rows k * mask_stride + position (its
+# mask_stride: the runner's decode_query_len, 1 + num_speculative_tokens) and runs a Triton kernel;
+# grammar_invalid_drafts turns GrammarOutput.num_acceptable_drafts into the draft positions the
+# rejection sampler refuses. Run here as vLLM's CPU build runs V2 (vllm/v1/worker/cpu/shm.py's patches,
+# bitmask blocks of 1024), the kernel under Triton's interpreter on CPU tensors: a process of its own,
+# since the interpreter is chosen when the kernel is decorated (TRITON_INTERPRET=1 before vLLM's import)
+# and vLLM takes Triton only where one driver is active or CUDA_VISIBLE_DEVICES is set empty (a
+# distributed worker before CUDA starts: the interpreter needs no driver).
+_MODEL_RUNNER_V2_APPLY = r'''
+import dataclasses, sys
+import numpy as np, torch
+from vllm.triton_utils import HAS_TRITON
+assert HAS_TRITON, "vLLM did not take Triton"
+import vllm.v1.worker.cpu.shm  # noqa: F401  (what vLLM's CPU worker imports: no CUDA streams, pinning)
+import triton.runtime.interpreter as interpreter
+from vllm.v1.worker.gpu import structured_outputs as so
+from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
+
+# Triton 3.9's interpreter hands tl.store this kernel's mask (an & of i1 values; i1 compiled) as
+# int32 0/1, which its numpy store refuses ("mask has unsupported dtype"): given as bool
+class _BoolMasks:
+    def __init__(self, inner):
+        self._inner = inner
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+    def store(self, ptrs, value, mask):
+        return self._inner.store(ptrs, value, mask.astype(bool))
+interpreter._interpreter = _BoolMasks(interpreter._interpreter)
+
+case = torch.load(sys.argv[1], weights_only=False)
+logits, cu = case["logits"], torch.tensor(case["cu_num_logits"], dtype=torch.int32)
+num_reqs, stride = len(case["batch"]), case["stride"]
+counts = cu[1:] - cu[:-1]
+batch = dataclasses.replace(
+    InputBatch.make_dummy(num_reqs, num_reqs, InputBuffers(num_reqs, int(cu[-1]), torch.device("cpu"))),
+    req_ids=case["batch"], cu_num_logits=cu, cu_num_logits_np=cu.numpy(),
+    expanded_local_pos=torch.cat([torch.arange(int(n), dtype=torch.int32) for n in counts]),
+    num_draft_tokens=int((counts - 1).sum()), num_draft_tokens_per_req=(counts - 1).numpy())
+worker = so.StructuredOutputsWorker(max_num_logits=num_reqs * stride, vocab_size=logits.shape[1],
+                                    device=torch.device("cpu"), mask_stride=stride)
+worker.apply_grammar_bitmask(logits, batch, case["ids"], case["bitmask"])
+invalid = so.grammar_invalid_drafts(batch, case["ids"], case["acceptable"])
+torch.save({"logits": logits, "invalid": invalid}, sys.argv[1])
+'''
+
+
+def _model_runner_v2_apply(output, batch_ids, cu_num_logits, logits, tmp_path):
+    """The logits Model Runner V2's apply gives for a step's GrammarOutput in a batch of
+    ``batch_ids`` (request i's logits rows cu_num_logits[i]:cu_num_logits[i + 1]), and its
+    grammar_invalid_drafts: the draft rows it refuses (all False where it returns None)."""
+    import subprocess
+    import sys
+
+    case = tmp_path / "model-runner-v2.pt"
+    torch.save({"logits": logits.clone(), "batch": list(batch_ids), "cu_num_logits": list(cu_num_logits),
+                "ids": list(output.structured_output_request_ids), "bitmask": output.grammar_bitmask,
+                "acceptable": output.num_acceptable_drafts, "stride": output.mask_stride}, case)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "VLLM_TARGET_DEVICE": "cpu"}
+    done = subprocess.run([sys.executable, "-c", _MODEL_RUNNER_V2_APPLY, str(case)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = torch.load(case, weights_only=False)
+    invalid = result["invalid"]
+    return result["logits"], (torch.zeros(logits.shape[0], dtype=torch.bool) if invalid is None else invalid)
 
 
 def test_drafts_under_synchronous_scheduling_still_come_through_update_draft_token_ids(
