@@ -22,6 +22,44 @@ REQUESTS_ENV = "MASKD_VLLM_REQUESTS"
 log = logging.getLogger("maskd_client.vllm")
 
 
+class _SpecsByText:
+    """The specs of the last spec texts admission read, by text (bounded by their characters): a
+    request sends its constraint's JSON text again and again (a tool set, a response format), and
+    reading a 200-tool array's 141 KB again is 1.4 ms (json.loads 0.85, GrammarSpec.from_request
+    0.54) on the API server's CPU, where a lookup is the string's hash, 0.03 ms."""
+
+    def __init__(self, max_chars: int = 32 << 20) -> None:
+        self.max_chars = max_chars
+        self._specs: collections.OrderedDict[str, GrammarSpec] = collections.OrderedDict()
+        self._chars = 0
+        self._lock = threading.Lock()
+
+    def spec(self, text: str) -> GrammarSpec:
+        with self._lock:
+            found = self._specs.get(text)
+            if found is not None:
+                self._specs.move_to_end(text)
+                return found
+        try:
+            value = json.loads(text)
+        except ValueError as exc:
+            raise SpecError(f"a string is the JSON text of a spec: {exc}") from None
+        spec = GrammarSpec.from_request(value)
+        if spec is None:
+            raise SpecError("it asks for no constraint")
+        with self._lock:
+            if text not in self._specs:
+                self._specs[text] = spec
+                self._chars += len(text)
+                while self._chars > self.max_chars and self._specs:
+                    old, _ = self._specs.popitem(last=False)
+                    self._chars -= len(old)
+        return spec
+
+
+_SPECS_BY_TEXT = _SpecsByText()
+
+
 def spec_of(sampling_params: Any) -> GrammarSpec | None:
     """The grammar a request asks maskd for: ``extra_args["maskd"]`` (a spec or its JSON text),
     else its ``structured_outputs`` when they are maskd's. None: not a maskd request."""
@@ -30,10 +68,7 @@ def spec_of(sampling_params: Any) -> GrammarSpec | None:
     try:
         if value is not None:
             if isinstance(value, str):   # over HTTP (vllm_xargs take no objects): the spec's JSON text
-                try:
-                    value = json.loads(value)
-                except ValueError as exc:
-                    raise SpecError(f"a string is the JSON text of a spec: {exc}") from None
+                return _SPECS_BY_TEXT.spec(value)
             spec = GrammarSpec.from_request(value)
             if spec is None:
                 raise SpecError("it asks for no constraint")

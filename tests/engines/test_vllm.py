@@ -247,6 +247,29 @@ def test_known_specs_keep_the_most_recently_used():
     assert a in known and c in known and b not in known
 
 
+def test_a_spec_text_sent_again_is_read_once(monkeypatch):
+    # the JSON text of vllm_xargs["maskd"], as HTTP brings it: a new string object each request
+    text = json.dumps({"json": SCHEMA, "disable_any_whitespace": True})
+    params = [SamplingParams(extra_args={"maskd": (text + " ")[:-1]}) for _ in range(2)]
+    first = plugin.spec_of(params[0])
+    assert first == GrammarSpec.from_request(json.loads(text))
+    read = []
+    monkeypatch.setattr(common.json, "loads", lambda t: read.append(t) or json.JSONDecoder().decode(t))
+    assert plugin.spec_of(params[1]) is first and read == []          # not read again
+    for _ in range(2):                                                # a bad text is refused every time
+        with pytest.raises(ValueError, match=r'vllm_xargs\["maskd"\]: a string is the JSON text of a spec'):
+            plugin.spec_of(SamplingParams(extra_args={"maskd": "{not json"}))
+    with pytest.raises(ValueError, match="names exactly one constraint"):
+        plugin.spec_of(SamplingParams(extra_args={"maskd": "{}"}))
+    # bounded by the texts' characters, the least recently used out first
+    texts = [json.dumps({"regex": r}) for r in ("a+", "b+", "c+")]
+    kept = common._SpecsByText(max_chars=2 * len(texts[0]) + 1)     # room for two
+    specs = [kept.spec(t) for t in texts[:2]]
+    assert kept.spec(texts[0]) is specs[0]                            # used: texts[1] is now the oldest
+    kept.spec(texts[2])
+    assert kept.spec(texts[0]) is specs[0] and kept.spec(texts[1]) is not specs[1]
+
+
 class _Scheduled:
     """The two fields of vLLM's SchedulerOutput / InputBatch that apply_grammar_bitmask reads."""
 
