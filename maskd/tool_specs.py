@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 import orjson
 
 from maskd.specs import SpecError, json_depth
+from maskd.text_memo import TextMemo
 
 __all__ = ["ARRAY_HEAD", "EMPTY_PARAMETERS", "TOOL_CHOICES", "ToolCallParts", "calls_depth", "calls_schema_parts",
            "parts_from_wire", "tool_call_output", "tool_call_schema", "tool_call_tag"]
@@ -477,42 +478,28 @@ class _PieceTexts:
     MAX_CHARS = 64 << 20
 
     def __init__(self) -> None:
-        self._items: collections.OrderedDict[str, tuple[str, int]] = collections.OrderedDict()
-        self._chars = 0
-        self._lock = threading.Lock()
+        self._memo: TextMemo[tuple[str, int]] = TextMemo(self.MAX_CHARS)
 
     def canonical(self, texts: list[str], where) -> list[tuple[str, int]]:
         """The canonical form and depth of each text (``where(i)`` names the i-th in an error)."""
-        with self._lock:
-            found = [self._items.get(t) for t in texts]
-            for t, f in zip(texts, found):
-                if f is not None:
-                    self._items.move_to_end(t)   # least recently used goes first, not the oldest
+        found = self._memo.get_many(texts)
         return [f if f is not None else self.get(t, where(i)) for i, (t, f) in enumerate(zip(texts, found))]
 
     def get(self, text: str, where: str) -> tuple[str, int]:
-        with self._lock:
-            found = self._items.get(text)
-            if found is not None:
-                self._items.move_to_end(text)
-                return found
-        try:
-            value = json.loads(text)
-        except ValueError as exc:
-            raise SpecError(f"{where} is not valid JSON: {exc}") from None
-        except RecursionError:
-            raise SpecError(f"{where} is nested too deeply to parse") from None
-        if not isinstance(value, dict):
-            raise SpecError(f"{where} is a JSON object, not {type(value).__name__}")
-        found = (_compact(value), json_depth(value))
-        with self._lock:
-            if text not in self._items:
-                self._items[text] = found
-                self._chars += len(text) + len(found[0])
-                while self._chars > self.MAX_CHARS:
-                    old, (canon, _) = self._items.popitem(last=False)
-                    self._chars -= len(old) + len(canon)
-        return found
+        return self._memo.get_or_make(text, lambda t: _read_parameters(t, where), lambda found: len(found[0]))
+
+
+def _read_parameters(text: str, where: str) -> tuple[str, int]:
+    """A parameters text's canonical form and depth (SpecError naming ``where`` if it is not an object)."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise SpecError(f"{where} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise SpecError(f"{where} is nested too deeply to parse") from None
+    if not isinstance(value, dict):
+        raise SpecError(f"{where} is a JSON object, not {type(value).__name__}")
+    return _compact(value), json_depth(value)
 
 
 _PIECE_TEXTS = _PieceTexts()

@@ -408,16 +408,16 @@ def test_the_memo_of_parameters_texts_keeps_the_tools_in_use(monkeypatch):
     # bounded: the least recently used text goes first, so a tool every request names stays read
     from maskd import tool_specs
 
-    memo = tool_specs._PieceTexts()
     hot = json.dumps({"type": "object", "properties": {"city": {"type": "string"}}})
     texts = [json.dumps({"type": "object", "title": f"t{i}"}) for i in range(8)]
-    monkeypatch.setattr(memo, "MAX_CHARS", 2 * (len(hot) + len(texts[0])) + 4 * 2 * len(texts[0]))
+    monkeypatch.setattr(tool_specs._PieceTexts, "MAX_CHARS", 2 * (len(hot) + len(texts[0])) + 4 * 2 * len(texts[0]))
+    memo = tool_specs._PieceTexts()
     memo.canonical([hot], str)
     for text in texts:
         memo.canonical([hot, text], str)         # every request names the hot tool, and one more
-        assert hot in memo._items
-    assert texts[0] not in memo._items and texts[-1] in memo._items
-    assert memo._chars <= memo.MAX_CHARS
+        assert hot in memo._memo
+    assert texts[0] not in memo._memo and texts[-1] in memo._memo
+    assert memo._memo.chars <= memo.MAX_CHARS
 
 
 def _call_array(names, params, *, parallel=None):

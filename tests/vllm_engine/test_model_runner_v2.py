@@ -13,14 +13,12 @@ Proof: greedy outputs of maskd under V2, with ngram drafts, equal those of vLLM'
 backend on the V1 runner without drafts (the session's reference engine) byte for byte; drafts were
 proposed and accepted.
 """
-import concurrent.futures
-import json
 import os
 import pathlib
 
 import pytest
-from harness import ENGINE_OPTIONS, server_metric, vllm_engine
-from workloads import check, parity_requests
+from harness import ENGINE_OPTIONS, vllm_engine
+from workloads import greedy_parity_with_drafts
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
 INTERPRETER = pathlib.Path(__file__).parent / "triton_interpreter"
@@ -40,22 +38,4 @@ def engine(logs, maskd_server):
 
 
 def test_greedy_outputs_through_v2s_apply_with_drafts_equal_vllms_own_backend(engine, reference, maskd_server):
-    requests = parity_requests()
-    requests["forced-repeats"] = {"prompt": "maskd rocks maskd rocks", "max_tokens": 48, "temperature": 0,
-                                  "structured_outputs": {"regex": "(maskd rocks ){6}"}}
-    drafts, accepted = engine.metric("vllm:spec_decode_num_draft_tokens_total"), \
-        engine.metric("vllm:spec_decode_num_accepted_tokens_total")
-    rows = server_metric(maskd_server, "maskd_rows_sent_total")
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        ours = dict(zip(requests, pool.map(engine.post, requests.values())))
-        theirs = dict(zip(requests, pool.map(reference.post, requests.values())))
-    assert engine.metric("vllm:spec_decode_num_draft_tokens_total") > drafts, "ngram proposed no drafts"
-    assert engine.metric("vllm:spec_decode_num_accepted_tokens_total") > accepted, "no draft was accepted"
-    assert server_metric(maskd_server, "maskd_rows_sent_total") > rows
-    for name, (status, reply) in ours.items():
-        assert status == 200, (name, reply)
-        mine, ref = reply["choices"][0], theirs[name][1]["choices"][0]
-        if name != "forced-repeats":
-            check(name, mine)
-        assert (mine["text"], mine["finish_reason"]) == (ref["text"], ref["finish_reason"]), name
-    assert json.loads(ours["person-0"][1]["choices"][0]["text"])
+    greedy_parity_with_drafts(engine, reference, maskd_server, repeats=6)

@@ -10,8 +10,8 @@ import json
 
 import jsonschema
 import pytest
-from harness import ENGINE_OPTIONS, server_metric, vllm_engine
-from workloads import PERSON, RECORDS, check, parity_requests
+from harness import ENGINE_OPTIONS, vllm_engine
+from workloads import PERSON, RECORDS, greedy_parity_with_drafts
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
 
@@ -30,22 +30,7 @@ def run_all(engine, requests: dict, workers: int = 8) -> dict:
 
 
 def test_greedy_outputs_with_drafts_equal_vllms_own_backend_without(engine, reference, maskd_server):
-    requests = parity_requests()
-    requests["forced-repeats"] = {"prompt": "maskd rocks maskd rocks", "max_tokens": 64, "temperature": 0,
-                                  "structured_outputs": {"regex": "(maskd rocks ){8}"}}
-    drafts, accepted = engine.metric("vllm:spec_decode_num_draft_tokens_total"), \
-        engine.metric("vllm:spec_decode_num_accepted_tokens_total")
-    rows = server_metric(maskd_server, "maskd_rows_sent_total")
-    ours, theirs = run_all(engine, requests), run_all(reference, requests)
-    assert engine.metric("vllm:spec_decode_num_draft_tokens_total") > drafts, "ngram proposed no drafts"
-    assert engine.metric("vllm:spec_decode_num_accepted_tokens_total") > accepted, "no draft was accepted"
-    assert server_metric(maskd_server, "maskd_rows_sent_total") > rows
-    for name, (status, reply) in ours.items():
-        assert status == 200, reply
-        mine, ref = reply["choices"][0], theirs[name][1]["choices"][0]
-        if name != "forced-repeats":
-            check(name, mine)
-        assert (mine["text"], mine["finish_reason"]) == (ref["text"], ref["finish_reason"]), name
+    greedy_parity_with_drafts(engine, reference, maskd_server, repeats=8)
 
 
 def test_sampled_outputs_under_drafts_obey_their_schemas(engine):

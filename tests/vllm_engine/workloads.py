@@ -1,6 +1,7 @@
 """Requests the real-engine tests send, and the checks of their outputs."""
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import re
 from typing import Any
@@ -87,3 +88,29 @@ def check_tool_calls(tools_sent: list[dict[str, Any]], message: dict[str, Any]) 
         name = call["function"]["name"]
         assert name in schemas, (name, message)
         jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[name])
+
+
+def greedy_parity_with_drafts(engine, reference, maskd_server, repeats: int) -> None:
+    """Greedy parity requests, and one whose grammar forces ``repeats`` repeats (ngram's drafts
+    match there), on an engine with drafts: maskd's rows were used, drafts proposed and accepted,
+    and every output equals the reference engine's (vLLM's guidance, no drafts) byte for byte."""
+    from harness import server_metric
+
+    requests = parity_requests()
+    requests["forced-repeats"] = {"prompt": "maskd rocks maskd rocks", "max_tokens": 8 * repeats, "temperature": 0,
+                                  "structured_outputs": {"regex": f"(maskd rocks ){{{repeats}}}"}}
+    drafts, accepted = engine.metric("vllm:spec_decode_num_draft_tokens_total"), \
+        engine.metric("vllm:spec_decode_num_accepted_tokens_total")
+    rows = server_metric(maskd_server, "maskd_rows_sent_total")
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        ours = dict(zip(requests, pool.map(engine.post, requests.values())))
+        theirs = dict(zip(requests, pool.map(reference.post, requests.values())))
+    assert engine.metric("vllm:spec_decode_num_draft_tokens_total") > drafts, "ngram proposed no drafts"
+    assert engine.metric("vllm:spec_decode_num_accepted_tokens_total") > accepted, "no draft was accepted"
+    assert server_metric(maskd_server, "maskd_rows_sent_total") > rows
+    for name, (status, reply) in ours.items():
+        assert status == 200, (name, reply)
+        mine, ref = reply["choices"][0], theirs[name][1]["choices"][0]
+        if name != "forced-repeats":
+            check(name, mine)
+        assert (mine["text"], mine["finish_reason"]) == (ref["text"], ref["finish_reason"]), name
