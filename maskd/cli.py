@@ -73,10 +73,14 @@ def cmd_serve(args) -> int:
     # batch 256: full-collection pauses 55 ms in all, 22 ms at most -> 16 ms, 15 ms).
     import gc
     gc.freeze()
-    print(f"maskd serving on {server.address}" +
-          (f", metrics on {server.config.metrics_bind_host}:{server.metrics_port}/metrics"
-           if server.metrics_port else ""), flush=True)
-    server.serve_forever()
+    # SIGUSR1 writes every thread's stack to stderr (a server that hangs says where)
+    import faulthandler
+    import signal
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    server.serve_forever(on_ready=lambda: print(
+        f"maskd serving on {server.address}" +
+        (f", metrics on {server.config.metrics_bind_host}:{server.metrics_port}/metrics"
+         if server.metrics_port else ""), flush=True))
     return 0
 
 

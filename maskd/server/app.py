@@ -10,10 +10,11 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import queue
 import signal
 import sys
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -156,27 +157,31 @@ class MaskServer:
     def wait(self) -> None:
         self._grpc.wait_for_termination()
 
-    def serve_forever(self) -> None:
+    def serve_forever(self, on_ready: Callable[[], None] | None = None) -> None:
         """Runs until SIGTERM/SIGINT, then drains (SIGHUP reloads the tokens file). If the drain
-        does not finish in its bounded time, the process exits anyway."""
-        done = threading.Event()
+        does not finish in its bounded time, the process exits anyway. ``on_ready`` runs once the
+        signals are handled (a "serving" line printed before could be answered by a signal that
+        still had its default action: killed, not drained)."""
+        # The handlers only put the signal on a queue whose put is reentrant; the main thread acts
+        # on it. (A handler that set a threading.Event deadlocked when the signal came while this
+        # thread held the Event's own lock, entering its wait: the process never drained.)
+        received: queue.SimpleQueue[int] = queue.SimpleQueue()
 
-        def on_stop(signum, frame):
-            log.warning("signal %s: draining (delay %g s, grace %g s)", signal.Signals(signum).name,
-                        self.config.drain_delay_s, self.config.drain_grace_s)
-            done.set()
+        def on_signal(signum, frame):
+            received.put(signum)
 
-        def on_hup(signum, frame):
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(signum, on_signal)
+        if on_ready is not None:
+            on_ready()
+        while (signum := _next_signal(received)) == signal.SIGHUP:
             try:
                 n = self.credentials.reload()
                 log.warning("SIGHUP: %d tokens loaded from %s", n, self.config.auth_tokens_file)
             except AuthConfigError as exc:
                 log.error("SIGHUP: tokens file not reloaded, the old tokens stay: %s", exc)
-
-        signal.signal(signal.SIGTERM, on_stop)
-        signal.signal(signal.SIGINT, on_stop)
-        signal.signal(signal.SIGHUP, on_hup)
-        done.wait()
+        log.warning("signal %s: draining (delay %g s, grace %g s)", signal.Signals(signum).name,
+                    self.config.drain_delay_s, self.config.drain_grace_s)
         limit = self.config.drain_delay_s + self.config.drain_grace_s + 15.0
         watchdog = threading.Timer(limit, _exit_now, args=(limit,))
         watchdog.daemon = True
@@ -209,6 +214,14 @@ class MaskServer:
 def _draft_counts(shared: SharedGrammarStore | None) -> SharedDraftCounts | None:
     """The shared store as the drafter's cluster-wide counts, where it keeps them."""
     return shared if shared is not None and hasattr(shared, "exchange_draft_counts") else None  # type: ignore[return-value]
+
+
+def _next_signal(received: queue.SimpleQueue[int]) -> int:
+    while True:
+        try:
+            return received.get(timeout=1.0)
+        except queue.Empty:
+            continue
 
 
 def _exit_now(limit: float) -> None:

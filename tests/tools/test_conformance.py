@@ -1,5 +1,6 @@
 """MaskBench conformance through the real server: strict mode equals in-process llguidance; complete
 mode compiles more with no false accept and the same verdicts where strict compiles."""
+import contextlib
 import json
 import subprocess
 import sys
@@ -129,6 +130,26 @@ def test_maskbench_dev_in_the_default_mode(complete_server):
     assert not [x for x in wire["false_rejects"] if x["file"] in strict_ok]
 
 
+def test_serve_drains_on_a_signal_sent_as_soon_as_it_says_it_serves():
+    """SIGHUP then SIGTERM the moment the "serving" line is read: handled, not the default action
+    (killed), and the drain ends the process with 0."""
+    import signal
+    proc = subprocess.Popen([sys.executable, "-m", "maskd.cli", "serve", "--port", "0", "--tokenizer", "cl100k",
+                             "--threads", "1", "--drain-delay", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert "maskd serving on 127.0.0.1:" in proc.stdout.readline()
+        proc.send_signal(signal.SIGHUP)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+        err = proc.stderr.read()
+        assert code == 0 and "signal SIGTERM: draining" in err, err[-5000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
 @pytest.mark.parametrize("args,message", [
     (["--embedded", "--data", "/no/such/folder"], "no MaskBench folder"),
     (["--embedded", "--tokenizer", "no-such:tokenizer"], "unknown tokenizer"),
@@ -168,10 +189,20 @@ def test_serve_drains_on_sigterm(tmp_path):
         with MaskClient(address) as mc:
             assert mc.info().tokenizer == "cl100k"
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
+        try:
+            code = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGUSR1)          # its threads' stacks to stderr
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(2)
+            proc.kill()
+            _, err = proc.communicate(timeout=30)
+            pytest.fail(f"maskd serve not exited 30 s after SIGTERM; its stderr:\n{err[-20000:]}")
+        assert code == 0, proc.stderr.read()[-5000:]
     finally:
         if proc.poll() is None:
             proc.kill()
+            proc.wait(10)
 
 
 @pytest.mark.parametrize("args,message", [
