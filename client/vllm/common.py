@@ -23,31 +23,28 @@ REQUESTS_ENV = "MASKD_VLLM_REQUESTS"
 log = logging.getLogger("maskd_client.vllm")
 
 
-class _SpecsByText:
-    """The specs of the last spec texts admission read, by text (bounded by their characters): a
-    request sends its constraint's JSON text again and again (a tool set, a response format), and
-    reading a 200-tool array's 141 KB again is 1.4 ms (json.loads 0.85, GrammarSpec.from_request
-    0.54) on the API server's CPU, where a lookup is the string's hash, 0.03 ms."""
-
-    def __init__(self, max_chars: int = 32 << 20) -> None:
-        self._memo: TextMemo[GrammarSpec] = TextMemo(max_chars)
-
-    def spec(self, text: str) -> GrammarSpec:
-        return self._memo.get_or_make(text, _read_spec)
+# The specs of the last spec texts admission read, by text (bounded by their characters): a request
+# sends its constraint's JSON text again and again (a tool set, a response format), and reading a
+# 200-tool array's 141 KB again is 1.4 ms (json.loads 0.85, GrammarSpec.from_request 0.54) on the
+# API server's CPU, where a lookup is the string's hash, 0.03 ms.
+_SPECS_BY_TEXT: TextMemo[GrammarSpec] = TextMemo(32 << 20)
 
 
-def _read_spec(text: str) -> GrammarSpec:
+def _read_spec_text(text: str) -> GrammarSpec:
     try:
         value = json.loads(text)
     except ValueError as exc:
         raise SpecError(f"a string is the JSON text of a spec: {exc}") from None
-    spec = GrammarSpec.from_request(value)
+    except RecursionError:
+        raise SpecError("a string is the JSON text of a spec: nested too deeply to read") from None
+    return _read_spec(value)
+
+
+def _read_spec(value: Any) -> GrammarSpec:
+    spec = GrammarSpec.from_request(value)     # (says itself when a schema is nested too deeply)
     if spec is None:
         raise SpecError("it asks for no constraint")
     return spec
-
-
-_SPECS_BY_TEXT = _SpecsByText()
 
 
 def spec_of(sampling_params: Any) -> GrammarSpec | None:
@@ -58,11 +55,8 @@ def spec_of(sampling_params: Any) -> GrammarSpec | None:
     try:
         if value is not None:
             if isinstance(value, str):   # over HTTP (vllm_xargs take no objects): the spec's JSON text
-                return _SPECS_BY_TEXT.spec(value)
-            spec = GrammarSpec.from_request(value)
-            if spec is None:
-                raise SpecError("it asks for no constraint")
-            return spec
+                return _SPECS_BY_TEXT.get_or_make(value, _read_spec_text)
+            return _read_spec(value)
         so = getattr(sampling_params, "structured_outputs", None)
         if so is not None and getattr(so, "_backend", None) == BACKEND:
             return GrammarSpec.from_request(so)

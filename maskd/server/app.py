@@ -14,7 +14,8 @@ import queue
 import signal
 import sys
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -170,8 +171,8 @@ class MaskServer:
         def on_signal(signum, frame):
             received.put(signum)
 
-        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(signum, on_signal)
+        for handled in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(handled, on_signal)
         if on_ready is not None:
             on_ready()
         while (signum := _next_signal(received)) == signal.SIGHUP:

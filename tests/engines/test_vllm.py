@@ -261,13 +261,16 @@ def test_a_spec_text_sent_again_is_read_once(monkeypatch):
             plugin.spec_of(SamplingParams(extra_args={"maskd": "{not json"}))
     with pytest.raises(ValueError, match="names exactly one constraint"):
         plugin.spec_of(SamplingParams(extra_args={"maskd": "{}"}))
-    # bounded by the texts' characters, the least recently used out first
-    texts = [json.dumps({"regex": r}) for r in ("a+", "b+", "c+")]
-    kept = common._SpecsByText(max_chars=2 * len(texts[0]) + 1)     # room for two
-    specs = [kept.spec(t) for t in texts[:2]]
-    assert kept.spec(texts[0]) is specs[0]                            # used: texts[1] is now the oldest
-    kept.spec(texts[2])
-    assert kept.spec(texts[0]) is specs[0] and kept.spec(texts[1]) is not specs[1]
+    # nested too deeply to read: a clear refusal, as text and as an object, not a RecursionError
+    deep = "[" * 100_000 + "]" * 100_000
+    with pytest.raises(ValueError, match=r'vllm_xargs\["maskd"\]: .*nested too deeply'):
+        plugin.spec_of(SamplingParams(extra_args={"maskd": json.dumps({"json": deep})[:9] + deep + "}"}))
+    nested: dict = {}
+    for _ in range(100_000):
+        nested = {"anyOf": [nested]}
+    with pytest.raises(ValueError, match=r'vllm_xargs\["maskd"\]: json_schema is nested too deeply'):
+        plugin.spec_of(SamplingParams(extra_args={"maskd": {"json": nested}}))
+    assert plugin.spec_of(params[1]) is first                         # and the kept one still served
 
 
 class _Scheduled:
