@@ -13,7 +13,8 @@ compares requests of one engine in one round:
 * engine ``xgrammar``: the same with backend xgrammar.
 
 Workloads (vllm_workloads.py): ``free-text``, ``records``, ``maskbench``, ``tools`` (tool calls over
-``--tool-set`` tools, every measured request a set with one tool new: its TTFT is the compile). After a warm-up of every
+``--tool-set`` tools, every measured request a set with one tool new: its TTFT is the compile; with
+``--tool-sets held``, the warm-up's set every request, as an agent sends it). After a warm-up of every
 mode at every concurrency (not measured), per round, workload and concurrency, the modes run in a
 rotated order (interleaved repeats); each mode sends ``--requests`` streaming completions
 ``--concurrency`` at a time and records tokens/s (completion tokens over wall time), time to first
@@ -107,6 +108,10 @@ def add_arguments(p) -> None:
                         "tool-call arrays from per-tool pieces)")
     p.add_argument("--tool-set", type=int, default=200, metavar="N",
                    help="the tools workload: tools per request (default 200)")
+    p.add_argument("--tool-sets", default="new", choices=("new", "held"),
+                   help="the tools workload's measured requests: new (each a set with one tool never seen, "
+                        "shuffled: a compile per request; default) or held (the warm-up's set every request, "
+                        "as an agent with fixed tools sends it)")
     p.add_argument("--burst", type=int, default=0, metavar="N",
                    help="a compile-burst phase per round: N new grammars at once while the free-text workload "
                         "decodes (default 0: none)")
@@ -217,8 +222,9 @@ def run(args, log: Callable[[str], None] = print) -> dict:
                             order = modes[r % len(modes):] + modes[:r % len(modes)]
                             for mode in order:
                                 n = args.requests or 2 * c
-                                asked = mine[workload] if workload != "tools" else vllm_workloads.tool_sets(
-                                    tools_pool, args.tool_set, n, f"{engine_name}-{r}-{c}-{mode}")
+                                asked = mine[workload] if workload != "tools" or args.tool_sets == "held" \
+                                    else vllm_workloads.tool_sets(tools_pool, args.tool_set, n,
+                                                                  f"{engine_name}-{r}-{c}-{mode}")
                                 res = _drive(engine.url, mode, asked, c, n, max_tokens, compact=compact)
                                 res.update(engine=engine_name, workload=workload, concurrency=c, round=r, mode=mode)
                                 report["runs"].append(res)
