@@ -263,6 +263,17 @@ class _TextMemo:
 _MEMO = _TextMemo()
 
 
+def read_json(text: str | bytes, where: str) -> Any:
+    """The value of a JSON text from a request; SpecError naming ``where`` where it is not JSON, or is
+    nested too deeply for the parser."""
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise SpecError(f"{where} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise SpecError(f"{where} is nested too deeply to parse") from None
+
+
 def json_depth(value: Any) -> int:
     """Deepest nesting of dicts and lists (iterative: any depth, no recursion)."""
     deepest = 0

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from maskd.specs import SpecError, json_depth
+from maskd.specs import SpecError, json_depth, read_json
 from maskd.tool_specs import _PIECE_TEXTS, _compact, _text_sha256
 
 __all__ = ["HOLE", "TemplateParts", "template_parts", "template_parts_from_plain", "template_parts_from_wire"]
@@ -249,12 +249,7 @@ class _Templates:
                     self._items.move_to_end(key)
                     return found
         if isinstance(source, (str, bytes)):
-            try:
-                source = json.loads(source)
-            except ValueError as exc:
-                raise SpecError(f"template.schema is not valid JSON: {exc}") from None
-            except RecursionError:
-                raise SpecError("template.schema is nested too deeply to parse") from None
+            source = read_json(source, "template.schema")
         if not isinstance(source, Mapping):
             raise SpecError(f"template.schema is a JSON schema object with holes, not {type(source).__name__}")
         holes: list = []

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 
 import orjson
 
-from maskd.specs import SpecError, json_depth
+from maskd.specs import SpecError, json_depth, read_json
 from maskd.text_memo import TextMemo
 
 __all__ = ["ARRAY_HEAD", "EMPTY_PARAMETERS", "TOOL_CHOICES", "ToolCallParts", "calls_depth", "calls_schema_parts",
@@ -491,12 +491,7 @@ class _PieceTexts:
 
 def _read_parameters(text: str, where: str) -> tuple[str, int]:
     """A parameters text's canonical form and depth (SpecError naming ``where`` if it is not an object)."""
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise SpecError(f"{where} is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise SpecError(f"{where} is nested too deeply to parse") from None
+    value = read_json(text, where)
     if not isinstance(value, dict):
         raise SpecError(f"{where} is a JSON object, not {type(value).__name__}")
     return _compact(value), json_depth(value)

@@ -4,13 +4,12 @@ server compiled for this process."""
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import os
 import threading
 from typing import Any
 
-from maskd.specs import GrammarSpec, SpecError
+from maskd.specs import GrammarSpec, SpecError, read_json
 from maskd.text_memo import TextMemo
 from maskd_client.engine_env import EngineConfigError
 
@@ -31,13 +30,7 @@ _SPECS_BY_TEXT: TextMemo[GrammarSpec] = TextMemo(32 << 20)
 
 
 def _read_spec_text(text: str) -> GrammarSpec:
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise SpecError(f"a string is the JSON text of a spec: {exc}") from None
-    except RecursionError:
-        raise SpecError("a string is the JSON text of a spec: nested too deeply to read") from None
-    return _read_spec(value)
+    return _read_spec(read_json(text, "the spec's JSON text"))
 
 
 def _read_spec(value: Any) -> GrammarSpec:

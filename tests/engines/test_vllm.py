@@ -254,16 +254,16 @@ def test_a_spec_text_sent_again_is_read_once(monkeypatch):
     first = plugin.spec_of(params[0])
     assert first == GrammarSpec.from_request(json.loads(text))
     read = []
-    monkeypatch.setattr(common.json, "loads", lambda t: read.append(t) or json.JSONDecoder().decode(t))
+    monkeypatch.setattr(json, "loads", lambda t: read.append(t) or json.JSONDecoder().decode(t))
     assert plugin.spec_of(params[1]) is first and read == []          # not read again
     for _ in range(2):                                                # a bad text is refused every time
-        with pytest.raises(ValueError, match=r'vllm_xargs\["maskd"\]: a string is the JSON text of a spec'):
+        with pytest.raises(ValueError, match=r'vllm_xargs\["maskd"\]: the spec\'s JSON text is not valid JSON'):
             plugin.spec_of(SamplingParams(extra_args={"maskd": "{not json"}))
     with pytest.raises(ValueError, match="names exactly one constraint"):
         plugin.spec_of(SamplingParams(extra_args={"maskd": "{}"}))
     # nested too deeply to read: a clear refusal, as text and as an object, not a RecursionError
     deep = "[" * 100_000 + "]" * 100_000
-    with pytest.raises(ValueError, match=r'vllm_xargs\["maskd"\]: .*nested too deeply'):
+    with pytest.raises(ValueError, match=r'vllm_xargs\["maskd"\]: the spec\'s JSON text is nested too deeply'):
         plugin.spec_of(SamplingParams(extra_args={"maskd": json.dumps({"json": deep})[:9] + deep + "}"}))
     nested: dict = {}
     for _ in range(100_000):
