@@ -7,15 +7,14 @@ OpenAI's tools among them (the schema of a forced tool call is built in ``maskd.
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import hashlib
 import json
-import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from maskd.text_memo import TextMemo
 from maskd.v1 import maskd_pb2 as pb
 
 KINDS = ("json_schema", "regex", "lark", "ebnf", "choice", "structural_tag")
@@ -223,44 +222,23 @@ class GrammarSpec:
             return 0
         if self.parts is not None:
             return self.parts.nesting()
-        return _MEMO.get(("depth", self.text), lambda: json_depth(json.loads(self.text)))
+        return _remembered("depth", self.text, lambda text: json_depth(json.loads(text)))
 
 
-class _TextMemo:
-    """What a large spec text costs to work out again on every request that sends it (its canonical
-    form, its depth: a json.loads and a walk, ~10 ms each for 200 tools' schemas), kept for texts of
-    4 KiB or more, least recently used first out, 32 MiB of text at most."""
-
-    MIN_CHARS = 4096
-    MAX_CHARS = 32 << 20
-
-    def __init__(self) -> None:
-        self._items: collections.OrderedDict[tuple[str, str], Any] = collections.OrderedDict()
-        self._chars = 0
-        self._lock = threading.Lock()
-
-    def get(self, key: tuple[str, str], make: Callable[[], Any]) -> Any:
-        if len(key[1]) < self.MIN_CHARS:
-            return make()
-        with self._lock:
-            if key in self._items:
-                self._items.move_to_end(key)
-                return self._items[key]
-        value = make()   # outside the lock; raises for bad input, which is not kept
-        size = len(key[1]) + (len(value) if isinstance(value, str) else 0)
-        if size > self.MAX_CHARS // 4:
-            return value
-        with self._lock:
-            if key not in self._items:
-                self._items[key] = value
-                self._chars += size
-                while self._chars > self.MAX_CHARS:
-                    (_, text), old = self._items.popitem(last=False)
-                    self._chars -= len(text) + (len(old) if isinstance(old, str) else 0)
-        return value
+# What a large spec text costs to work out again on every request that sends it (its canonical form,
+# its depth, a call array's parts: a json.loads and a walk, ~10 ms each for 200 tools' schemas), kept
+# for texts of 4 KiB or more, by what was worked out, 8 MiB of text each.
+_MEMO_MIN_CHARS = 4096
+_MEMOS: dict[str, TextMemo[Any]] = {purpose: TextMemo(8 << 20)
+                                    for purpose in ("depth", "parts", "json_schema", "structural_tag")}
 
 
-_MEMO = _TextMemo()
+def _remembered(purpose: str, text: str, make: Callable[[str], Any]) -> Any:
+    """``make(text)``, kept in the memo for ``purpose`` when ``text`` is large; what ``make`` raises
+    is raised and nothing is kept."""
+    if len(text) < _MEMO_MIN_CHARS:
+        return make(text)
+    return _MEMOS[purpose].get_or_make(text, make, lambda value: len(value) if isinstance(value, str) else 0)
 
 
 def read_json(text: str | bytes, where: str) -> Any:
@@ -297,7 +275,7 @@ def _call_parts(source: Any) -> Any:
         if not source.startswith(ARRAY_HEAD):
             return None
         try:
-            return _MEMO.get(("parts", source), lambda: calls_schema_parts(json.loads(source)))
+            return _remembered("parts", source, lambda text: calls_schema_parts(json.loads(text)))
         except (ValueError, RecursionError):
             return None      # canonical_text names the problem
     try:
@@ -309,7 +287,7 @@ def _call_parts(source: Any) -> Any:
 def canonical_text(kind: str, source: Any) -> str:
     try:
         if isinstance(source, str) and kind in ("json_schema", "structural_tag"):
-            return _MEMO.get((kind, source), lambda: _canonical_text(kind, source))
+            return _remembered(kind, source, lambda text: _canonical_text(kind, text))
         return _canonical_text(kind, source)
     except RecursionError:
         raise SpecError(f"{kind} is nested too deeply to parse") from None

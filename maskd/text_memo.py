@@ -53,8 +53,11 @@ class TextMemo(Generic[V]):
 
     def put(self, text: str, value: V, chars: int | None = None) -> None:
         """Keep ``value`` for ``text`` (``chars``: what it counts, the text's length by default); a
-        text already kept keeps its value."""
+        text already kept keeps its value, and one larger than the whole memo is not kept (it would
+        push out everything else and then itself)."""
         size = len(text) if chars is None else chars
+        if size > self.max_chars:
+            return
         with self._lock:
             if text in self._items:
                 return

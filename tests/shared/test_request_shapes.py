@@ -157,21 +157,26 @@ def test_large_spec_texts_are_worked_out_once_and_the_memo_stays_bounded(monkeyp
     bad input is refused every time and never kept, and the memo drops its oldest texts past its
     budget."""
     from maskd import specs
-    memo = specs._TextMemo()
-    monkeypatch.setattr(specs, "_MEMO", memo)
+    from maskd.text_memo import TextMemo
+    memos = {purpose: TextMemo(8 << 20) for purpose in specs._MEMOS}
+    monkeypatch.setattr(specs, "_MEMOS", memos)
     schema = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 40}
                                                for i in range(120)}}
     text = json.dumps(schema, indent=2)
-    assert len(text) >= memo.MIN_CHARS
+    assert len(text) >= specs._MEMO_MIN_CHARS
     a = GrammarSpec.create("json_schema", text)
     b = GrammarSpec.create("json_schema", text)
     assert a == b == GrammarSpec.create("json_schema", schema) and a.depth == b.depth == 3
-    assert len(memo._items) == 2   # the canonical text of this text, the depth of the canonical one
+    assert text in memos["json_schema"] and a.text in memos["depth"]   # this text's canonical form, its depth
+    assert len(memos["json_schema"]._items) == len(memos["depth"]._items) == 1
     for _ in range(2):
         with pytest.raises(SpecError, match="not valid JSON"):
             GrammarSpec.create("json_schema", text[:-1])
-    assert len(memo._items) == 2
-    monkeypatch.setattr(memo, "MAX_CHARS", 12 * len(text))
+    assert len(memos["json_schema"]._items) == 1
+    small = json.dumps({"type": "string"})
+    GrammarSpec.create("json_schema", small)
+    assert small not in memos["json_schema"]                           # small texts are read again
+    memos["json_schema"].max_chars = 6 * len(text)
     for i in range(6):
         GrammarSpec.create("json_schema", text.replace('"p0"', f'"q{i}"'))
-    assert memo._chars <= memo.MAX_CHARS and ("json_schema", text) not in memo._items
+    assert memos["json_schema"].chars <= 6 * len(text) and text not in memos["json_schema"]

@@ -18,8 +18,8 @@ def test_a_value_counts_the_characters_it_holds_and_a_text_larger_than_the_bound
     memo: TextMemo[str] = TextMemo(max_chars=30)
     memo.get_or_make("x" * 10, lambda t: t * 2, extra_chars=len)    # 10 + 20
     assert memo.chars == 30 and "x" * 10 in memo
-    memo.put("y" * 40, "too large")
-    assert "y" * 40 not in memo and "x" * 10 not in memo and memo.chars == 0
+    memo.put("y" * 40, "too large")                                # not kept, and pushes nothing out
+    assert "y" * 40 not in memo and "x" * 10 in memo and memo.chars == 30
 
 
 def test_what_make_raises_is_raised_and_nothing_is_kept():
@@ -31,3 +31,4 @@ def test_what_make_raises_is_raised_and_nothing_is_kept():
     memo.put("1", 1)
     memo.put("1", 2)                                                # a text kept keeps its value
     assert memo.get("1") == 1 and memo.chars == 1
+
