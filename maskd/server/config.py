@@ -63,6 +63,10 @@ class Limits:
         None, help="compiles of one tenant running at once (default: compile threads - 1, at least 1)")
     idle_timeout_s: float = setting(600.0, flag="--idle-timeout",
                                     help="seconds a Session stream may stay silent before the server ends it")
+    slow_step_s: float = setting(0.02, flag="--slow-step",
+                                 help="seconds from a step's arrival to its encoded reply past which the step is "
+                                      "logged (WARNING, with its phases; at most one line a second) and counted "
+                                      "in maskd_slow_steps")
 
     def check(self) -> None:
         for f in dataclasses.fields(self):

@@ -23,6 +23,8 @@ class Metrics:
         self.step_seconds = Histogram("maskd_step_seconds",
                                       "Server time per decode step (request received to reply encoded)",
                                       buckets=_LATENCY_BUCKETS, registry=r)
+        self.slow_steps = Counter("maskd_slow_steps", "Steps over --slow-step (each logged with its phases, at "
+                                  "most one line a second)", registry=r)
         self.fill_seconds = Histogram("maskd_mask_fill_seconds", "Batched mask fill time per step",
                                       buckets=_LATENCY_BUCKETS, registry=r)
         self.step_batch = Histogram("maskd_step_batch_size", "Sequences per step message",

@@ -25,6 +25,7 @@ from maskd.server.metrics import Metrics
 from maskd.server.quotas import Quotas
 from maskd.server.registry import SessionRegistry
 from maskd.server.session import StepOutcome
+from maskd.server.slow_steps import SlowSteps
 from maskd.server.step_routing import spec_problem
 from maskd.specs import GrammarSpec, SpecError
 from maskd.v1 import maskd_pb2 as pb
@@ -52,6 +53,7 @@ class MaskServicer(pb_grpc.MaskServiceServicer):
         self.sessions = SessionRegistry(engine, cache, limits, self.quotas, shared_drafts)
         self.draining = threading.Event()
         self._blocking_registers = threading.BoundedSemaphore(MAX_BLOCKING_REGISTERS)
+        self.slow_steps = SlowSteps(limits.slow_step_s, counter=metrics.slow_steps)
 
     # -- unary calls ------------------------------------------------------------------------------
     def Info(self, request, context):
@@ -129,7 +131,7 @@ class MaskServicer(pb_grpc.MaskServiceServicer):
                                   encodings=self.row_encodings)
         try:
             for request in request_iterator:
-                t0 = time.perf_counter()
+                t0 = self.slow_steps.start()
                 attachment.last_active = time.monotonic()
                 try:
                     outcome = session.step(request)
@@ -143,9 +145,10 @@ class MaskServicer(pb_grpc.MaskServiceServicer):
             self.sessions.detach(attachment)
             self.quotas.close_stream(tenant)
 
-    def _reply(self, outcome: StepOutcome, encoder: RowBlockEncoder, t0: float, want_forced: bool) -> pb.StepResponse:
+    def _reply(self, outcome: StepOutcome, encoder: RowBlockEncoder, t0: tuple[float, float, float],
+               want_forced: bool) -> pb.StepResponse:
         """The one reply path: results, columnar answers and the encoded rows into a StepResponse,
-        timed and recorded."""
+        timed and recorded (a slow step logged with its phases: slow_steps.py)."""
         reply = pb.StepResponse(words_per_row=self.engine.words_per_row, num_rows=len(outcome.rows))
         entries.answer(outcome.results, reply, want_forced, outcome.block)
         try:
@@ -153,7 +156,7 @@ class MaskServicer(pb_grpc.MaskServiceServicer):
         finally:
             if outcome.release is not None:
                 outcome.release()     # the rows may sit in a buffer the session reuses
-        seconds = time.perf_counter() - t0
+        seconds = self.slow_steps.finish(t0, outcome.marks, outcome.batch)
         reply.server_seconds = seconds
         self.metrics.observe_step(seconds=seconds, batch=outcome.batch,
                                   fill_seconds=outcome.fill_seconds, row_sizes=encoder.last_sizes,

@@ -68,6 +68,7 @@ class StepOutcome:
     release: Callable[[], None] | None = None
     unmasked: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # allowed / resample
     block: PlainBlock | None = None
+    marks: list[tuple[str, float]] = dataclasses.field(default_factory=list)   # (phase, clock at its end)
 
     @property
     def batch(self) -> int:
@@ -103,11 +104,13 @@ class Session:
         """Applies one decode step for a batch. Never raises for bad input: refused entries come
         back as ERROR (the sequence unchanged), dead sequences as FAILED."""
         with self.lock:
+            marks = [("lock", time.perf_counter())]     # the phases' ends, for a slow step's log line
             refusals: collections.Counter = collections.Counter()
             key = entries.request_key(request)
             if key is not None:
                 repeated = self._repeated_block(key)
                 if repeated is not None:
+                    repeated.marks = marks
                     return repeated
             # The decode step's common case as arrays; anything else entry by entry (plain_block.py).
             columns = entries.plain_columns(request) if request.handles else None
@@ -127,17 +130,20 @@ class Session:
             unmasked: collections.Counter = collections.Counter()
             if check:
                 self._check(check, consume, fill, unmasked, refusals)
+            marks.append(("route", time.perf_counter()))
             self._consume(consume, fill, refusals, block)
             t0 = time.perf_counter()
+            marks.append(("consume", t0))
             rows, release = self._fill(fill, replays, request.want_forced_tokens, refusals, block)
+            t1 = time.perf_counter()
+            marks.append(("fill", t1))
             if block is not None:
                 block.done()
                 if key is not None:      # kept for a rank that repeats the whole request
                     self.blocks[key] = block
                     if len(self.blocks) > RECENT_STEPS:
                         self.blocks.popitem(last=False)
-            return StepOutcome([res for _, res in pairs], rows, refusals, time.perf_counter() - t0, release,
-                               unmasked, block)
+            return StepOutcome([res for _, res in pairs], rows, refusals, t1 - t0, release, unmasked, block, marks)
 
     def _repeated_block(self, key: tuple) -> StepOutcome | None:
         """A repeat of a plain block's whole request, answered from the block (the rows it filled,

@@ -772,7 +772,7 @@ ALL_SERVER_VALUES = {"port": 7000, "metricsPort": 9100, "tokenizer": "cl100k", "
                      "compileIsolation": "process", "compileNice": 10, "maxStreamsPerTenant": 32, "maxSequences": 20000,
                      "maxSequencesPerTenant": 5000, "maxTokensPerRequest": 100000, "maxGrammarDepth": 64,
                      "maxCompilesQueued": 900, "maxCompilesQueuedPerTenant": 90, "maxCompilesRunningPerTenant": 2,
-                     "idleTimeoutSeconds": 120, "drainDelaySeconds": 3, "drainGraceSeconds": 20,
+                     "idleTimeoutSeconds": 120, "slowStepSeconds": 0.05, "drainDelaySeconds": 3, "drainGraceSeconds": 20,
                      "jsonSchemaMode": "strict", "allowHubDownload": True}
 
 
@@ -797,7 +797,7 @@ def test_server_values_cover_every_server_flag(chart):
     assert (cfg.cache_bytes, cfg.compile_isolation, lim.idle_timeout_s, cfg.drain_delay_s, cfg.drain_grace_s) == (
         1 << 28, "process", 120.0, 3.0, 20.0)
     assert (lim.max_streams_per_tenant, lim.max_sequences, lim.max_compiles_running_per_tenant) == (32, 20000, 2)
-    assert lim.max_row_buffers_per_session == 12 and cfg.compile_nice == 10
+    assert lim.max_row_buffers_per_session == 12 and cfg.compile_nice == 10 and lim.slow_step_s == 0.05
     mounts = {m["name"]: m["mountPath"] for m in container(pod, "maskd")["volumeMounts"]}
     assert cfg.auth_tokens_file == mounts["auth-tokens"] + "/tokens" and cfg.allow_plaintext_auth
     assert cfg.tls_client_ca == mounts["tls"] + "/ca.crt"

@@ -407,3 +407,41 @@ def test_metrics_endpoint(server, stub):
                  "maskd_grammar_cache_hits_total", "maskd_grammar_cache_misses_total", "maskd_live_sequences",
                  "maskd_waiting_sequences", "maskd_row_bytes_bucket", "maskd_errors_total"):
         assert name in text, name
+
+
+def test_a_slow_step_is_logged_with_its_phases_and_counted(server, stub, caplog, monkeypatch):
+    """A step held up (here: behind the session's lock, as behind another rank's step) is logged
+    with where its time went and counted in maskd_slow_steps; fast steps are not logged."""
+    s = Stream(stub, session="slow-steps")
+    wait_ready(s, "slow", {"regex": "[0-9]+"})
+    session = next(x for x in server.service.sessions.sessions() if x.key == "slow-steps")
+    before = server.service.slow_steps.count
+    caplog.set_level("WARNING", logger="maskd.server.slow_steps")
+    monkeypatch.setattr(server.service.slow_steps, "threshold_s", 0.15)    # over any step here but this one
+    server.service.slow_steps._last_log = -float("inf")
+    released = threading.Event()
+
+    def hold_the_lock():
+        with session.lock:
+            released.wait(10)
+
+    holder = threading.Thread(target=hold_the_lock)
+    holder.start()
+    while not session.lock.locked():
+        time.sleep(0.001)
+    threading.Timer(0.2, released.set).start()
+    reply = s.send(step("slow", 100, tokens=[15]))    # any step: this one is refused as out of order
+    holder.join()
+    assert reply.server_seconds >= 0.2
+    assert server.service.slow_steps.count == before + 1
+    [line] = [r.getMessage() for r in caplog.records if r.name == "maskd.server.slow_steps"]
+    assert line.startswith("slow step: ") and "for 1 entries (lock " in line and "answer " in line
+    lock_ms = float(line.split("(lock ")[1].split(",")[0])
+    assert lock_ms >= 200 and "it waited (for the GIL or its core)" in line, line
+    for phase in ("route", "consume", "fill"):
+        assert f", {phase} " in line, line
+    s.send(step("slow", 1, tokens=[15]))                # a fast step: not logged
+    assert len([r for r in caplog.records if r.name == "maskd.server.slow_steps"]) == 1
+    s.close()
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics").read().decode()
+    assert f"maskd_slow_steps_total {float(server.service.slow_steps.count)}" in text

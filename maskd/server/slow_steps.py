@@ -1,0 +1,96 @@
+"""Steps that took too long, told with where their time went.
+
+A GPU worker waits on every step it sends, so a step over ``--slow-step`` (20 ms by default: a
+forward pass) is logged at WARNING with its phases: waiting for the session's lock (another rank's
+step), routing (admission, routing, readiness), consuming tokens, filling rows, answering (encoding
+the reply), and beside them the step thread's own CPU time and the process's garbage collection in
+that span. A step whose CPU time is far below its wall time waited: for the GIL (another thread of
+the server: a compile's result loading, a tool set's router) or for its core (another process).
+
+At most one line per second: the others are counted into the next line (and into
+``maskd_slow_steps``), so a server that is slow for a while cannot flood its log.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+import time
+
+log = logging.getLogger("maskd.server.slow_steps")
+
+
+class GcClock:
+    """Seconds this process spent collecting garbage since it started counting (one per process:
+    a collection stops every thread, whichever one triggered it)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._started = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        elif self._started:
+            self.seconds += time.perf_counter() - self._started
+            self._started = 0.0
+
+
+_GC_CLOCK: GcClock | None = None
+_GC_CLOCK_LOCK = threading.Lock()
+
+
+def gc_clock() -> GcClock:
+    """The process's one GcClock (made on first use)."""
+    global _GC_CLOCK
+    with _GC_CLOCK_LOCK:
+        if _GC_CLOCK is None:
+            _GC_CLOCK = GcClock()
+        return _GC_CLOCK
+
+
+class SlowSteps:
+    """Logs the steps over ``threshold_s`` (see the module's docstring); ``count`` is every one seen."""
+
+    def __init__(self, threshold_s: float, every_s: float = 1.0, counter=None) -> None:
+        self.threshold_s = threshold_s
+        self.every_s = every_s
+        self.counter = counter          # a Prometheus counter, incremented per slow step
+        self.count = 0
+        self.gc = gc_clock()
+        self._unlogged = 0
+        self._last_log = -float("inf")
+        self._lock = threading.Lock()
+
+    def start(self) -> tuple[float, float, float]:
+        """What a step's timing starts from: (wall clock, this thread's CPU time, GC seconds)."""
+        return time.perf_counter(), time.thread_time(), self.gc.seconds
+
+    def finish(self, start: tuple[float, float, float], marks: list[tuple[str, float]], entries: int) -> float:
+        """The step's seconds; logged when over the threshold. ``marks``: (phase, wall clock at its
+        end) in order; the time after the last mark is the answer's."""
+        t0, cpu0, gc0 = start
+        end = time.perf_counter()
+        seconds = end - t0
+        if seconds < self.threshold_s:
+            return seconds
+        cpu = time.thread_time() - cpu0
+        collected = self.gc.seconds - gc0
+        if self.counter is not None:
+            self.counter.inc()
+        with self._lock:
+            self.count += 1
+            if end - self._last_log < self.every_s:
+                self._unlogged += 1
+                return seconds
+            more, self._unlogged, self._last_log = self._unlogged, 0, end
+        phases, before = [], t0
+        for name, at in [*marks, ("answer", end)]:
+            phases.append(f"{name} {1e3 * (at - before):.1f}")
+            before = at
+        log.warning("slow step: %.1f ms for %d entries (%s ms); the step thread's CPU %.1f ms, garbage collection "
+                    "%.1f ms%s%s", 1e3 * seconds, entries, ", ".join(phases), 1e3 * cpu, 1e3 * collected,
+                    "; it waited (for the GIL or its core) most of the time" if cpu < seconds / 2 else "",
+                    f"; {more} more slow steps since the last line" if more else "")
+        return seconds
