@@ -414,6 +414,7 @@ class ClientCore:
         for stream in streams:
             fail_all(stream.take_in_flight(), MaskClientError("client is shut down"))
             stream.close()
+        self._recovery.end_pauses()      # no recovery subscribed to a channel that closes
         for conn in connections:
             conn.close()
         self._router.close()

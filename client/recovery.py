@@ -120,6 +120,7 @@ class Recovery:
         self._on_refused = on_refused
         self._on_handles = on_handles
         self._recovering: dict[str, LostServer] = {}   # under way, by lost address
+        self._pauses: set[threading.Event] = set()      # recoveries' pauses now (set: ends one)
         # address -> when it was lost: ended idle, refused the call, or not recovered in time; the
         # next step that goes there restores its sequences first
         self._lost: dict[str, float] = {}
@@ -234,25 +235,43 @@ class Recovery:
     def _pause(self, address: str, seconds: float) -> None:
         """The pause before a recovery's next attempt, cut short when the channel to ``address``
         connects (a restarted server listens again): the attempt goes at once. A channel connected
-        all along (the server answered, with an error worth retrying) waits the whole pause."""
-        with self._cond:
-            conn = self._connections.get(address)
-        if conn is None:
-            time.sleep(seconds)
-            return
-        seen: list[grpc.ChannelConnectivity] = []
+        all along (the server answered, with an error worth retrying) waits the whole pause. The
+        client's shutdown ends it too (``end_pauses``)."""
         connected = threading.Event()
-
-        def watch(state: grpc.ChannelConnectivity) -> None:   # first the state now, then each change
-            if state is grpc.ChannelConnectivity.READY and seen and seen[-1] is not grpc.ChannelConnectivity.READY:
-                connected.set()
-            seen.append(state)
-
-        conn.channel.subscribe(watch, try_to_connect=True)
+        with self._cond:
+            if self._is_closed():
+                return
+            conn = self._connections.get(address)
+            self._pauses.add(connected)
         try:
-            connected.wait(seconds)
+            if conn is None:
+                connected.wait(seconds)
+                return
+            seen: list[grpc.ChannelConnectivity] = []
+
+            def watch(state: grpc.ChannelConnectivity) -> None:   # first the state now, then each change
+                if (state is grpc.ChannelConnectivity.READY and seen
+                        and seen[-1] is not grpc.ChannelConnectivity.READY):
+                    connected.set()
+                seen.append(state)
+
+            conn.channel.subscribe(watch, try_to_connect=True)
+            try:
+                connected.wait(seconds)
+            finally:
+                conn.channel.unsubscribe(watch)
         finally:
-            conn.channel.unsubscribe(watch)
+            with self._cond:
+                self._pauses.discard(connected)
+                self._cond.notify_all()
+
+    def end_pauses(self, timeout_s: float = 5.0) -> None:
+        """Ends every recovery's pause and waits (``timeout_s`` at most) until none is in one: the
+        client shuts down, and its channels must not close under a pause's subscription."""
+        with self._cond:
+            for pause in self._pauses:
+                pause.set()
+            self._cond.wait_for(lambda: not self._pauses, timeout_s)
 
     def _restore_and_resend(self, rec: LostServer, suspects: set[str], deadline: float, attempts: int) -> None:
         with self._cond:

@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import grpc
@@ -145,6 +146,36 @@ def test_a_killed_server_back_after_an_outage_restores_the_step_in_flight(caplog
                        for m in back), back
     finally:
         end(procs)
+
+
+def test_a_client_shut_down_while_a_recovery_pauses_closes_its_channels_quietly(cl100k):
+    """The client shuts down while a recovery pauses (subscribed to the lost server's channel):
+    the pause ends, the step in flight fails as shut down, and no channel closes under gRPC's
+    connectivity poller (which raised "Channel closed!" in its own thread)."""
+    [a_tok] = cl100k.encode("a")
+    server = start_server()
+    raised: list = []
+    hook = threading.excepthook
+    threading.excepthook = raised.append
+    try:
+        mc = MaskClient(server.address, recovery_timeout_s=60, retry_backoff_s=1.0)   # pauses of up to 1 s
+        mc.open("a", SPEC)
+        ready_step(mc, "a", [a_tok], time.monotonic() + 30)
+        [conn] = list(mc._connections.values())
+        server.stop(grace=0)
+        in_flight = mc.step_async({"a": [a_tok]})
+        deadline = time.monotonic() + 30
+        while not mc._recovery._pauses:                   # the recovery pauses between attempts
+            assert time.monotonic() < deadline and not in_flight.done(), "no recovery pause"
+            time.sleep(0.01)
+        mc.shutdown()
+        assert not mc._recovery._pauses
+        assert not conn.channel._connectivity_state.polling     # closed after gRPC's poller ended
+        with pytest.raises(MaskClientError):
+            in_flight.result(30)
+    finally:
+        threading.excepthook = hook
+    assert not raised, [f"{a.thread.name}: {a.exc_value!r}" for a in raised]
 
 
 def test_a_server_gone_past_the_recovery_timeout_fails_its_steps_and_restores_when_back(caplog, cl100k):

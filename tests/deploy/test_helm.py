@@ -772,8 +772,8 @@ ALL_SERVER_VALUES = {"port": 7000, "metricsPort": 9100, "tokenizer": "cl100k", "
                      "compileIsolation": "process", "compileNice": 10, "maxStreamsPerTenant": 32, "maxSequences": 20000,
                      "maxSequencesPerTenant": 5000, "maxTokensPerRequest": 100000, "maxGrammarDepth": 64,
                      "maxCompilesQueued": 900, "maxCompilesQueuedPerTenant": 90, "maxCompilesRunningPerTenant": 2,
-                     "idleTimeoutSeconds": 120, "slowStepSeconds": 0.05, "drainDelaySeconds": 3, "drainGraceSeconds": 20,
-                     "jsonSchemaMode": "strict", "allowHubDownload": True}
+                     "idleTimeoutSeconds": 120, "slowStepSeconds": 0.05, "drainDelaySeconds": 3,
+                     "drainGraceSeconds": 20, "jsonSchemaMode": "strict", "allowHubDownload": True}
 
 
 def test_server_values_cover_every_server_flag(chart):
