@@ -145,7 +145,7 @@ class MaskServicer(pb_grpc.MaskServiceServicer):
             self.sessions.detach(attachment)
             self.quotas.close_stream(tenant)
 
-    def _reply(self, outcome: StepOutcome, encoder: RowBlockEncoder, t0: tuple[float, float, float],
+    def _reply(self, outcome: StepOutcome, encoder: RowBlockEncoder, t0: tuple[float, float, float, float],
                want_forced: bool) -> pb.StepResponse:
         """The one reply path: results, columnar answers and the encoded rows into a StepResponse,
         timed and recorded (a slow step logged with its phases: slow_steps.py)."""

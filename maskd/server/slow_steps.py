@@ -3,9 +3,10 @@
 A GPU worker waits on every step it sends, so a step over ``--slow-step`` (20 ms by default: a
 forward pass) is logged at WARNING with its phases: waiting for the session's lock (another rank's
 step), routing (admission, routing, readiness), consuming tokens, filling rows, answering (encoding
-the reply), and beside them the step thread's own CPU time and the process's garbage collection in
-that span. A step whose CPU time is far below its wall time waited: for the GIL (another thread of
-the server: a compile's result loading, a tool set's router) or for its core (another process).
+the reply), and beside them the CPU time of the step's thread and of the whole process (the grammar
+engine fills rows on threads of its own) and the process's garbage collection in that span. A step
+whose process had far less CPU than its wall time was off its core most of the time: another
+process ran there, or the step waited for a lock (another rank's step on the session).
 
 At most one line per second: the others are counted into the next line (and into
 ``maskd_slow_steps``), so a server that is slow for a while cannot flood its log.
@@ -63,19 +64,20 @@ class SlowSteps:
         self._last_log = -float("inf")
         self._lock = threading.Lock()
 
-    def start(self) -> tuple[float, float, float]:
-        """What a step's timing starts from: (wall clock, this thread's CPU time, GC seconds)."""
-        return time.perf_counter(), time.thread_time(), self.gc.seconds
+    def start(self) -> tuple[float, float, float, float]:
+        """What a step's timing starts from: (wall clock, this thread's CPU, the process's CPU, GC
+        seconds)."""
+        return time.perf_counter(), time.thread_time(), time.process_time(), self.gc.seconds
 
-    def finish(self, start: tuple[float, float, float], marks: list[tuple[str, float]], entries: int) -> float:
+    def finish(self, start: tuple[float, float, float, float], marks: list[tuple[str, float]], entries: int) -> float:
         """The step's seconds; logged when over the threshold. ``marks``: (phase, wall clock at its
         end) in order; the time after the last mark is the answer's."""
-        t0, cpu0, gc0 = start
+        t0, thread0, process0, gc0 = start
         end = time.perf_counter()
         seconds = end - t0
         if seconds < self.threshold_s:
             return seconds
-        cpu = time.thread_time() - cpu0
+        thread_cpu, process_cpu = time.thread_time() - thread0, time.process_time() - process0
         collected = self.gc.seconds - gc0
         if self.counter is not None:
             self.counter.inc()
@@ -89,8 +91,10 @@ class SlowSteps:
         for name, at in [*marks, ("answer", end)]:
             phases.append(f"{name} {1e3 * (at - before):.1f}")
             before = at
-        log.warning("slow step: %.1f ms for %d entries (%s ms); the step thread's CPU %.1f ms, garbage collection "
-                    "%.1f ms%s%s", 1e3 * seconds, entries, ", ".join(phases), 1e3 * cpu, 1e3 * collected,
-                    "; it waited (for the GIL or its core) most of the time" if cpu < seconds / 2 else "",
+        log.warning("slow step: %.1f ms for %d entries (%s ms); CPU: the step's thread %.1f ms, the process %.1f ms; "
+                    "garbage collection %.1f ms%s%s", 1e3 * seconds, entries, ", ".join(phases), 1e3 * thread_cpu,
+                    1e3 * process_cpu, 1e3 * collected,
+                    "; the process was off its core most of the time (another process there, or a lock)"
+                    if process_cpu < seconds / 2 else "",
                     f"; {more} more slow steps since the last line" if more else "")
         return seconds
