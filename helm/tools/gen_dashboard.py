@@ -126,6 +126,11 @@ def build() -> dict:
     ts("Steps / s by pod", "Step throughput per replica (count of maskd_step_seconds).",
        [(f'sum by (pod) (rate(maskd_step_seconds_count{{{SEL}}}[{RI}]))', "{{pod}}")], "reqps", 12)
     y[0] += 8
+    ts("Slow steps / s by pod",
+       "Steps over --slow-step (maskd_slow_steps_total; 20 ms by default). The server logs each one's phases "
+       "(lock, route, consume, fill, answer) and CPU, at most one line a second: read them there.",
+       [(f'sum by (pod) (rate(maskd_slow_steps_total{{{SEL}}}[{RI}])) or vector(0)', "{{pod}}")], "reqps", 0)
+    y[0] += 8
 
     # ---------------------------------------------------------------- grammar cache
     row("Grammar cache")
