@@ -64,11 +64,16 @@ class StepOutcome:
     results: list[Result]
     rows: np.ndarray
     refusals: collections.Counter      # error kind -> entries refused or failed this step
-    fill_seconds: float = 0.0
     release: Callable[[], None] | None = None
     unmasked: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # allowed / resample
     block: PlainBlock | None = None
     marks: list[tuple[str, float]] = dataclasses.field(default_factory=list)   # (phase, clock at its end)
+
+    @property
+    def fill_seconds(self) -> float:
+        """The fill phase's time (0 where the step filled nothing: a repeat answered whole, a refusal)."""
+        ends = dict(self.marks)
+        return ends["fill"] - ends["consume"] if "fill" in ends else 0.0
 
     @property
     def batch(self) -> int:
@@ -132,18 +137,16 @@ class Session:
                 self._check(check, consume, fill, unmasked, refusals)
             marks.append(("route", time.perf_counter()))
             self._consume(consume, fill, refusals, block)
-            t0 = time.perf_counter()
-            marks.append(("consume", t0))
+            marks.append(("consume", time.perf_counter()))
             rows, release = self._fill(fill, replays, request.want_forced_tokens, refusals, block)
-            t1 = time.perf_counter()
-            marks.append(("fill", t1))
+            marks.append(("fill", time.perf_counter()))
             if block is not None:
                 block.done()
                 if key is not None:      # kept for a rank that repeats the whole request
                     self.blocks[key] = block
                     if len(self.blocks) > RECENT_STEPS:
                         self.blocks.popitem(last=False)
-            return StepOutcome([res for _, res in pairs], rows, refusals, t1 - t0, release, unmasked, block, marks)
+            return StepOutcome([res for _, res in pairs], rows, refusals, release, unmasked, block, marks)
 
     def _repeated_block(self, key: tuple) -> StepOutcome | None:
         """A repeat of a plain block's whole request, answered from the block (the rows it filled,

@@ -17,6 +17,7 @@ import gc
 import logging
 import threading
 import time
+from typing import Any
 
 log = logging.getLogger("maskd.server.slow_steps")
 
@@ -38,28 +39,18 @@ class GcClock:
             self._started = 0.0
 
 
-_GC_CLOCK: GcClock | None = None
-_GC_CLOCK_LOCK = threading.Lock()
-
-
-def gc_clock() -> GcClock:
-    """The process's one GcClock (made on first use)."""
-    global _GC_CLOCK
-    with _GC_CLOCK_LOCK:
-        if _GC_CLOCK is None:
-            _GC_CLOCK = GcClock()
-        return _GC_CLOCK
+GC_CLOCK = GcClock()    # the process's one (the server's: nothing else imports this module)
 
 
 class SlowSteps:
     """Logs the steps over ``threshold_s`` (see the module's docstring); ``count`` is every one seen."""
 
-    def __init__(self, threshold_s: float, every_s: float = 1.0, counter=None) -> None:
+    def __init__(self, threshold_s: float, every_s: float = 1.0, counter: Any = None) -> None:
         self.threshold_s = threshold_s
         self.every_s = every_s
         self.counter = counter          # a Prometheus counter, incremented per slow step
         self.count = 0
-        self.gc = gc_clock()
+        self.gc = GC_CLOCK
         self._unlogged = 0
         self._last_log = -float("inf")
         self._lock = threading.Lock()
