@@ -79,8 +79,8 @@ def server_opens(monkeypatch):
     seen: list[tuple[str, str]] = []
     parse = entries.Entry.of_message
 
-    def record(msg):
-        entry = parse(msg)
+    def record(index, msg):
+        entry = parse(index, msg)
         if entry.opens:
             seen.append((entry.seq_id, entry.opens))
         return entry

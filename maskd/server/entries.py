@@ -1,16 +1,15 @@
-"""A step's entries in the one form the step protocol runs, whatever their form on the wire.
+"""A step's entries in the one form the step protocol runs, whatever their form on the wire, and
+the one writer of their answers.
 
 A StepRequest carries entries two ways (contract revision 3): ``seqs``, SeqStep messages named by
 id (opens, closes, restores, drafts, rollback: anything), and the columnar arrays (handles, steps,
 token counts, tokens: the decode step's common case, named by the handle its open was answered
-with). ``parse`` turns both into ``Entry`` objects, each with its ``Result`` (SeqStep entries first
-in request order, then the columnar ones by index: the order of the rows too); the phases of the
-step protocol (session.py, step_routing.py) read and write only these; ``answer`` writes each
-result back in the form its entry came in. The decode step's common case skips the objects:
-``plain_columns`` reads its columns as lists for a plain block (plain_block.py), and
-``write_columnar`` writes the columnar answers of both forms. Besides two flags the session reads
-(whether there are columns, want_forced_tokens), nothing else on the step path reads a StepRequest
-or writes a StepResponse's answers.
+with). Entry ``i`` of a step is SeqStep entry ``i``, then the columnar ones by index: the order of
+the answers (step_answers.py) and of the rows. ``parse`` turns both forms into ``Entry`` objects;
+the decode step's common case skips them: ``plain_columns`` reads its columns as lists for a plain
+block (plain_block.py). ``write_answers`` writes every entry's answer back in the form it came in.
+Besides two flags the session reads (whether there are columns, want_forced_tokens), nothing else
+on the step path reads a StepRequest or writes a StepResponse's answers.
 """
 from __future__ import annotations
 
@@ -20,19 +19,22 @@ from typing import Any
 
 import numpy as np
 
+from maskd.server.step_answers import StepAnswers
 from maskd.v1 import maskd_pb2 as pb
-from maskd.v1.contract import ACCEPTING_BIT, RESAMPLE_BIT, Code, SeqStatus
+from maskd.v1.contract import ACCEPTING_BIT, RESAMPLE_BIT, STATUS_MASK, Code, SeqStatus
 
 _NO_DRAFTS: tuple[int, ...] = ()
+_NO_PROBLEM = (0, "")
 
 
 class Entry:
     """One entry of a step: what it asks of one sequence. ``seq`` is the sequence a columnar
     entry's handle names (a handle outlives a reuse of its id); None for entries named by id."""
-    __slots__ = ("close", "drafts", "grammar_id", "history_offset", "opens", "propose", "rollback", "seq", "seq_id",
-                 "spec", "step", "tokens", "unmasked")
+    __slots__ = ("close", "drafts", "grammar_id", "history_offset", "index", "opens", "propose", "rollback", "seq",
+                 "seq_id", "spec", "step", "tokens", "unmasked")
 
-    def __init__(self, seq_id: str, step: int, tokens: list[int], seq: Any = None) -> None:
+    def __init__(self, index: int, seq_id: str, step: int, tokens: list[int], seq: Any = None) -> None:
+        self.index = index                # its place in the step (step_answers.py): its answer's
         self.seq_id, self.step, self.tokens, self.seq = seq_id, step, tokens, seq
         self.drafts = _NO_DRAFTS
         self.rollback = self.history_offset = 0
@@ -44,8 +46,8 @@ class Entry:
         self.spec: pb.GrammarSpec | None = None
 
     @classmethod
-    def of_message(cls, msg: pb.SeqStep) -> Entry:
-        e = cls(msg.seq_id, msg.step, list(msg.tokens))
+    def of_message(cls, index: int, msg: pb.SeqStep) -> Entry:
+        e = cls(index, msg.seq_id, msg.step, list(msg.tokens))
         if msg.draft_tokens:
             e.drafts = tuple(msg.draft_tokens)
         e.rollback, e.history_offset, e.close = msg.rollback, msg.history_offset, msg.close
@@ -57,41 +59,6 @@ class Entry:
         elif e.opens == "spec":
             e.spec = msg.spec
         return e
-
-
-class Result:
-    """One entry's answer. ``index``: the entry's place among those of its form; ``columnar``:
-    which form it came in (and goes back in)."""
-    __slots__ = ("accepting", "code", "columnar", "drafts_valid", "first_row", "forced_tokens", "handle", "index",
-                 "num_rows", "proposed", "reason", "resample", "seq_id", "status", "step")
-
-    def __init__(self, index: int, seq_id: str, step: int, columnar: bool) -> None:
-        self.index, self.seq_id, self.step, self.columnar = index, seq_id, step, columnar
-        self.status = SeqStatus.UNSPECIFIED
-        self.code, self.reason = 0, ""
-        self.first_row = self.num_rows = self.drafts_valid = self.handle = 0
-        self.accepting = False
-        self.forced_tokens: list[int] = []
-        self.proposed: tuple[int, ...] = _NO_DRAFTS    # drafts the server proposes (propose_drafts)
-        self.resample = False     # sampled_unmasked tokens refused: the row is for the position before them
-
-    def copy_answer(self, src: Result) -> None:
-        """A kept answer into this result (its own index, form and rows' place stay)."""
-        self.status, self.code, self.reason = src.status, src.code, src.reason
-        self.num_rows, self.accepting = src.num_rows, src.accepting
-        self.drafts_valid, self.handle = src.drafts_valid, src.handle
-        if src.forced_tokens:
-            self.forced_tokens = list(src.forced_tokens)
-        self.proposed = src.proposed
-        self.resample = src.resample
-
-
-def refuse(res: Result, refusals, code: Code, message: str, kind: str | None = None) -> None:
-    """The entry is refused (nothing changed): ERROR with its code and reason, counted by kind."""
-    res.status = SeqStatus.ERROR
-    res.code = code
-    res.reason = message
-    refusals[kind or code.name.lower()] += 1
 
 
 def request_key(request: pb.StepRequest) -> tuple | None:
@@ -133,24 +100,23 @@ def plain_columns(request: pb.StepRequest) -> PlainColumns | None:
                         [m.seq_id for m in seqs])
 
 
-def refused_results(request: pb.StepRequest, refusals, reason: str) -> list[Result]:
-    """Every entry of a request refused with INTERNAL (a step that failed in a way no phase caught)."""
-    results = [Result(i, m.seq_id, m.step, False) for i, m in enumerate(request.seqs)]
-    results += [Result(i, "", 0, True) for i in range(len(request.handles) // 4)]
-    for res in results:
-        refuse(res, refusals, Code.INTERNAL, reason, kind="internal")
-    return results
+def answers_for(request: pb.StepRequest) -> StepAnswers:
+    """An empty answer record for every entry of a request (SeqStep entries first, then columnar)."""
+    seqs = request.seqs
+    return StepAnswers(len(seqs) + len(request.handles) // 4, len(seqs), [m.seq_id for m in seqs],
+                       [m.step for m in seqs])
 
 
-def parse(request: pb.StepRequest, by_handle: dict[int, Any],
-          columnar: bool = True) -> tuple[list[tuple[Entry, Result]], int, str]:
-    """Every entry of a request with its result: (entries, columnar entries whose handle is
-    unknown (answered NOT_FOUND already), why the columnar part is refused whole or "").
+def parse(request: pb.StepRequest, by_handle: dict[int, Any], answers: StepAnswers,
+          columnar: bool = True) -> tuple[list[Entry], int, str]:
+    """Every entry of a request: (entries, columnar entries whose handle is unknown (refused
+    NOT_FOUND in ``answers`` already), why the columnar part is refused whole or "").
     ``columnar`` False: the SeqStep entries only (the columnar part is a plain block)."""
-    pairs = [(Entry.of_message(m), Result(i, m.seq_id, m.step, False)) for i, m in enumerate(request.seqs)]
+    found = [Entry.of_message(i, m) for i, m in enumerate(request.seqs)]
     raw = request.handles if columnar else b""
     if not raw:
-        return pairs, 0, ""
+        return found, 0, ""
+    named = len(found)
     n = len(raw) // 4
     problem = ""
     try:
@@ -164,8 +130,8 @@ def parse(request: pb.StepRequest, by_handle: dict[int, Any],
     except ValueError as exc:   # a byte length that is not a multiple of 4
         problem = f"columnar arrays are not packed 32-bit values: {exc}"
     if problem:
-        pairs += [(Entry("", 0, []), Result(i, "", 0, True)) for i in range(n)]
-        return pairs, 0, problem
+        found += [Entry(named + i, "", 0, []) for i in range(n)]
+        return found, 0, problem
     if (counts == 1).all():
         token_lists = [[t] for t in tokens.tolist()]
     else:
@@ -174,53 +140,53 @@ def parse(request: pb.StepRequest, by_handle: dict[int, Any],
         token_lists = [flat[a:b] for a, b in zip([0, *ends[:-1]], ends)]
     unknown = 0
     unmasked = request.columnar_sampled_unmasked
-    for i, (h, step, toks) in enumerate(zip(handles.tolist(), steps.tolist(), token_lists)):
+    for i, (h, step, toks) in enumerate(zip(handles.tolist(), steps.tolist(), token_lists), named):
         seq = by_handle.get(h)
-        sid = seq.seq_id if seq is not None else ""
-        res = Result(i, sid, step, True)
         if seq is None:
             unknown += 1
-            res.status, res.code = SeqStatus.ERROR, Code.NOT_FOUND
-            res.reason = (f"unknown sequence handle {h}: never given on this session, or its sequence was "
-                          "closed or dropped with its stream; open it with a SeqStep")
-        entry = Entry(sid, step, toks, seq)
+            answers.status[i] = SeqStatus.ERROR
+            answers.problems[i] = (Code.NOT_FOUND, f"unknown sequence handle {h}: never given on this session, or its "
+                                   "sequence was closed or dropped with its stream; open it with a SeqStep")
+        entry = Entry(i, seq.seq_id if seq is not None else "", step, toks, seq)
         entry.unmasked = unmasked
-        pairs.append((entry, res))
-    return pairs, unknown, ""
+        found.append(entry)
+    return found, unknown, ""
 
 
-def answer(results: list[Result], reply: pb.StepResponse, want_forced: bool, block: Any = None) -> None:
-    """Each result into the reply in its entry's form: a SeqResult, or the columnar fields (from
-    ``block``, a plain block (plain_block.py), when the columnar part was one)."""
-    if block is not None:
-        write_columnar(reply, block.status, block.problems, block.forced if want_forced else None)
-    columnar = []
-    add = reply.results.add
-    for r in results:
-        if r.columnar:
-            columnar.append(r)
-            continue
-        out = add(seq_id=r.seq_id, step=r.step, status=r.status, code=r.code, reason=r.reason,
-                  first_row=r.first_row, num_rows=r.num_rows, drafts_valid=r.drafts_valid, accepting=r.accepting,
-                  handle=r.handle, resample=r.resample)
-        if r.forced_tokens:
-            out.forced_tokens.extend(r.forced_tokens)
-        if r.proposed:
-            out.proposed_drafts.extend(r.proposed)
-    if not columnar:
+def write_answers(answers: StepAnswers, reply: pb.StepResponse, want_forced: bool) -> None:
+    """The one writer of a step's answers into its reply: a SeqResult per SeqStep entry, the
+    columnar fields for the columnar ones."""
+    status, problems, forced = answers.status, answers.problems, answers.forced
+    named = answers.named
+    if named:
+        add = reply.results.add
+        first_row, num_rows = answers.first_row, answers.num_rows
+        drafts_valid, handles, proposed = answers.drafts_valid, answers.handles, answers.proposed
+        for i, (seq_id, step) in enumerate(zip(answers.seq_ids, answers.steps)):
+            packed = status[i]
+            code, reason = problems.get(i, _NO_PROBLEM)
+            n = num_rows[i]
+            out = add(seq_id=seq_id, step=step, status=packed & STATUS_MASK, code=int(code), reason=reason,
+                      first_row=first_row[i] if n else 0, num_rows=n, drafts_valid=drafts_valid.get(i, 0),
+                      accepting=bool(packed & ACCEPTING_BIT), handle=handles.get(i, 0),
+                      resample=bool(packed & RESAMPLE_BIT))
+            if i in forced:
+                out.forced_tokens.extend(forced[i])
+            if i in proposed:
+                out.proposed_drafts.extend(proposed[i])
+    if len(status) == named:
         return
-    status = bytes([int(r.status) | (ACCEPTING_BIT if r.accepting else 0) | (RESAMPLE_BIT if r.resample else 0)
-                    for r in columnar])
-    problems = {r.index: (r.code, r.reason) for r in columnar
-                if r.status == SeqStatus.ERROR or r.status == SeqStatus.FAILED}
-    forced = {r.index: r.forced_tokens for r in columnar if r.forced_tokens} if want_forced else None
-    write_columnar(reply, status, problems, forced)
+    if named:
+        status = status[named:]
+        problems = {i - named: p for i, p in problems.items() if i >= named}
+        forced = {i - named: f for i, f in forced.items() if i >= named}
+    _write_columnar(reply, status, problems, forced if want_forced else None)
 
 
-def write_columnar(reply: pb.StepResponse, status: bytes | bytearray, problems: Mapping[int, tuple[int, str]],
+def _write_columnar(reply: pb.StepResponse, status: bytes | bytearray, problems: Mapping[int, tuple[int, str]],
                    forced: Mapping[int, list[int]] | None) -> None:
-    """The one writer of the columnar answers: a status byte per entry, the problems of ERROR and
-    FAILED entries by index, and (``forced`` not None: want_forced_tokens) the forced tokens."""
+    """The columnar answers: a status byte per entry, the problems of ERROR and FAILED entries by
+    index, and (``forced`` not None: want_forced_tokens) the forced tokens."""
     reply.statuses = bytes(status)
     for i in sorted(problems):
         code, reason = problems[i]

@@ -19,14 +19,14 @@ from collections.abc import Callable
 import numpy as np
 
 from maskd.rowcodec import ALLOWED_IDS, DENSE, REJECTED_IDS, RowBlockDecoder, RowBlockEncoder
-from maskd.server.sequence import RECENT_STEPS, Answer
+from maskd.server.sequence import RECENT_STEPS, Kept
 
 # In lockstep decoding (one request per step for every sequence) the answers of the last
 # RECENT_STEPS steps stay in their buffers; the others are for replies still being encoded.
 ROW_BUFFERS = RECENT_STEPS + 2
 
 # (handle, step) -> the answer a live sequence keeps for that step, or None.
-FindAnswer = Callable[[int, int], "Answer | None"]
+FindAnswer = Callable[[int, int], "Kept | None"]
 
 
 class RowBuffers:
@@ -87,12 +87,13 @@ class RowBuffers:
                 encoding[buffer] -= 1
         return release
 
-    def holds(self, answer: Answer) -> bool:
-        """Whether an answer's rows (if it has any) can still be given."""
-        if answer.rows is not None or answer.packed is not None or answer.result.num_rows == 0:
+    def holds(self, kept: Kept) -> bool:
+        """Whether a kept answer's rows (if it has any) can still be given."""
+        answers, i = kept
+        if answers.rows is not None or answers.num_rows[i] == 0 or (answers.packed is not None and i in answers.packed):
             return True
-        b = answer.buffer
-        return b >= 0 and self._generations[b] == answer.generation
+        b = answers.buffer
+        return b >= 0 and self._generations[b] == answers.generation
 
     def step_rows(self, buffer: int, generation: int, n_rows: int) -> np.ndarray | None:
         """The first rows a step filled into ``buffer`` at ``generation``, while the buffer still
@@ -102,23 +103,25 @@ class RowBuffers:
             return None
         return buf[:n_rows]
 
-    def rows_of(self, answer: Answer) -> np.ndarray:
+    def rows_of(self, kept: Kept) -> np.ndarray:
         """A kept answer's rows (``holds`` said they are still there)."""
-        res = answer.result
-        if answer.packed is not None:
+        answers, i = kept
+        first, n = answers.first_row[i], answers.num_rows[i]
+        packed = answers.packed.get(i) if answers.packed is not None else None
+        if packed is not None:
             assert self._codec is not None
-            return self._codec[1].decode(answer.packed, res.num_rows)
-        if answer.rows is not None:
-            return answer.rows[res.first_row:res.first_row + res.num_rows]
-        buf = self._buffers[answer.buffer]
+            return self._codec[1].decode(packed, n)
+        if answers.rows is not None:
+            return answers.rows[first:first + n]
+        buf = self._buffers[answers.buffer]
         assert buf is not None
-        return buf[res.first_row:res.first_row + res.num_rows]
+        return buf[first:first + n]
 
     @property
     def count(self) -> int:
         return len(self._buffers)
 
-    def _kept(self, b: int) -> list[Answer]:
+    def _kept(self, b: int) -> list[Kept]:
         """The answers recorded in buffer b that live sequences still keep, with rows there (a
         closed sequence's last answers last while the ring holds them: ranks lag by a step or
         two, and packing every finished sequence's rows would cost each one that CPU)."""
@@ -127,10 +130,13 @@ class RowBuffers:
             return []
         generation, find, kept = self._generations[b], self._find, []
         for handle, step in zip(*recorded):
-            a = find(handle, step)
-            if a is not None and a.buffer == b and a.generation == generation and a.rows is None \
-                    and a.result.num_rows:
-                kept.append(a)
+            found = find(handle, step)
+            if found is None:
+                continue
+            answers, i = found
+            if (answers.buffer == b and answers.generation == generation and answers.rows is None
+                    and answers.num_rows[i] and (answers.packed is None or i not in answers.packed)):
+                kept.append(found)
         return kept
 
     def _grow(self) -> int:
@@ -140,14 +146,13 @@ class RowBuffers:
         self._answers.append(None)
         return len(self._buffers) - 1
 
-    def _pack(self, b: int, kept: list[Answer]) -> None:
+    def _pack(self, b: int, kept: list[Kept]) -> None:
         buf = self._buffers[b]
         if kept and buf is not None:
             encoder = self._encoder(buf.shape[1])
-            for answer in kept:
-                first = answer.result.first_row
-                answer.packed = encoder.encode(buf[first:first + answer.result.num_rows])
-                answer.buffer = -1
+            for answers, i in kept:
+                first = answers.first_row[i]
+                answers.pack(i, encoder.encode(buf[first:first + answers.num_rows[i]]))
         self._answers[b] = None
 
     def _encoder(self, words: int) -> RowBlockEncoder:

@@ -1,21 +1,21 @@
 """One sequence's server-side state and the answers it keeps for repeats.
 
 A sequence is a pure function of (grammar, accepted tokens); besides its matcher it remembers
-what its recent steps were answered (``Answer``), so that a tensor-parallel rank that lags behind
+what its recent steps were answered (step_answers.py), so that a tensor-parallel rank that lags behind
 the others, or retries, gets the answer every rank got. The step protocol (session.py) changes
 these; nothing here knows of requests or engines' batching.
 """
 from __future__ import annotations
 
-from typing import Any
-
-import numpy as np
-
 from maskd.server.drafts import Proposal
 from maskd.server.engines import Matcher
-from maskd.server.entries import Entry, Result
+from maskd.server.entries import Entry
 from maskd.server.grammar_cache import CacheEntry
-from maskd.v1.contract import Code, GrammarState, SeqStatus
+from maskd.server.step_answers import StepAnswers, unanswered
+from maskd.v1.contract import STATUS_MASK, Code, GrammarState, SeqStatus
+
+# A kept answer: (the answers of the step it was given in, the entry's index there).
+Kept = tuple[StepAnswers, int]
 
 # Answers kept per sequence for repeats of older steps (a tensor-parallel rank that lags behind
 # the others by a step or two, or retries one), and closed sequences kept with their last answers
@@ -64,9 +64,9 @@ class SequenceState:
         # Opening parts received at the current step: history offset -> hash of their tokens.
         self.parts: dict[int, int] | None = None
         # The answers of the last RECENT_STEPS steps and of every step answered WAITING, so that a
-        # rank that lags behind the others, or retries, gets the answer every rank got. A plain
-        # columnar step keeps (its block, the entry's index) instead: read them with ``kept``.
-        self.recent: dict[int, Answer | tuple] = {}
+        # rank that lags behind the others, or retries, gets the answer every rank got: each one
+        # (that step's answers, the entry's index there): step_answers.py.
+        self.recent: dict[int, Kept] = {}
         self.closed = False
         # Grammar drafts (drafts.py): the last tokens accepted (what a guess is conditioned on), and
         # the drafts proposed at step ``proposal_step`` (a repeat of that step gets them again).
@@ -82,11 +82,11 @@ class SequenceState:
     def waiting(self) -> bool:
         return self.entry.state is GrammarState.COMPILING
 
-    def last_answer(self) -> Answer:
+    def last_answer(self) -> Kept:
         """The answer of the step the sequence is at: that step's inputs and the readiness decided
         for it (``UNANSWERED`` while its open's step was refused before it applied)."""
-        answer = self.kept(self.step)
-        return UNANSWERED if answer is None else answer
+        kept = self.recent.get(self.step)
+        return UNANSWERED if kept is None else kept
 
     def fail(self, reason: str, code: Code) -> None:
         """The one way a sequence fails (it stays failed): the reason it answers from now on, and no
@@ -95,58 +95,26 @@ class SequenceState:
         self.dead_code = code
         self.matcher = self.doc = None
 
-    def kept(self, step: int) -> Answer | None:
-        """The answer kept for a step (a plain block's entry made an ``Answer`` at its first read)."""
-        answer = self.recent.get(step)
-        if isinstance(answer, tuple):
-            block, i = answer
-            answer = self.recent[step] = block.answer(i)
-        return answer
-
-
-class Answer:
-    """What one (sequence, step) was answered: its inputs, the result, and where its rows are: a
-    row buffer and its generation then, ``rows`` (that step's own array, when no buffer was free),
-    or ``packed`` (the row codec's bytes, once the ring of buffers came round)."""
-    __slots__ = ("block", "buffer", "drafts", "generation", "packed", "propose", "result", "rollback", "rows", "tokens",
-                 "unmasked")
-
-    def __init__(self, tokens: tuple, drafts: tuple, rollback: int, result: Result, propose: int = 0,
-                 unmasked: bool = False) -> None:
-        self.tokens, self.drafts, self.rollback, self.result = tokens, drafts, rollback, result
-        self.propose = propose
-        self.unmasked = unmasked
-        self.buffer = -1
-        self.generation = 0
-        self.rows: np.ndarray | None = None
-        self.packed: bytes | None = None
-        self.block: Any = None     # the plain block it was made from (plain_block.py), if any
-
-    def same_inputs(self, msg: Entry, *, tokens: bool = True) -> bool:
-        """Whether ``msg`` asks what this answer's step asked (``tokens`` False: its drafts and
-        flags only, for a restore part, whose tokens are compared by their digest)."""
-        return (msg.drafts == self.drafts and msg.propose == self.propose and msg.unmasked == self.unmasked
-                and (not tokens or (tuple(msg.tokens) == self.tokens and msg.rollback == self.rollback)))
-
-
-def _unanswered() -> Answer:
-    result = Result(0, "", 0, False)
-    result.status = SeqStatus.WAITING
-    return Answer((), (), 0, result)
+    def kept(self, step: int) -> Kept | None:
+        """The answer kept for a step: (that step's answers, the entry's index there)."""
+        return self.recent.get(step)
 
 
 #: What a sequence whose open was refused before its step applied answers (nothing was asked).
-UNANSWERED = _unanswered()
+UNANSWERED: Kept = (unanswered(), 0)
 
 
-def record_step(seq: SequenceState, msg: Entry, res: Result) -> None:
-    """Makes ``msg`` the sequence's last step and keeps ``res`` as its answer."""
-    keep_answer(seq, msg.step, Answer(tuple(msg.tokens), msg.drafts, msg.rollback, res, msg.propose, msg.unmasked))
+def record_step(seq: SequenceState, msg: Entry, answers: StepAnswers) -> None:
+    """Makes entry ``msg`` the sequence's last step: its inputs go into its answer, which the
+    sequence keeps."""
+    i = msg.index
+    answers.set_inputs(i, msg.tokens, msg.drafts, msg.rollback, msg.propose, msg.unmasked)
+    keep_answer(seq, msg.step, (answers, i))
 
 
-def keep_answer(seq: SequenceState, step: int, answer: Answer | tuple) -> None:
-    """The one record of a step: ``step`` becomes the sequence's last and ``answer`` its answer
-    (an ``Answer``, or a plain block's ``(block, index)``), which also holds the step's inputs."""
+def keep_answer(seq: SequenceState, step: int, answer: Kept) -> None:
+    """The one record of a step: ``step`` becomes the sequence's last and ``answer`` (a step's
+    answers and the entry's index there) its answer, which also holds the step's inputs."""
     if step != seq.step:
         seq.parts = None          # restore parts are remembered only at the step they restored
     seq.step = step
@@ -156,7 +124,7 @@ def keep_answer(seq: SequenceState, step: int, answer: Answer | tuple) -> None:
     recent = seq.recent
     recent[step] = answer
     old = recent.get(step - RECENT_STEPS)
-    if old is not None and (isinstance(old, tuple) or old.result.status != SeqStatus.WAITING):
+    if old is not None and old[0].status[old[1]] & STATUS_MASK != SeqStatus.WAITING:
         del recent[step - RECENT_STEPS]
     if len(recent) > MAX_KEPT_ANSWERS:
         del recent[next(iter(recent))]
@@ -165,15 +133,6 @@ def keep_answer(seq: SequenceState, step: int, answer: Answer | tuple) -> None:
 def digest(tokens) -> int:
     """What a restore part is remembered by: the hash of its tokens."""
     return hash(tuple(tokens))
-
-
-def fail(res: Result, seq: SequenceState, reason: str, code: Code = Code.INVALID_ARGUMENT) -> None:
-    """The sequence fails (``SequenceState.fail``) and its entry's answer says so: FAILED with the
-    reason, for this step and every later one."""
-    seq.fail(reason, code)
-    res.status = SeqStatus.FAILED
-    res.code = code
-    res.reason = reason
 
 
 def internal_reason(doing: str, exc: BaseException) -> str:

@@ -150,7 +150,7 @@ class MaskServicer(pb_grpc.MaskServiceServicer):
         """The one reply path: results, columnar answers and the encoded rows into a StepResponse,
         timed and recorded (a slow step logged with its phases: slow_steps.py)."""
         reply = pb.StepResponse(words_per_row=self.engine.words_per_row, num_rows=len(outcome.rows))
-        entries.answer(outcome.results, reply, want_forced, outcome.block)
+        entries.write_answers(outcome.answers, reply, want_forced)
         try:
             reply.row_block = encoder.encode(outcome.rows)
         finally:

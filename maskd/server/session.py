@@ -2,21 +2,23 @@
 
 A session groups the sequences of one GPU worker; tensor-parallel ranks attach to the same
 session so every rank may ask for a step and all get identical rows. ``Session.step`` applies
-one StepRequest and returns a ``StepOutcome`` (a result per entry and the mask rows); it knows
+one StepRequest and returns a ``StepOutcome`` (the step's answers and its mask rows); it knows
 nothing of gRPC, encoding or metrics (the service does those, in one place).
 
-Every entry, whichever form it came in (a SeqStep or a columnar one), runs as an ``Entry`` with
-a ``Result`` (entries.py). A step runs in phases:
+Every entry of a step, whichever form it came in (a SeqStep or a columnar one), is answered in
+the step's one answer record (step_answers.py), by its index there. A step runs in phases:
 
 1. admission and 2. routing (step_routing.py): the request's size, duplicate entries and token
-   ids; closes, repeats (idempotency), opens and restores, step order.
+   ids; closes, repeats (idempotency), opens and restores, step order. A columnar part that is
+   the decode step's common case skips these as a plain block (plain_block.py).
 3. ``_advance``: grammar readiness (tokens queue while it compiles), rollback; which sequences
    consume tokens, which only need rows, and which tokens were sampled without a row.
 4. ``_check``: tokens sampled without a row (opportunistic masking, DOMINO §3.5) are checked
    against the row the sequence would have had: allowed ones go on to be consumed (and get no
    row), refused ones consume nothing and get that row to sample again with.
 5. ``_consume``: every matcher's tokens in one batched engine call.
-6. ``_fill``: every row of the reply in one batched engine call, in entry order.
+6. ``_fill``: every row of the reply in one batched engine call, in entry order; complete mode's
+   checks (json_schema/step_checks.py) run beside it and their verdicts are applied here.
 
 The rules (idempotency, restores in parts, readiness once per step, answers kept for ranks that
 lag) are the contract's: see proto/maskd/v1/maskd.proto.
@@ -40,13 +42,13 @@ from maskd.server import entries
 from maskd.server.config import Limits
 from maskd.server.drafts import CONTEXT, DraftModel
 from maskd.server.engines import Engine
-from maskd.server.entries import Result, refuse
 from maskd.server.grammar_cache import GrammarCache
 from maskd.server.json_schema import DocumentChecks, Verdict
 from maskd.server.plain_block import PlainBlock
 from maskd.server.quotas import Quotas
 from maskd.server.row_buffers import RowBuffers
-from maskd.server.sequence import RECENT_STEPS, Answer, SequenceState, fail, internal_reason, record_step
+from maskd.server.sequence import RECENT_STEPS, Kept, SequenceState, internal_reason, keep_answer, record_step
+from maskd.server.step_answers import StepAnswers, refused_all
 from maskd.server.step_routing import AnswerReplay, Fill, StepRouter
 from maskd.v1 import maskd_pb2 as pb
 from maskd.v1.contract import Code, GrammarState, SeqStatus
@@ -57,16 +59,13 @@ READY, WAITING, FAILED, FINISHED = SeqStatus.READY, SeqStatus.WAITING, SeqStatus
 
 @dataclasses.dataclass
 class StepOutcome:
-    """What one step produced: a result per entry (SeqStep entries in request order, then the
-    columnar ones: entries.parse's order) and the rows they point into, in the same order; where
-    the columnar part was a plain block, ``block`` answers it (its rows come last).
+    """What one step produced: its answers (step_answers.py) and the rows they point into.
     ``release`` is called once the rows are encoded (they may sit in a buffer the session reuses)."""
-    results: list[Result]
+    answers: StepAnswers
     rows: np.ndarray
     refusals: collections.Counter      # error kind -> entries refused or failed this step
     release: Callable[[], None] | None = None
     unmasked: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # allowed / resample
-    block: PlainBlock | None = None
     marks: list[tuple[str, float]] = dataclasses.field(default_factory=list)   # (phase, clock at its end)
 
     @property
@@ -77,7 +76,16 @@ class StepOutcome:
 
     @property
     def batch(self) -> int:
-        return len(self.results) + (len(self.block) if self.block is not None else 0)
+        return len(self.answers)
+
+
+@dataclasses.dataclass(slots=True)
+class _KeptStep:
+    """A plain block's step, kept by its request's bytes: a rank that repeats the whole request
+    gets these answers while every one of them is still what its sequence keeps."""
+    answers: StepAnswers
+    handles: list[int]
+    steps: list[int]
 
 
 class Session:
@@ -100,9 +108,9 @@ class Session:
         self.checks = DocumentChecks(engine, cache.metrics)   # complete-mode hooks (doc_checks.py)
         # Grammar drafts: the server's drafter (one per server: every session's sequences teach it).
         self.drafts = drafts if drafts is not None else DraftModel()
-        # The plain blocks of the last steps by their requests' bytes (plain_block.py): a rank
-        # that repeats one whole gets its answer without a pass over its entries.
-        self.blocks: collections.OrderedDict[tuple, PlainBlock] = collections.OrderedDict()
+        # The plain blocks' steps of the last steps by their requests' bytes: a rank that repeats
+        # one whole gets its answers without a pass over its entries.
+        self.blocks: collections.OrderedDict[tuple, _KeptStep] = collections.OrderedDict()
 
     # -- public -----------------------------------------------------------------------------------
     def step(self, request: pb.StepRequest) -> StepOutcome:
@@ -117,56 +125,63 @@ class Session:
                 if repeated is not None:
                     repeated.marks = marks
                     return repeated
+            answers = entries.answers_for(request)
             # The decode step's common case as arrays; anything else entry by entry (plain_block.py).
             columns = entries.plain_columns(request) if request.handles else None
-            block = PlainBlock.of(columns, self) if columns is not None else None
-            pairs, unknown, problem = entries.parse(request, self.by_handle, columnar=block is None)
+            block = PlainBlock.of(columns, self, answers) if columns is not None else None
+            found, unknown, problem = entries.parse(request, self.by_handle, answers, columnar=block is None)
             if problem:
-                for _, res in pairs:
-                    if res.columnar:
-                        refuse(res, refusals, Code.INVALID_ARGUMENT, problem)
+                for msg in found[answers.named:]:
+                    answers.refuse(msg.index, refusals, Code.INVALID_ARGUMENT, problem)
             elif unknown:
                 refusals["not_found"] += unknown
-            admitted = self.router.admit([pair for pair in pairs if not pair[1].status], refusals)
+            admitted = self.router.admit([msg for msg in found if not answers.status[msg.index]], answers, refusals)
             replays: list[AnswerReplay] = []
-            moving, repeats = self.router.route(admitted, refusals, replays)
-            consume, fill, check = self._advance(moving, refusals)
+            moving, repeats = self.router.route(admitted, answers, refusals, replays)
+            consume, fill, check = self._advance(moving, answers, refusals)
             fill += repeats
             unmasked: collections.Counter = collections.Counter()
             if check:
-                self._check(check, consume, fill, unmasked, refusals)
+                self._check(check, consume, fill, answers, unmasked, refusals)
             marks.append(("route", time.perf_counter()))
-            self._consume(consume, fill, refusals, block)
+            self._consume(consume, fill, answers, refusals, block)
             marks.append(("consume", time.perf_counter()))
-            rows, release = self._fill(fill, replays, request.want_forced_tokens, refusals, block)
+            rows, release = self._fill(fill, replays, answers, request.want_forced_tokens, refusals, block)
             marks.append(("fill", time.perf_counter()))
-            if block is not None:
-                block.done()
-                if key is not None:      # kept for a rank that repeats the whole request
-                    self.blocks[key] = block
-                    if len(self.blocks) > RECENT_STEPS:
-                        self.blocks.popitem(last=False)
-            return StepOutcome([res for _, res in pairs], rows, refusals, release, unmasked, block, marks)
+            if block is not None and key is not None:     # kept for a rank that repeats the whole request
+                self.blocks[key] = _KeptStep(answers, block.handles, block.steps)
+                if len(self.blocks) > RECENT_STEPS:
+                    self.blocks.popitem(last=False)
+            return StepOutcome(answers, rows, refusals, release, unmasked, marks)
 
     def _repeated_block(self, key: tuple) -> StepOutcome | None:
-        """A repeat of a plain block's whole request, answered from the block (the rows it filled,
-        while their buffer holds them); None where any of its answers is no longer kept."""
-        block = self.blocks.get(key)
-        if block is None or not block.still_kept(self.by_handle):
+        """A repeat of a plain block's whole request, answered from that step's answers (the rows
+        it filled, while their buffer holds them); None where any of them is no longer kept."""
+        kept = self.blocks.get(key)
+        if kept is None:
             return None
-        n = block.rows_filled()
-        if block.buffer < 0:
-            assert block.rows is not None
-            return StepOutcome([], block.rows[:n], collections.Counter(), block=block)
-        rows = self.buffers.step_rows(block.buffer, block.generation, n)
+        answers, get = kept.answers, self.by_handle.get
+        for h, step in zip(kept.handles, kept.steps):
+            seq = get(h)
+            mine = seq.recent.get(step) if seq is not None else None
+            if mine is None or mine[0] is not answers:
+                return None
+        n = answers.rows_filled()
+        if answers.buffer < 0:
+            assert answers.rows is not None
+            return StepOutcome(answers, answers.rows[:n], collections.Counter())
+        rows = self.buffers.step_rows(answers.buffer, answers.generation, n)
         if rows is None:
             return None
-        return StepOutcome([], rows, collections.Counter(), release=self.buffers.encoding(block.buffer), block=block)
+        return StepOutcome(answers, rows, collections.Counter(), release=self.buffers.encoding(answers.buffer))
 
     def refuse_all(self, request: pb.StepRequest, reason: str) -> StepOutcome:
         """Every entry refused with INTERNAL: the answer when a step failed in a way no phase caught."""
         refusals: collections.Counter = collections.Counter()
-        return StepOutcome(entries.refused_results(request, refusals, reason), self.engine.allocate(0), refusals)
+        seqs = request.seqs
+        answers = refused_all(len(seqs) + len(request.handles) // 4, len(seqs), [m.seq_id for m in seqs],
+                              [m.step for m in seqs], refusals, reason)
+        return StepOutcome(answers, self.engine.allocate(0), refusals)
 
     def close_all(self) -> int:
         with self.lock:
@@ -184,16 +199,17 @@ class Session:
         return sum(1 for s in self.seqs.values() if s.waiting)
 
     # -- phase 3: advancing -----------------------------------------------------------------------
-    def _advance(self, moving: list, refusals) -> tuple[list[Fill], list[Fill], list[Fill]]:
+    def _advance(self, moving: list, answers: StepAnswers, refusals) -> tuple[list[Fill], list[Fill], list[Fill]]:
         """Readiness, rollback and the tokens each moving entry applies: (entries that consume
         tokens, entries that only need rows, entries whose tokens were sampled without a row)."""
         consume: list[Fill] = []
         fill: list[Fill] = []
         check: list[Fill] = []
-        for msg, res, seq, tokens in moving:
+        for msg, seq, tokens in moving:
+            i = msg.index
             if seq.dead_reason:
-                record_step(seq, msg, res)
-                fail(res, seq, seq.dead_reason, seq.dead_code)
+                record_step(seq, msg, answers)
+                answers.fail(i, seq, seq.dead_reason, seq.dead_code)
                 continue
             entry = seq.entry
             if entry.state is GrammarState.COMPILING:
@@ -201,30 +217,33 @@ class Session:
             if entry.state is GrammarState.COMPILING:
                 # Tokens (a restored history) queue until the grammar is ready; no rows meanwhile.
                 if msg.rollback > len(seq.pending):
-                    refuse(res, refusals, Code.OUT_OF_RANGE,
-                            f"cannot roll back {msg.rollback} tokens: sequence {seq.seq_id!r} has "
-                            f"accepted {len(seq.pending)}")
+                    answers.refuse(i, refusals, Code.OUT_OF_RANGE,
+                                   f"cannot roll back {msg.rollback} tokens: sequence {seq.seq_id!r} has "
+                                   f"accepted {len(seq.pending)}")
                     continue
                 if msg.unmasked and tokens:   # nothing to check them against yet: never queued unchecked
-                    refuse(res, refusals, Code.FAILED_PRECONDITION,
-                           f"sequence {seq.seq_id!r}: its grammar is still compiling, so a token sampled without "
-                           "its row cannot be checked; step without tokens until the sequence is READY")
+                    answers.refuse(i, refusals, Code.FAILED_PRECONDITION,
+                                   f"sequence {seq.seq_id!r}: its grammar is still compiling, so a token sampled "
+                                   "without its row cannot be checked; step without tokens until the sequence "
+                                   "is READY")
                     continue
                 if msg.rollback:
                     del seq.pending[-msg.rollback:]
                 seq.pending.extend(tokens)
-                record_step(seq, msg, res)
-                res.status = WAITING
+                answers.status[i] = WAITING
+                answers.set_inputs(i, msg.tokens, msg.drafts, msg.rollback, msg.propose, msg.unmasked)
+                # Kept alone: a sequence polls a compiling grammar as fast as its rank steps.
+                keep_answer(seq, msg.step, (answers.detached(i), 0))
                 continue
             if entry.state is GrammarState.FAILED:
-                record_step(seq, msg, res)
-                fail(res, seq, f"grammar {entry.grammar_id} does not compile: {entry.error}", entry.error_code)
+                record_step(seq, msg, answers)
+                answers.fail(i, seq, f"grammar {entry.grammar_id} does not compile: {entry.error}", entry.error_code)
                 refusals["grammar_failed"] += 1
                 continue
             if msg.rollback and msg.rollback > seq.history_length:
-                refuse(res, refusals, Code.OUT_OF_RANGE,
-                        f"cannot roll back {msg.rollback} tokens: sequence {seq.seq_id!r} has accepted "
-                        f"{seq.history_length}")
+                answers.refuse(i, refusals, Code.OUT_OF_RANGE,
+                               f"cannot roll back {msg.rollback} tokens: sequence {seq.seq_id!r} has accepted "
+                               f"{seq.history_length}")
                 continue
             try:
                 matcher = seq.matcher
@@ -242,16 +261,17 @@ class Session:
                     seq.finished = False
                     seq.tail = ()   # the tokens before are not known here: guesses start over
             except Exception as exc:   # an engine fault costs this sequence only
-                record_step(seq, msg, res)
-                self._internal(res, seq, "advancing", exc, refusals)
+                record_step(seq, msg, answers)
+                self._internal(answers, i, seq, "advancing", exc, refusals)
                 continue
-            record_step(seq, msg, res)
-            job = Fill(res, seq, matcher, tokens, msg.drafts, msg.propose, msg.unmasked)
+            record_step(seq, msg, answers)
+            job = Fill(i, seq, matcher, tokens, msg.drafts, msg.propose, msg.unmasked)
             (check if tokens and msg.unmasked else consume if tokens else fill).append(job)
         return consume, fill, check
 
     # -- phase 4: checking tokens sampled without a row ---------------------------------------------
-    def _check(self, check: list[Fill], consume: list[Fill], fill: list[Fill], outcomes, refusals) -> None:
+    def _check(self, check: list[Fill], consume: list[Fill], fill: list[Fill], answers: StepAnswers, outcomes,
+               refusals) -> None:
         """Opportunistic masking: each token is checked against the row its sequence would have had
         here. The grammar alone decides where the sequence has no document checks (one validate,
         no row filled); in the complete JSON-schema mode the row itself is filled with the
@@ -265,14 +285,14 @@ class Session:
         for job in plain:
             m = job.matcher
             try:   # EOS is in a row where the grammar may end (a stopped matcher refuses to validate it)
-                allowed[id(job)] = ((m.is_stopped() or m.is_accepting()) if job.tokens[0] in eos
-                                    else m.validate(job.tokens) == 1)
+                allowed[job.i] = ((m.is_stopped() or m.is_accepting()) if job.tokens[0] in eos
+                                  else m.validate(job.tokens) == 1)
             except Exception as exc:   # an engine fault costs this sequence only
-                self._internal(job.res, job.seq, "checking a token sampled without its row", exc, refusals)
+                self._internal(answers, job.i, job.seq, "checking a token sampled without its row", exc, refusals)
         if checked:
-            allowed.update(self._check_with_rows(checked, refusals))
+            allowed.update(self._check_with_rows(checked, answers, refusals))
         for job in check:
-            ok = allowed.get(id(job))
+            ok = allowed.get(job.i)
             if ok is None:             # failed while checking
                 continue
             if ok:
@@ -280,24 +300,26 @@ class Session:
                 consume.append(job)
             else:
                 outcomes["resample"] += 1
-                job.res.resample = True
+                answers.set_resample(job.i)
                 job.tokens, job.unmasked = (), False
                 fill.append(job)
 
-    def _check_with_rows(self, jobs: list[Fill], refusals) -> dict[int, bool]:
+    def _check_with_rows(self, jobs: list[Fill], answers: StepAnswers, refusals) -> dict[int, bool]:
         """The rows of sequences with document checks at their current position, as the fill phase
         would write them, and whether each one's token is in its row. A sequence whose row is left
         empty fails here, as it would have when filled."""
-        pairs: list[tuple[Fill, Fill]] = []      # (probe, job): the probe's result is scratch
+        probes = StepAnswers(len(jobs))          # scratch: probe k is the row the job would have had
+        pairs: list[tuple[Fill, Fill]] = []
         for job in jobs:
-            probe = Fill(Result(len(pairs), job.res.seq_id, job.res.step, False), job.seq, job.matcher)
+            k = len(pairs)
             try:
-                probe.res.accepting = job.matcher.is_stopped() or job.matcher.is_accepting()
+                accepting = job.matcher.is_stopped() or job.matcher.is_accepting()
             except Exception as exc:   # an engine fault costs this sequence only
-                self._internal(job.res, job.seq, "checking a token sampled without its row", exc, refusals)
+                self._internal(answers, job.i, job.seq, "checking a token sampled without its row", exc, refusals)
                 continue
-            probe.res.first_row, probe.res.num_rows = len(pairs), 1
-            pairs.append((probe, job))
+            probes.set_status(k, READY, accepting)
+            probes.first_row[k], probes.num_rows[k] = k, 1
+            pairs.append((Fill(k, job.seq, job.matcher), job))
         out = self.engine.allocate(len(pairs))
         try:
             self.engine.fill_batch([job.matcher for _, job in pairs], list(range(len(pairs))), None, out)
@@ -305,26 +327,33 @@ class Session:
             kept = []
             for probe, job in pairs:
                 try:
-                    self.engine.fill_batch([job.matcher], [probe.res.first_row], None, out)
+                    self.engine.fill_batch([job.matcher], [probe.i], None, out)
                     kept.append((probe, job))
                 except Exception as exc:
-                    self._internal(job.res, job.seq, "checking a token sampled without its row", exc, refusals)
+                    self._internal(answers, job.i, job.seq, "checking a token sampled without its row", exc,
+                                   refusals)
             pairs = kept
-        checking = self.checks.start([probe for probe, _ in pairs])
+        checking = self.checks.start(probes, [probe for probe, _ in pairs])
+        failed: dict[int, str] = {}
         if checking is not None:
-            self._apply_verdicts(self.checks.finish(checking, out), refusals)
+            for verdict in self.checks.finish(checking, out):
+                if verdict.failed:       # the document cannot pass from here: as in a fill
+                    failed[verdict.job.i] = verdict.failed
         allowed: dict[int, bool] = {}
         for probe, job in pairs:
-            if probe.res.status == FAILED:      # the document cannot pass from here: as in a fill
-                fail(job.res, job.seq, probe.res.reason, Code(probe.res.code))
+            reason = failed.get(probe.i)
+            if reason is not None:
+                answers.fail(job.i, job.seq, reason)
+                refusals["schema_invalid"] += 1
                 continue
             t = int(job.tokens[0])
-            row = out[probe.res.first_row]
-            allowed[id(job)] = t < self.engine.width and bool((int(row[t >> 5]) >> (t & 31)) & 1)
+            row = out[probe.i]
+            allowed[job.i] = t < self.engine.width and bool((int(row[t >> 5]) >> (t & 31)) & 1)
         return allowed
 
     # -- phase 5: consuming -----------------------------------------------------------------------
-    def _consume(self, consume: list[Fill], fill: list[Fill], refusals, block: PlainBlock | None = None) -> None:
+    def _consume(self, consume: list[Fill], fill: list[Fill], answers: StepAnswers, refusals,
+                 block: PlainBlock | None = None) -> None:
         """Every entry's tokens in one engine call (a plain block's after the others')."""
         if not consume and block is None:
             return
@@ -352,7 +381,7 @@ class Session:
         for adv, reason in zip(consume, reasons):
             seq = adv.seq
             if isinstance(reason, Exception):
-                self._internal(adv.res, seq, "consuming tokens", reason, refusals)
+                self._internal(answers, adv.i, seq, "consuming tokens", reason, refusals)
             elif reason is None:
                 seq.accepted += len(adv.tokens)
                 if seq.entry.drafting:
@@ -360,7 +389,7 @@ class Session:
                 fill.append(adv)
             else:
                 refusals["token_rejected"] += 1
-                fail(adv.res, seq, f"token rejected: {reason}")
+                answers.fail(adv.i, seq, f"token rejected: {reason}")
 
     def _learn(self, seq: SequenceState, tokens) -> None:
         """Accepted tokens teach the grammar's drafter (a grammar for which drafts were asked: the
@@ -378,7 +407,7 @@ class Session:
         (one tenant's outputs never shape the drafts another tenant sees)."""
         return f"{self.tenant}\x00{seq.entry.grammar_id}" if self.tenant else seq.entry.grammar_id
 
-    def _propose(self, fill: list[Fill], refusals) -> list[Fill]:
+    def _propose(self, fill: list[Fill], answers: StepAnswers, refusals) -> list[Fill]:
         """The drafts of entries that ask for them (a repeat of a step gets the same ones): set as
         the entry's drafts, so the fill writes their rows. Returns the entries still filling."""
         kept = []
@@ -391,28 +420,32 @@ class Session:
                         seq.proposal = self.drafts.propose(self._drafts_key(seq), job.matcher, seq.tail, job.propose)
                         seq.proposal_step = seq.step
                 except Exception as exc:   # an engine fault costs this sequence only
-                    self._internal(job.res, seq, "proposing drafts", exc, refusals)
+                    self._internal(answers, job.i, seq, "proposing drafts", exc, refusals)
                     continue
                 job.drafts = tuple(seq.proposal.drafts)
-                job.res.proposed = job.drafts
+                answers.proposed[job.i] = job.drafts
             kept.append(job)
         return kept
 
     # -- phase 6: filling -------------------------------------------------------------------------
-    def _fill(self, fill: list[Fill], replays: list[AnswerReplay], want_forced: bool, refusals,
+    def _fill(self, fill: list[Fill], replays: list[AnswerReplay], answers: StepAnswers, want_forced: bool, refusals,
               block: PlainBlock | None = None) -> tuple[np.ndarray, Callable[[], None] | None]:
         """Rows in entry order (SeqStep entries first, then columnar ones by index; a plain block's
         last): filled by the engine in one call, or copied from the kept answer of a repeat.
         Entries that ask for drafts get them proposed first (drafts.py)."""
-        fill = self._propose(fill, refusals)
+        fill = self._propose(fill, answers, refusals)
         jobs: list[Fill | AnswerReplay] = [*fill, *replays]
-        jobs.sort(key=_row_order)
-        n_rows = sum(j.answer.result.num_rows if isinstance(j, AnswerReplay) else (not j.unmasked) + len(j.drafts)
-                     for j in jobs)
+        jobs.sort(key=_entry_index)
+        n_rows = sum(job.kept[0].num_rows[job.kept[1]] if isinstance(job, AnswerReplay)
+                     else (not job.unmasked) + len(job.drafts) for job in jobs)
         if block is not None:
             n_rows += len(block)
         buffer, generation, out = (self.buffers.take(n_rows) if fill or block is not None
                                    else (-1, 0, self.engine.allocate(n_rows)))
+        answers.buffer, answers.generation = buffer, generation
+        if buffer < 0:
+            answers.rows = out
+        first_row, num_rows = answers.first_row, answers.num_rows
         handles: list[int] = []                     # whose rows this step fills: (handle, step)
         steps: list[int] = []
         filled: list[Fill] = []
@@ -420,65 +453,55 @@ class Session:
         row = 0
         any_drafts = False
         for job in jobs:
+            i = job.i
             if isinstance(job, AnswerReplay):            # a repeat whose kept answer has its rows
-                res = job.res
-                res.copy_answer(job.answer.result)
-                n = res.num_rows
+                answers.copy_answer(i, *job.kept)
+                n = num_rows[i]
                 if n:
-                    res.first_row = row
-                    out[row:row + n] = self.buffers.rows_of(job.answer)
+                    first_row[i] = row
+                    out[row:row + n] = self.buffers.rows_of(job.kept)
                     row += n
                 continue
-            res, seq, d, m = job.res, job.seq, job.drafts, job.matcher
+            seq, d, m = job.seq, job.drafts, job.matcher
             try:
                 stopped = m.is_stopped()
                 accepting = stopped or m.is_accepting()
                 drafts_valid = m.validate(d) if d else 0
                 forced = m.forced_tokens() if want_forced and not stopped else ()
             except Exception as exc:   # an engine fault costs this sequence only (and gets no rows)
-                self._internal(res, seq, "reading the grammar state", exc, refusals)
+                self._internal(answers, i, seq, "reading the grammar state", exc, refusals)
                 continue
             seq.finished = stopped
-            res.status = FINISHED if stopped else READY
-            res.accepting = accepting
+            answers.set_status(i, FINISHED if stopped else READY, accepting)
             if forced:
-                res.forced_tokens.extend(forced)
+                answers.forced[i] = list(forced)
+            if job.repeat_of is not None:           # a repeat filled again: its answer is this one now
+                answers.copy_inputs(i, *job.repeat_of)
+                keep_answer(seq, seq.step, (answers, i))
             if job.unmasked:                        # its sampled token passed the check: no row
-                answer = seq.kept(seq.step)
-                if answer is not None:
-                    answer.result, answer.buffer, answer.rows, answer.packed, answer.block = res, -1, None, None, None
                 continue
-            res.first_row = row
-            res.num_rows = 1 + len(d)
+            first_row[i] = row
+            num_rows[i] = 1 + len(d)
             if d:
                 any_drafts = True
-                res.drafts_valid = drafts_valid
-            answer = seq.kept(seq.step)
-            if answer is not None:                  # its rows are these (a re-filled repeat too)
-                answer.result, answer.buffer, answer.generation = res, buffer, generation
-                answer.rows = answer.packed = answer.block = None
-                if buffer < 0:
-                    answer.rows = out
-                else:
-                    handles.append(seq.handle)
-                    steps.append(seq.step)
+                answers.drafts_valid[i] = drafts_valid
+            if buffer >= 0:                         # the ring keeps a record of whose rows it holds
+                handles.append(seq.handle)
+                steps.append(seq.step)
             filled.append(job)
             first_rows.append(row)
             drafts.append(d)
             row += 1 + len(d)
         block_matchers: list = []
         if block is not None:
-            block.buffer, block.generation = buffer, generation
-            if buffer < 0:
-                block.rows = out
             block_matchers, block_rows = block.read_states(row, want_forced, refusals)
             row += len(block_rows)
             first_rows += block_rows
             if any_drafts:
                 drafts += [()] * len(block_rows)
         if filled or block_matchers:
-            probes = block.probes() if block is not None else []
-            checking = self.checks.start(filled + probes) if self.checks.live and (filled or probes) else None
+            probes = filled + block.probed if block is not None else filled
+            checking = self.checks.start(answers, probes) if self.checks.live and probes else None
             try:
                 self.engine.fill_batch([a.matcher for a in filled] + block_matchers, first_rows,
                                        drafts if any_drafts else None, out)
@@ -489,30 +512,27 @@ class Session:
                         self.engine.fill_batch([adv.matcher], [r], [d] if d else None, out)
                     except Exception as exc:
                         failed[r: r + 1 + len(d)] = True
-                        adv.res.forced_tokens = []
-                        adv.res.first_row = adv.res.num_rows = 0
-                        self._internal(adv.res, adv.seq, "filling its mask", exc, refusals)
+                        self._internal(answers, adv.i, adv.seq, "filling its mask", exc, refusals)
                 if block is not None:
-                    for i, r in enumerate(block.row):
-                        if r >= 0:
+                    for i in range(block.base, len(answers)):
+                        if num_rows[i]:
+                            r = first_row[i]
                             try:
-                                self.engine.fill_batch([block.matchers[i]], [r], None, out)
+                                self.engine.fill_batch([block.matcher_of(i)], [r], None, out)
                             except Exception as exc:
                                 failed[r] = True
-                                block.fault(i, "filling its mask", exc, refusals)
+                                block.fault(i - block.base, "filling its mask", exc, refusals)
                 if failed.any():   # the failed entries' rows go: the columnar rows must stay dense
-                    row = _drop_rows(out, failed, jobs, block)
+                    row = _drop_rows(out, failed, answers)
             if checking is not None:
-                had_rows = [(adv.res, adv.res.first_row, adv.res.num_rows) for adv in filled if adv.res.num_rows]
-                self._apply_verdicts(self.checks.finish(checking, out), refusals)
                 failed = np.zeros(row, dtype=bool)
-                for res, r, n in had_rows:
-                    if res.status == FAILED:         # the document cannot pass: its rows go too
-                        failed[r: r + n] = True
-                if block is not None and probes:
-                    block.checked(failed)
+                for verdict in self.checks.finish(checking, out):
+                    i = verdict.job.i
+                    if verdict.failed and num_rows[i]:      # the document cannot pass: its rows go too
+                        failed[first_row[i]: first_row[i] + num_rows[i]] = True
+                    self._apply_verdict(verdict, answers, refusals)
                 if failed.any():
-                    row = _drop_rows(out, failed, jobs, block)
+                    row = _drop_rows(out, failed, answers)
         out = out[:row]
         if buffer < 0:
             return out, None
@@ -523,51 +543,47 @@ class Session:
         return out, self.buffers.encoding(buffer)
 
     @staticmethod
-    def _apply_verdicts(verdicts: list[Verdict], refusals) -> None:
-        """Complete mode's verdicts (json_schema/step_checks.py) into the checked entries' answers
-        and sequences (a plain block's entries take theirs from their probes: PlainBlock.checked)."""
-        for verdict in verdicts:
-            res = verdict.job.res
-            if verdict.failed:          # its rows are emptied already
-                res.accepting = False
-                res.num_rows = res.drafts_valid = 0
-                del res.forced_tokens[:]
-                fail(res, verdict.job.seq, verdict.failed)
-                refusals["schema_invalid"] += 1
-                continue
-            if verdict.no_eos:
-                res.accepting = False
-            if verdict.drafts_valid is not None:
-                res.drafts_valid = verdict.drafts_valid
+    def _apply_verdict(verdict: Verdict, answers: StepAnswers, refusals) -> None:
+        """Complete mode's verdict on one checked entry (json_schema/step_checks.py) into its answer
+        and sequence (its rows are edited already)."""
+        i = verdict.job.i
+        if verdict.failed:
+            answers.fail(i, verdict.job.seq, verdict.failed)
+            refusals["schema_invalid"] += 1
+            return
+        if verdict.no_eos:
+            answers.clear_accepting(i)
+        if verdict.drafts_valid is not None:
+            answers.drafts_valid[i] = verdict.drafts_valid
 
-    def _kept_answer(self, handle: int, step: int) -> Answer | None:
+    def _kept_answer(self, handle: int, step: int) -> Kept | None:
         """The answer a live sequence keeps for a step (the ring must not lose its rows)."""
         seq = self.by_handle.get(handle)
         return None if seq is None or seq.closed else seq.kept(step)
 
     @staticmethod
-    def _internal(res: Result, seq: SequenceState, doing: str, exc: BaseException, refusals) -> None:
+    def _internal(answers: StepAnswers, i: int, seq: SequenceState, doing: str, exc: BaseException,
+                  refusals) -> None:
         """An engine fault on one sequence: it fails (with the reason) and nothing else does."""
         log.error("sequence %r: engine fault while %s", seq.seq_id, doing, exc_info=exc)
         refusals["internal"] += 1
-        fail(res, seq, internal_reason(doing, exc), Code.INTERNAL)
+        answers.fail(i, seq, internal_reason(doing, exc), Code.INTERNAL)
+
 
 # -- rows ----------------------------------------------------------------------------------------
-def _drop_rows(out: np.ndarray, dropped: np.ndarray, jobs: list[Fill | AnswerReplay], block: PlainBlock | None) -> int:
-    """Removes rows from the front of ``out`` (moving the others up, first_row fixed); returns how
-    many rows are left."""
+def _drop_rows(out: np.ndarray, dropped: np.ndarray, answers: StepAnswers) -> int:
+    """Removes rows from the front of ``out`` (moving the others up, each entry's first row fixed);
+    returns how many rows are left. The entries whose rows were dropped have none any more."""
     before = np.cumsum(dropped) - dropped          # rows dropped before each row
-    for job in jobs:
-        res = job.res
-        if res.num_rows:
-            res.first_row -= int(before[res.first_row])
-    if block is not None:
-        block.drop_rows(before)
+    first_row, num_rows = answers.first_row, answers.num_rows
+    for i, n in enumerate(num_rows):
+        if n:
+            first_row[i] -= int(before[first_row[i]])
     kept = out[:len(dropped)][~dropped]
     out[:len(kept)] = kept
     return len(kept)
 
 
-def _row_order(job: Fill | AnswerReplay) -> tuple[bool, int]:
-    """SeqStep entries first, then columnar ones (each by index): the columnar rows stay dense."""
-    return job.res.columnar, job.res.index
+def _entry_index(job: Fill | AnswerReplay) -> int:
+    """Rows go in entry order: SeqStep entries first, then columnar ones (the columnar rows stay dense)."""
+    return job.i

@@ -18,19 +18,12 @@ from collections.abc import Sequence
 
 from maskd.server.config import Limits
 from maskd.server.engines import Engine, Matcher
-from maskd.server.entries import Entry, Result, refuse
+from maskd.server.entries import Entry
 from maskd.server.grammar_cache import CacheEntry, GrammarCache, QueueFull
 from maskd.server.quotas import Quotas
 from maskd.server.row_buffers import RowBuffers
-from maskd.server.sequence import (
-    CLOSED_KEPT,
-    CLOSED_STEPS,
-    RECENT_STEPS,
-    Answer,
-    SequenceState,
-    digest,
-    fail,
-)
+from maskd.server.sequence import CLOSED_KEPT, CLOSED_STEPS, RECENT_STEPS, Kept, SequenceState, digest
+from maskd.server.step_answers import StepAnswers
 from maskd.specs import GrammarSpec, SpecError
 from maskd.v1.contract import Code, SeqStatus
 
@@ -40,21 +33,23 @@ READY, WAITING, FAILED, FINISHED, CLOSED = (
 
 @dataclasses.dataclass(slots=True)
 class Fill:
-    """An entry whose sequence moves (or repeats its last step) and whose matcher fills its rows."""
-    res: Result
+    """An entry (its index in the step) whose sequence moves (or repeats its last step) and whose
+    matcher fills its rows."""
+    i: int
     seq: SequenceState
     matcher: Matcher
     tokens: Sequence[int] = ()
     drafts: tuple = ()
     propose: int = 0        # drafts the server proposes (the fill phase sets ``drafts`` to them)
     unmasked: bool = False  # tokens sampled without a row: checked, and no row when they pass
+    repeat_of: Kept | None = None   # a repeat filled again: the answer it repeats (whose inputs it keeps)
 
 
 @dataclasses.dataclass(slots=True)
 class AnswerReplay:
-    """A repeat whose kept answer still has its rows: they are copied, not filled again."""
-    res: Result
-    answer: Answer
+    """A repeat (entry ``i``) whose kept answer still has its rows: they are copied, not filled again."""
+    i: int
+    kept: Kept
 
 
 class StepRouter:
@@ -74,41 +69,40 @@ class StepRouter:
         self._handles = 0
 
     # -- phase 1: admission -----------------------------------------------------------------------
-    def admit(self, pairs: list, refusals) -> list:
-        """The entries (SeqStep or columnar, with their results) that pass the request's and their
-        own limits; the others are refused."""
-        entries = [m for m, _ in pairs]
-        results = [r for _, r in pairs]
+    def admit(self, entries: list[Entry], answers: StepAnswers, refusals) -> list[Entry]:
+        """The entries (SeqStep or columnar) that pass the request's and their own limits; the
+        others are refused."""
         n = len(entries)
         total_rows = n
         if n * (1 + self.limits.max_draft_tokens) > self.limits.max_rows_per_step:
             total_rows += sum(len(m.drafts) + m.propose for m in entries)
         if total_rows > self.limits.max_rows_per_step:
-            for res in results:
-                refuse(res, refusals, Code.RESOURCE_EXHAUSTED,
-                        f"step asks for {total_rows} rows; the limit is {self.limits.max_rows_per_step}")
+            for m in entries:
+                answers.refuse(m.index, refusals, Code.RESOURCE_EXHAUSTED,
+                               f"step asks for {total_rows} rows; the limit is {self.limits.max_rows_per_step}")
             return []
         if n * (self.limits.max_tokens_per_step + self.limits.max_draft_tokens) > self.limits.max_tokens_per_request:
             tokens = sum(len(m.tokens) + len(m.drafts) for m in entries)
             if tokens > self.limits.max_tokens_per_request:
-                for res in results:
-                    refuse(res, refusals, Code.RESOURCE_EXHAUSTED,
-                            f"step carries {tokens} tokens; the limit is {self.limits.max_tokens_per_request} "
-                            "(--max-tokens-per-request)")
+                for m in entries:
+                    answers.refuse(m.index, refusals, Code.RESOURCE_EXHAUSTED,
+                                   f"step carries {tokens} tokens; the limit is {self.limits.max_tokens_per_request} "
+                                   "(--max-tokens-per-request)")
                 return []
         admitted = []
         seen: set[str] = set()
-        for msg, res in pairs:
+        for msg in entries:
             sid = msg.seq_id
             if sid in seen:
-                refuse(res, refusals, Code.INVALID_ARGUMENT, f"sequence {sid!r} appears twice in one step")
+                answers.refuse(msg.index, refusals, Code.INVALID_ARGUMENT,
+                               f"sequence {sid!r} appears twice in one step")
                 continue
             seen.add(sid)
             problem = self._check_tokens(msg)
             if problem:
-                refuse(res, refusals, Code.INVALID_ARGUMENT, problem)
+                answers.refuse(msg.index, refusals, Code.INVALID_ARGUMENT, problem)
                 continue
-            admitted.append((msg, res))
+            admitted.append(msg)
         return admitted
 
     def _check_tokens(self, msg: Entry) -> str:
@@ -143,14 +137,16 @@ class StepRouter:
         return ""
 
     # -- phase 2: routing -------------------------------------------------------------------------
-    def route(self, admitted: list, refusals, replays: list) -> tuple[list, list[Fill]]:
+    def route(self, admitted: list[Entry], answers: StepAnswers, refusals,
+              replays: list[AnswerReplay]) -> tuple[list, list[Fill]]:
         """Closes, repeats, opens and order checks. Returns the entries that move their sequence
-        ((msg, res, seq, tokens)) and the repeats that are answered from the unchanged state;
+        ((entry, seq, tokens)) and the repeats that are answered from the unchanged state;
         repeats with a kept answer go to ``replays``."""
         moving: list = []
         repeats: list[Fill] = []
-        for msg, res in admitted:
-            sid = msg.seq_id
+        refuse = answers.refuse
+        for msg in admitted:
+            sid, i = msg.seq_id, msg.index
             # A columnar entry names its sequence by handle (which outlives a reuse of the id).
             seq: SequenceState | None = msg.seq if msg.seq is not None else self.seqs.get(sid)
             opening = msg.opens is not None
@@ -161,110 +157,115 @@ class StepRouter:
                     seq = self.closed[sid]
             if seq is not None and seq.closed:
                 if msg.close:
-                    res.status = CLOSED             # another rank closed it already
-                elif not self._replay(msg, res, seq, replays, refusals):
-                    refuse(res, refusals, Code.NOT_FOUND,
-                            f"sequence {sid!r} is closed; its step {msg.step} is not among its last "
-                            f"{CLOSED_STEPS} steps, or their rows are gone (kept until the session's row "
-                            "buffers come round)")
+                    answers.status[i] = CLOSED      # another rank closed it already
+                elif not self._replay(msg, answers, seq, replays, refusals):
+                    refuse(i, refusals, Code.NOT_FOUND,
+                           f"sequence {sid!r} is closed; its step {msg.step} is not among its last "
+                           f"{CLOSED_STEPS} steps, or their rows are gone (kept until the session's row "
+                           "buffers come round)")
                 continue
             if seq is not None and msg.step < seq.step and not msg.close and not msg.history_offset:
-                if not self._replay(msg, res, seq, replays, refusals):
+                if not self._replay(msg, answers, seq, replays, refusals):
                     if opening:
-                        refuse(res, refusals, Code.ALREADY_EXISTS,
-                                f"sequence {sid!r} is already open (at step {seq.step}); close it first")
+                        refuse(i, refusals, Code.ALREADY_EXISTS,
+                               f"sequence {sid!r} is already open (at step {seq.step}); close it first")
                     else:
-                        refuse(res, refusals, Code.FAILED_PRECONDITION,
-                                f"step {msg.step} of sequence {sid!r} is out of order: the last applied step "
-                                f"is {seq.step}, so the next is {seq.step + 1} (repeats are answered for the "
-                                f"last {RECENT_STEPS} steps)")
+                        refuse(i, refusals, Code.FAILED_PRECONDITION,
+                               f"step {msg.step} of sequence {sid!r} is out of order: the last applied step "
+                               f"is {seq.step}, so the next is {seq.step + 1} (repeats are answered for the "
+                               f"last {RECENT_STEPS} steps)")
                 continue
             if msg.close:
                 if seq is None:
-                    refuse(res, refusals, Code.NOT_FOUND, f"cannot close unknown sequence {sid!r}")
+                    refuse(i, refusals, Code.NOT_FOUND, f"cannot close unknown sequence {sid!r}")
                 else:
                     self._forget(sid)
-                    res.status = CLOSED
+                    answers.status[i] = CLOSED
                 continue
             if seq is not None and msg.step == seq.step:
                 if opening:
-                    self._route_reopen(msg, res, seq, moving, repeats, replays, refusals)
-                elif seq.last_answer().same_inputs(msg):
-                    self._answer_repeat(res, seq, repeats, replays)
+                    self._route_reopen(msg, answers, seq, moving, repeats, replays, refusals)
                 else:
-                    self._divergence(res, seq, refusals)
+                    last, k = seq.last_answer()
+                    if last.same_inputs(k, msg):
+                        self._answer_repeat(i, answers, seq, repeats, replays)
+                    else:
+                        self._divergence(msg, answers, seq, refusals)
                 continue
             if opening:
                 if seq is not None:
-                    refuse(res, refusals, Code.ALREADY_EXISTS,
-                            f"sequence {sid!r} is already open (at step {seq.step}); close it first")
+                    refuse(i, refusals, Code.ALREADY_EXISTS,
+                           f"sequence {sid!r} is already open (at step {seq.step}); close it first")
                     continue
-                seq = self._open(msg, res, refusals)
+                seq = self._open(msg, answers, refusals)
                 if seq is not None:
-                    moving.append((msg, res, seq, msg.tokens))
+                    moving.append((msg, seq, msg.tokens))
                 continue
             if seq is None:
-                refuse(res, refusals, Code.NOT_FOUND,
-                        f"unknown sequence {sid!r}: never opened on this session, closed, "
-                        "or dropped with its stream; open it with a grammar at step 0")
+                refuse(i, refusals, Code.NOT_FOUND,
+                       f"unknown sequence {sid!r}: never opened on this session, closed, "
+                       "or dropped with its stream; open it with a grammar at step 0")
             elif msg.step != seq.step + 1:
-                refuse(res, refusals, Code.FAILED_PRECONDITION,
-                        f"step {msg.step} of sequence {sid!r} is out of order: the last applied "
-                        f"step is {seq.step}, so the next is {seq.step + 1}")
+                refuse(i, refusals, Code.FAILED_PRECONDITION,
+                       f"step {msg.step} of sequence {sid!r} is out of order: the last applied "
+                       f"step is {seq.step}, so the next is {seq.step + 1}")
             else:
-                moving.append((msg, res, seq, msg.tokens))
+                moving.append((msg, seq, msg.tokens))
         return moving, repeats
 
-    def _route_reopen(self, msg, res, seq: SequenceState, moving: list, repeats: list, replays: list,
-                      refusals) -> None:
+    def _route_reopen(self, msg: Entry, answers: StepAnswers, seq: SequenceState, moving: list, repeats: list,
+                      replays: list, refusals) -> None:
         """An opening entry at the step the sequence is at: a repeat of the open (another rank, a
         retry) or the next part of a restore (history_offset)."""
+        i = msg.index
         if seq.entry.grammar_id != self._open_grammar_id(msg):
-            refuse(res, refusals, Code.ALREADY_EXISTS,
-                    f"sequence {msg.seq_id!r} is already open with grammar {seq.entry.grammar_id}")
+            answers.refuse(i, refusals, Code.ALREADY_EXISTS,
+                           f"sequence {msg.seq_id!r} is already open with grammar {seq.entry.grammar_id}")
             return
-        res.handle = seq.handle
+        answers.handles[i] = seq.handle
         offset = msg.history_offset
         known = seq.parts.get(offset) if seq.parts is not None else None
         if known is not None:
-            if known == digest(msg.tokens) and seq.last_answer().same_inputs(msg, tokens=False):
-                self._answer_repeat(res, seq, repeats, replays)
+            last, k = seq.last_answer()
+            if known == digest(msg.tokens) and last.same_inputs(k, msg, tokens=False):
+                self._answer_repeat(i, answers, seq, repeats, replays)
             else:
-                self._divergence(res, seq, refusals)
+                self._divergence(msg, answers, seq, refusals)
         elif seq.parts is not None and offset == seq.history_length and offset > 0 and msg.tokens:
             seq.parts[offset] = digest(msg.tokens)
-            moving.append((msg, res, seq, msg.tokens))
+            moving.append((msg, seq, msg.tokens))
         else:
-            refuse(res, refusals, Code.FAILED_PRECONDITION,
-                    f"restore part of sequence {msg.seq_id!r} at history offset {offset}, but the server "
-                    f"holds {seq.history_length} tokens of it at step {seq.step}")
+            answers.refuse(i, refusals, Code.FAILED_PRECONDITION,
+                           f"restore part of sequence {msg.seq_id!r} at history offset {offset}, but the server "
+                           f"holds {seq.history_length} tokens of it at step {seq.step}")
 
-    def _open(self, msg: Entry, res: Result, refusals) -> SequenceState | None:
-        sid = msg.seq_id
+    def _open(self, msg: Entry, answers: StepAnswers, refusals) -> SequenceState | None:
+        sid, i = msg.seq_id, msg.index
         if msg.history_offset:
-            refuse(res, refusals, Code.FAILED_PRECONDITION,
-                    f"restore part of unknown sequence {sid!r} at history offset {msg.history_offset}: "
-                    "the part at offset 0 opens it")
+            answers.refuse(i, refusals, Code.FAILED_PRECONDITION,
+                           f"restore part of unknown sequence {sid!r} at history offset {msg.history_offset}: "
+                           "the part at offset 0 opens it")
             return None
         if len(self.seqs) >= self.limits.max_sequences_per_session:
-            refuse(res, refusals, Code.RESOURCE_EXHAUSTED,
-                    f"session holds {len(self.seqs)} sequences; the limit is {self.limits.max_sequences_per_session}")
+            answers.refuse(i, refusals, Code.RESOURCE_EXHAUSTED,
+                           f"session holds {len(self.seqs)} sequences; the limit is "
+                           f"{self.limits.max_sequences_per_session}")
             return None
         entry, code, problem = self._open_entry(msg)
         if entry is None:
-            refuse(res, refusals, code, problem)
+            answers.refuse(i, refusals, code, problem)
             return None
         if self.quotas is not None:
             over = self.quotas.open_sequence(self.tenant)
             if over:
-                refuse(res, refusals, Code.RESOURCE_EXHAUSTED, over)
+                answers.refuse(i, refusals, Code.RESOURCE_EXHAUSTED, over)
                 return None
         self._handles += 1
         seq = SequenceState(sid, entry, msg.step, self._handles)
         seq.parts = {0: digest(msg.tokens)}
         self.seqs[sid] = seq
         self.by_handle[seq.handle] = seq
-        res.handle = seq.handle
+        answers.handles[i] = seq.handle
         return seq
 
     def _open_grammar_id(self, msg: Entry) -> str:
@@ -294,43 +295,47 @@ class StepRouter:
         except QueueFull as exc:
             return None, Code.RESOURCE_EXHAUSTED, str(exc)
 
-    def _replay(self, msg, res, seq: SequenceState, replays: list, refusals) -> bool:
+    def _replay(self, msg: Entry, answers: StepAnswers, seq: SequenceState, replays: list, refusals) -> bool:
         """A repeat of an older step (a rank that lags, a retry, a step of a closed sequence): the
         answer it had, or a divergence when its inputs differ. False when that answer is gone."""
-        answer = seq.kept(msg.step)
-        if answer is None or not self.buffers.holds(answer):
+        kept = seq.kept(msg.step)
+        if kept is None or not self.buffers.holds(kept):
             return False
         if msg.opens is not None and seq.entry.grammar_id != self._open_grammar_id(msg):
-            refuse(res, refusals, Code.ALREADY_EXISTS,
-                    f"sequence {msg.seq_id!r} is already open with grammar {seq.entry.grammar_id}")
-        elif not answer.same_inputs(msg):
-            self._divergence(res, seq, refusals)
+            answers.refuse(msg.index, refusals, Code.ALREADY_EXISTS,
+                           f"sequence {msg.seq_id!r} is already open with grammar {seq.entry.grammar_id}")
+        elif not kept[0].same_inputs(kept[1], msg):
+            self._divergence(msg, answers, seq, refusals)
         else:
-            replays.append(AnswerReplay(res, answer))
+            replays.append(AnswerReplay(msg.index, kept))
         return True
 
-    def _answer_repeat(self, res, seq: SequenceState, repeats: list[Fill], replays: list) -> None:
+    def _answer_repeat(self, i: int, answers: StepAnswers, seq: SequenceState, repeats: list[Fill],
+                       replays: list) -> None:
         """A repeat is answered from the unchanged state; readiness is the one decided before. The
         rows come from the kept answer when they are still there (no second fill)."""
-        answer = seq.last_answer()
-        status = answer.result.status
-        if status in (READY, FINISHED) and (answer.result.num_rows or answer.unmasked) and self.buffers.holds(answer):
-            replays.append(AnswerReplay(res, answer))
+        kept = seq.last_answer()
+        last, k = kept
+        status = last.status_of(k)
+        drafts, _, propose, unmasked = last.inputs(k)
+        if status in (READY, FINISHED) and (last.num_rows[k] or unmasked) and self.buffers.holds(kept):
+            replays.append(AnswerReplay(i, kept))
         elif status == FAILED:
-            fail(res, seq, seq.dead_reason, seq.dead_code)
+            answers.fail(i, seq, seq.dead_reason, seq.dead_code)
         elif status == WAITING or seq.matcher is None:
-            res.status = WAITING
+            answers.status[i] = WAITING
         else:   # filled again from the unchanged state (a refused sampled_unmasked token keeps its flag)
-            res.resample = answer.result.resample
-            repeats.append(Fill(res, seq, seq.matcher, (), answer.drafts, answer.propose,
-                                answer.unmasked and not res.resample))
+            resample = last.resample(k)
+            if resample:
+                answers.set_resample(i)
+            repeats.append(Fill(i, seq, seq.matcher, (), drafts, propose, unmasked and not resample, kept))
 
     @staticmethod
-    def _divergence(res: Result, seq: SequenceState, refusals) -> None:
+    def _divergence(msg: Entry, answers: StepAnswers, seq: SequenceState, refusals) -> None:
         # Says where, never what: the tokens of a sequence are its owner's business.
-        refuse(res, refusals, Code.ABORTED,
-                f"divergence: step {res.step} of sequence {seq.seq_id!r} was already applied with other inputs",
-                kind="divergence")
+        answers.refuse(msg.index, refusals, Code.ABORTED,
+                       f"divergence: step {msg.step} of sequence {seq.seq_id!r} was already applied with other "
+                       "inputs", kind="divergence")
 
     # -- closes --------------------------------------------------------------------------------------
     def _forget(self, sid: str) -> None:

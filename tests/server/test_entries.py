@@ -1,10 +1,11 @@
-"""A step's entries in one form: SeqStep messages and columnar arrays parsed into Entry / Result,
-and each result written back in the form its entry came in."""
+"""A step's entries in one form: SeqStep messages and columnar arrays parsed into entries indexed
+in one answer record (step_answers.py), and each answer written back in the form its entry came in."""
 import collections
 
 import numpy as np
 
 from maskd.server import entries
+from maskd.server.step_answers import StepAnswers
 from maskd.v1 import maskd_pb2 as pb
 from maskd.v1.contract import ACCEPTING_BIT, Code, SeqStatus
 
@@ -27,43 +28,45 @@ def test_both_forms_parse_into_entries_seqsteps_first():
                                    pb.SeqStep(seq_id="b", step=3, draft_tokens=[7, 8], rollback=1, close=False),
                                    pb.SeqStep(seq_id="c", step=1, grammar_id="g1", history_offset=4)])
     columnar(request, [5, 9, 6], [2, 4, 3], [1, 0, 2], [11, 12, 13])
-    pairs, unknown, problem = entries.parse(request, {5: Seq("p"), 6: Seq("q")})
+    answers = entries.answers_for(request)
+    found, unknown, problem = entries.parse(request, {5: Seq("p"), 6: Seq("q")}, answers)
     assert (unknown, problem) == (1, "")
-    assert [(e.seq_id, e.step, e.tokens) for e, _ in pairs] == [
+    assert [(e.seq_id, e.step, e.tokens) for e in found] == [
         ("a", 0, [1, 2]), ("b", 3, []), ("c", 1, []), ("p", 2, [11]), ("", 4, []), ("q", 3, [12, 13])]
-    a, b, c = (e for e, _ in pairs[:3])
+    a, b, c = found[:3]
     assert (a.opens, a.spec.regex, a.seq) == ("spec", "x+", None)
     assert (b.opens, b.drafts, b.rollback) == (None, (7, 8), 1)
     assert (c.opens, c.grammar_id, c.history_offset) == ("grammar_id", "g1", 4)
-    assert [(r.index, r.columnar) for _, r in pairs] == [(0, False), (1, False), (2, False), (0, True), (1, True),
-                                                        (2, True)]
-    assert pairs[3][0].seq.seq_id == "p" and pairs[3][0].drafts == ()
-    unknown_res = pairs[4][1]
-    assert (unknown_res.status, unknown_res.code) == (SeqStatus.ERROR, Code.NOT_FOUND)
-    assert "unknown sequence handle 9" in unknown_res.reason
+    assert [e.index for e in found] == list(range(6)) and (len(answers), answers.named) == (6, 3)
+    assert answers.seq_ids == ["a", "b", "c"] and answers.steps == [0, 3, 1]
+    assert found[3].seq.seq_id == "p" and found[3].drafts == ()
+    assert answers.status_of(4) == SeqStatus.ERROR and answers.problems[4][0] == Code.NOT_FOUND
+    assert "unknown sequence handle 9" in answers.problems[4][1]
+    assert [answers.status_of(i) for i in (0, 1, 2, 3, 5)] == [SeqStatus.UNSPECIFIED] * 5
 
 
 def test_columnar_arrays_that_disagree_are_one_problem_for_that_part():
     request = columnar(pb.StepRequest(seqs=[pb.SeqStep(seq_id="a", step=1, tokens=[3])]), [5, 6], [1], [1, 1], [2, 3])
-    pairs, unknown, problem = entries.parse(request, {5: Seq("p"), 6: Seq("q")})
+    found, unknown, problem = entries.parse(request, {5: Seq("p"), 6: Seq("q")}, entries.answers_for(request))
     assert "columnar arrays disagree: 2 handles, 1 steps" in problem
-    assert [r.columnar for _, r in pairs] == [False, True, True] and unknown == 0
+    assert [e.index for e in found] == [0, 1, 2] and unknown == 0
     request.handles = b"\x01\x00\x00"
-    assert "not packed 32-bit values" in entries.parse(request, {})[2]
+    assert "not packed 32-bit values" in entries.parse(request, {}, StepAnswers(1, 1))[2]
 
 
-def test_each_result_goes_back_in_its_entrys_form():
-    rich = entries.Result(0, "a", 4, False)
-    rich.status, rich.first_row, rich.num_rows, rich.accepting, rich.handle = SeqStatus.READY, 2, 3, True, 17
-    rich.drafts_valid, rich.forced_tokens = 2, [5, 6]
-    refused = entries.Result(1, "b", 1, False)
+def test_each_answer_goes_back_in_its_entrys_form():
+    answers = StepAnswers(4, 2, ["a", "b"], [4, 1])
+    answers.set_status(0, SeqStatus.READY, accepting=True)          # a SeqStep entry with rows and drafts
+    answers.first_row[0], answers.num_rows[0], answers.handles[0] = 2, 3, 17
+    answers.drafts_valid[0], answers.forced[0] = 2, [5, 6]
     counts = collections.Counter()
-    entries.refuse(refused, counts, Code.INVALID_ARGUMENT, "no")
-    plain = [entries.Result(i, s, 1, True) for i, s in enumerate("pq")]
-    plain[0].status, plain[0].accepting, plain[0].forced_tokens = SeqStatus.FINISHED, True, [9]
-    plain[1].status, plain[1].code, plain[1].reason = SeqStatus.FAILED, Code.INVALID_ARGUMENT, "token rejected"
+    answers.refuse(1, counts, Code.INVALID_ARGUMENT, "no")
+    answers.set_status(2, SeqStatus.FINISHED, accepting=True)       # the columnar ones
+    answers.forced[2] = [9]
+    answers.status[3] = SeqStatus.FAILED
+    answers.problems[3] = (Code.INVALID_ARGUMENT, "token rejected")
     reply = pb.StepResponse()
-    entries.answer([rich, refused, *plain], reply, want_forced=True)
+    entries.write_answers(answers, reply, want_forced=True)
     assert counts == {"invalid_argument": 1}
     assert [(r.seq_id, r.step, r.status, r.first_row, r.num_rows, r.accepting, r.handle, r.drafts_valid,
              list(r.forced_tokens)) for r in reply.results] == [

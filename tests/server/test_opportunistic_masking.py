@@ -183,9 +183,9 @@ def test_columnar_steps_sampled_unmasked_and_mixed_with_plain_ones(mc, cl100k, m
     seen = []
     parse = entries.parse
 
-    def watched(request, by_handle, columnar=True):     # the server's own parse, watched: which form came in
+    def watched(request, by_handle, answers, columnar=True):     # the server's own parse, watched: which form came in
         seen.append((len(request.handles) // 4, request.columnar_sampled_unmasked, len(request.seqs)))
-        return parse(request, by_handle, columnar)
+        return parse(request, by_handle, answers, columnar)
 
     monkeypatch.setattr(entries, "parse", watched)
     tokens = cl100k.encode("hello world5")

@@ -34,8 +34,8 @@ def blocks(monkeypatch):
     seen = []
     of = plain_block_module.PlainBlock.of.__func__
 
-    def watched(cls, request, session):
-        block = of(cls, request, session)
+    def watched(cls, request, session, answers):
+        block = of(cls, request, session, answers)
         seen.append(block is not None)
         return block
 
@@ -204,9 +204,9 @@ def test_a_rank_repeating_a_whole_block_gets_it_without_a_pass_over_its_entries(
     parsed, fills = [], []
     parse, fill = entries.parse, type(server.service.engine).fill_batch
 
-    def watched_parse(request, by_handle, columnar=True):
+    def watched_parse(request, by_handle, answers, columnar=True):
         parsed.append(request)
-        return parse(request, by_handle, columnar)
+        return parse(request, by_handle, answers, columnar)
 
     def counted_fill(self, *args):
         fills.append(1)
@@ -237,9 +237,9 @@ def test_a_rank_repeating_a_whole_block_gets_it_without_a_pass_over_its_entries(
 
 
 def test_sequences_stepped_as_blocks_leave_no_cycles_for_the_collector(cl100k):
-    """A block keeps its answers and its sequences keep the block (their kept answers); once the
-    step is over the block lets its sequences go, so closed sequences and old blocks are freed by
-    reference counting, not left in cycles for the garbage collector's full passes."""
+    """Sequences keep their steps' answers (step_answers.py), which hold no sequence, and a block
+    is dropped with its step: closed sequences and old answers are freed by reference counting,
+    not left in cycles for the garbage collector's full passes."""
     import gc
 
     from maskd.server.config import Limits
@@ -248,6 +248,7 @@ def test_sequences_stepped_as_blocks_leave_no_cycles_for_the_collector(cl100k):
     from maskd.server.plain_block import PlainBlock
     from maskd.server.sequence import SequenceState
     from maskd.server.session import Session
+    from maskd.server.step_answers import StepAnswers
     from maskd.specs import GrammarSpec
 
     engine = create_engine("llguidance", cl100k, threads=1)
@@ -263,12 +264,12 @@ def test_sequences_stepped_as_blocks_leave_no_cycles_for_the_collector(cl100k):
         for n in range(2):
             opened = session.step(pb.StepRequest(seqs=[pb.SeqStep(seq_id=f"c{n}-{i}", step=0, spec=spec.to_proto())
                                                        for i in range(8)]))
-            handles = np.array([r.handle for r in opened.results], "<u4").tobytes()
+            handles = np.array([opened.answers.handles[i] for i in range(8)], "<u4").tobytes()
             for k in range(1, 8):
                 outcome = session.step(pb.StepRequest(handles=handles, steps=np.full(8, k, "<u4").tobytes(),
                                                       token_counts=np.ones(8, "<u4").tobytes(),
                                                       tokens=np.full(8, a, "<i4").tobytes()))
-                assert outcome.block is not None and outcome.release is not None
+                assert outcome.answers.named == 0 and outcome.release is not None
                 outcome.release()
             session.step(pb.StepRequest(seqs=[pb.SeqStep(seq_id=f"c{n}-{i}", step=7, close=True) for i in range(8)]))
         session.closed.clear()
@@ -276,7 +277,7 @@ def test_sequences_stepped_as_blocks_leave_no_cycles_for_the_collector(cl100k):
         session.blocks.clear()
         del outcome
         gc.collect()
-        assert not [x for x in gc.garbage if isinstance(x, (PlainBlock, SequenceState))]
+        assert not [x for x in gc.garbage if isinstance(x, (PlainBlock, SequenceState, StepAnswers))]
     finally:
         gc.set_debug(0)
         gc.garbage.clear()

@@ -2,9 +2,8 @@
 rows when the ring comes round (it grows, up to its cap; then they are packed by the row codec)."""
 import numpy as np
 
-from maskd.server.entries import Result
 from maskd.server.row_buffers import RowBuffers
-from maskd.server.sequence import Answer
+from maskd.server.step_answers import StepAnswers
 
 
 class Kept(dict):
@@ -19,11 +18,17 @@ def allocate(n):
 
 
 def answer(buffer, generation, first_row=0, num_rows=1):
-    res = Result(0, "s", 0, True)
-    res.first_row, res.num_rows = first_row, num_rows
-    a = Answer((), (), 0, res)
-    a.buffer, a.generation = buffer, generation
-    return a
+    """A kept answer: (a step's answers, the entry's index there) whose rows are in ``buffer``."""
+    answers = StepAnswers(1)
+    answers.first_row[0], answers.num_rows[0] = first_row, num_rows
+    answers.buffer, answers.generation = buffer, generation
+    return answers, 0
+
+
+def packed(kept):
+    """The kept answer's rows as the ring packed them out, or None."""
+    answers, i = kept
+    return None if answers.packed is None else answers.packed.get(i)
 
 
 def test_the_ring_skips_buffers_being_encoded_and_grows_them():
@@ -54,8 +59,8 @@ def test_kept_answers_keep_their_rows_when_the_ring_comes_round():
     assert b2 == b
     rows2[:] = -1
     assert ring.holds(a) and ring.rows_of(a).tolist() == [[3, 4, 5], [6, 7, 8]]
-    assert a.packed is not None and len(a.packed) < 2 * 12                 # packed, not copied
-    assert gone.packed is None and not ring.holds(gone)
+    assert packed(a) is not None and len(packed(a)) < 2 * 12                 # packed, not copied
+    assert packed(gone) is None and not ring.holds(gone)
     assert ring.holds(answer(-1, 0, num_rows=0))         # no rows: nothing to lose
 
 
@@ -68,13 +73,13 @@ def test_the_ring_grows_while_buffers_come_round_with_kept_rows():
     ring.record(b, [1], [1])
     ring.take(1)
     assert ring.take(1)[0] == 2 and ring.count == 3     # b still holds kept rows: a new buffer
-    assert a.packed is None and ring.holds(a) and ring.rows_of(a).tolist() == [[5, 5, 5]]
+    assert packed(a) is None and ring.holds(a) and ring.rows_of(a).tolist() == [[5, 5, 5]]
     assert ring.take(1)[0] == b and ring.count == 3      # b again, at the cap: packed, then reused
-    assert a.packed is not None and ring.rows_of(a).tolist() == [[5, 5, 5]]
+    assert packed(a) is not None and ring.rows_of(a).tolist() == [[5, 5, 5]]
     again = answer(b, gen + 1)
     ring.record(b, [1], [2])                             # step 2 is not kept: no growth, no packing
     assert [ring.take(1)[0] for _ in range(3)] == [1, 2, 0] and ring.count == 3
-    assert again.packed is None
+    assert packed(again) is None
 
 
 def test_the_ring_grows_only_to_the_size_the_kept_answers_need():
@@ -89,4 +94,4 @@ def test_the_ring_grows_only_to_the_size_the_kept_answers_need():
         ring.record(b, [1], [t])
         kept.pop((1, t - 4), None)                       # it keeps steps t-3 .. t
     assert ring.count == 5
-    assert all(a.packed is None for a in answers)
+    assert all(packed(a) is None for a in answers)

@@ -69,8 +69,8 @@ def _run(jobs: list[_Job]) -> float:
 
 @dataclasses.dataclass(slots=True)
 class Verdict:
-    """What the checks decided for one checked entry (``job``, the step's ``Fill``); its rows are
-    edited already, the session applies the rest."""
+    """What the checks decided for one checked entry (``job``, the step's ``Fill``: ``job.i`` is
+    its index in the step's answers); its rows are edited already, the session applies the rest."""
     job: Any
     failed: str = ""                  # the document cannot pass any more: its sequence fails with this
     no_eos: bool = False              # EOS taken out of its row: the document does not pass yet
@@ -115,59 +115,66 @@ class DocumentChecks:
         doc.extend(tokens[eos_at:])   # kept so that a rollback takes back the same tokens
         return None
 
-    def start(self, fill: Sequence[Any]) -> tuple[concurrent.futures.Future, list[_Job]] | None:
+    def start(self, answers: Any, fill: Sequence[Any]) -> tuple[concurrent.futures.Future, list[_Job], Any] | None:
+        """Hands off the checks of the entries about to be filled (``fill``: each with its index
+        ``i`` in the step's ``answers``, step_answers.py, whose state the step read already)."""
         jobs = []
         for adv in fill:
             doc = adv.seq.doc
             if doc is None:
                 continue
             stopped = adv.seq.finished     # the grammar's state, as the step read it before the fill
-            final = adv.res.accepting
+            final = answers.accepting(adv.i)
             if final or doc.checker.scans or adv.drafts:   # else nothing to do until EOS is grammatical
                 jobs.append(_Job(adv, doc, stopped, final))
         if not jobs:
             return None
-        return _pool().submit(_run, jobs), jobs
+        return _pool().submit(_run, jobs), jobs, answers
 
     def finish(self, pending, out: np.ndarray) -> list[Verdict]:
         """Waits for the checks ``start`` handed off, edits the rows and returns the verdicts."""
-        future, jobs = pending
+        future, jobs, answers = pending
         seconds = future.result()
         if self.metrics is not None:
             self.metrics.validation_seconds.observe(seconds)
         verdicts: list[Verdict] = []
         for job in jobs:
             adv = job.adv
-            res = adv.res
+            num_rows = answers.num_rows[adv.i]
+            if not num_rows:
+                continue                                # failed in the fill: no rows to check
+            first_row = answers.first_row[adv.i]       # (a fault in the fill may have moved it up)
             verdict = Verdict(adv)
             if job.problem is not None:
                 final = job.want_final and job.doc.doomed is None
                 if not final or job.stopped or job.doc.closed():
-                    verdicts.append(self._fail(verdict, out, job.problem, "final" if final else "early"))
+                    kind = "final" if final else "early"
+                    verdicts.append(self._fail(verdict, out, first_row, num_rows, job.problem, kind))
                     continue
                 # EOS is grammatical but the document does not pass: more output may still make it pass.
-                self._clear_eos(out, res.first_row)
+                self._clear_eos(out, first_row)
                 verdict.no_eos = True
-                if not out[res.first_row].any():
-                    verdicts.append(self._fail(verdict, out, job.problem, "final"))
+                if not out[first_row].any():
+                    verdicts.append(self._fail(verdict, out, first_row, num_rows, job.problem, "final"))
                     continue
             if job.doc.checker.closers is not None:
-                why = self._keep_open(adv, job.doc, out)
+                why = self._keep_open(first_row, job.doc, out)
                 if why is not None:
-                    verdicts.append(self._fail(verdict, out, why, "early"))
+                    verdicts.append(self._fail(verdict, out, first_row, num_rows, why, "early"))
                     continue
             if adv.drafts:
-                verdict.drafts_valid = self._check_drafts(adv, out)
+                verdict.drafts_valid = self._check_drafts(adv, first_row, num_rows,
+                                                          answers.drafts_valid.get(adv.i, 0), out)
             if verdict.no_eos or verdict.drafts_valid is not None:
                 verdicts.append(verdict)
         return verdicts
 
     # -- helpers --------------------------------------------------------------------------------------
-    def _keep_open(self, adv, doc: DocumentBuffer, out: np.ndarray) -> str | None:
+    def _keep_open(self, first_row: int, doc: DocumentBuffer, out: np.ndarray) -> str | None:
         """Takes out of the row the tokens that would close (or write whole) a sub-document that
         does not pass, so no output is closed into a state no continuation can make valid (draft
         rows keep what the grammar allows). The reason to fail when that left nothing, else None."""
-        row = out[adv.res.first_row]
+        row = out[first_row]
         vetoes = doc.checker.row_vetoes(doc.state, doc.data, row)
         if not vetoes:
             return None
@@ -178,23 +185,23 @@ class DocumentChecks:
         why = str(getattr(doc.state, "veto", "")) or "no continuation passes"
         return f"the document does not match the JSON schema and nothing the grammar allows here can make it: {why}"
 
-    def _check_drafts(self, adv, out: np.ndarray) -> int | None:
+    def _check_drafts(self, adv, first_row: int, num_rows: int, drafts_valid: int, out: np.ndarray) -> int | None:
         """Draft positions: EOS only where the document with the drafts up to there passes, and no
         draft EOS counts as valid on a document that does not pass (its drafts are cut there: the
         new count, None when none was cut)."""
-        res, doc, drafts = adv.res, adv.seq.doc, list(adv.drafts)
-        valid = res.drafts_valid
+        doc, drafts = adv.seq.doc, list(adv.drafts)
+        valid = drafts_valid
         for j, t in enumerate(drafts[:valid]):
             if int(t) in self.eos and doc.final_with(drafts[:j]) is not None:
                 self._count("draft")
                 valid = j
-                out[res.first_row + 1 + j: res.first_row + res.num_rows] = 0
+                out[first_row + 1 + j: first_row + num_rows] = 0
                 break
         for j in range(min(len(drafts), valid)):
-            row = res.first_row + 1 + j
+            row = first_row + 1 + j
             if self._eos_allowed(out[row]) and doc.final_with(drafts[:j + 1]) is not None:
                 self._clear_eos(out, row)
-        return valid if valid != res.drafts_valid else None
+        return valid if valid != drafts_valid else None
 
     def _eos_allowed(self, row: np.ndarray) -> bool:
         return any((int(row[t >> 5]) >> (t & 31)) & 1 for t in self.eos)
@@ -205,9 +212,9 @@ class DocumentChecks:
             if t >> 5 < out.shape[1]:
                 words[row, t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
 
-    def _fail(self, verdict: Verdict, out: np.ndarray, problem: str, kind: str) -> Verdict:
-        res = verdict.job.res
-        out[res.first_row: res.first_row + res.num_rows] = 0
+    def _fail(self, verdict: Verdict, out: np.ndarray, first_row: int, num_rows: int, problem: str,
+              kind: str) -> Verdict:
+        out[first_row: first_row + num_rows] = 0
         verdict.failed = problem
         self._count(kind)
         return verdict
