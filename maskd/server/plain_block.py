@@ -28,13 +28,13 @@ from typing import cast
 from maskd.server.engines import Matcher
 from maskd.server.entries import PlainColumns
 from maskd.server.json_schema import DocumentChecks
-from maskd.server.sequence import SequenceState, internal_reason, keep_answer
+from maskd.server.sequence import SequenceState, keep_answer
 from maskd.server.step_answers import StepAnswers
 from maskd.server.step_routing import Fill
 from maskd.v1.contract import ACCEPTING_BIT, Code, SeqStatus
 
 log = logging.getLogger("maskd.server.session")
-READY, FINISHED = SeqStatus.READY, SeqStatus.FINISHED
+READY, FAILED, FINISHED = SeqStatus.READY, SeqStatus.FAILED, SeqStatus.FINISHED
 
 
 class PlainBlock:
@@ -50,6 +50,8 @@ class PlainBlock:
         self.base = answers.named
         answers.tokens[self.base:] = tokens      # the inputs its answers are kept with
         self.probed: list[Fill] = []             # entries whose documents the fill phase checks
+        for i, (seq, step) in enumerate(zip(seqs, steps), self.base):
+            keep_answer(seq, step, (answers, i))  # routed: the step is each sequence's last, its answer kept
 
     def __len__(self) -> int:
         return len(self.handles)
@@ -83,7 +85,7 @@ class PlainBlock:
     def consumed(self, reasons: list, refusals, checks: DocumentChecks) -> None:
         """The engine's answer to each entry's token: None (consumed), its reason, or an exception;
         documents take their tokens (an EOS ending one that does not pass is refused here)."""
-        seqs, tokens, eos = self.seqs, self.tokens, checks.eos
+        seqs, tokens, eos, answers, base = self.seqs, self.tokens, checks.eos, self.answers, self.base
         for i, reason in enumerate(reasons):
             if reason is None:
                 doc = seqs[i].doc
@@ -95,27 +97,27 @@ class PlainBlock:
             if reason is None:
                 seqs[i].accepted += 1
             elif isinstance(reason, Exception):
-                self.fault(i, "consuming tokens", reason, refusals)
+                answers.fault(base + i, seqs[i], "consuming tokens", reason, refusals)
             else:
-                self.fail(i, f"token rejected: {reason}", Code.INVALID_ARGUMENT)
+                answers.fail(base + i, seqs[i], f"token rejected: {reason}", Code.INVALID_ARGUMENT)
                 refusals["token_rejected"] += 1
 
     def read_states(self, first_row: int, want_forced: bool, refusals) -> tuple[list, list[int]]:
         """Each live entry's grammar state (finished, accepting, forced tokens) and its row from
-        ``first_row`` on; every entry's answer kept for repeats. Returns the matchers and rows to fill."""
+        ``first_row`` on. Returns the matchers and rows to fill."""
         matchers, rows = [], []
         answers, base = self.answers, self.base
         status, first, num_rows, forced = answers.status, answers.first_row, answers.num_rows, answers.forced
         r = first_row
-        for i, (seq, m, step) in enumerate(zip(self.seqs, self.matchers, self.steps), base):
-            if seq.step + 1 != step:
-                continue     # failed in the consume phase: answered and kept there
+        for i, (seq, m) in enumerate(zip(self.seqs, self.matchers), base):
+            if status[i] == FAILED:
+                continue     # failed in the consume phase
             try:
                 stopped = m.is_stopped()
                 accepting = stopped or m.is_accepting()
                 forced_here = m.forced_tokens() if want_forced and not stopped else None
             except Exception as exc:   # an engine fault costs this sequence only (and gets no rows)
-                self.fault(i - base, "reading the grammar state", exc, refusals)
+                answers.fault(i, seq, "reading the grammar state", exc, refusals)
                 continue
             seq.finished = stopped
             status[i] = (FINISHED if stopped else READY) | (ACCEPTING_BIT if accepting else 0)
@@ -129,7 +131,6 @@ class PlainBlock:
             r += 1
             matchers.append(m)
             rows.append(first[i])
-            keep_answer(seq, step, (answers, i))     # the sequence's step, its answer kept
         return matchers, rows
 
     def kept_rows(self) -> tuple[list[int], list[int]]:
@@ -144,18 +145,6 @@ class PlainBlock:
         """The matcher of the step's entry i (one of this block's)."""
         return self.matchers[i - self.base]
 
-    # -- failures --------------------------------------------------------------------------------
-    def fail(self, i: int, reason: str, code: Code) -> None:
-        """Block entry i's sequence fails (it stays failed): FAILED with the reason, no row; the
-        step is its last, that answer kept."""
-        seq = self.seqs[i]
-        self.answers.fail(self.base + i, seq, reason, code)
-        if seq.step + 1 == self.steps[i]:
-            keep_answer(seq, self.steps[i], (self.answers, self.base + i))
-
-    def fault(self, i: int, doing: str, exc: BaseException, refusals) -> None:
-        """An engine fault on block entry i: its sequence fails (with the reason) and nothing else does."""
-        seq = self.seqs[i]
-        log.error("sequence %r: engine fault while %s", seq.seq_id, doing, exc_info=exc)
-        refusals["internal"] += 1
-        self.fail(i, internal_reason(doing, exc), Code.INTERNAL)
+    def seq_of(self, i: int) -> SequenceState:
+        """The sequence of the step's entry i (one of this block's)."""
+        return self.seqs[i - self.base]

@@ -133,8 +133,3 @@ def keep_answer(seq: SequenceState, step: int, answer: Kept) -> None:
 def digest(tokens) -> int:
     """What a restore part is remembered by: the hash of its tokens."""
     return hash(tuple(tokens))
-
-
-def internal_reason(doing: str, exc: BaseException) -> str:
-    """What a sequence that an engine fault ended answers (the fault itself goes to the log)."""
-    return f"internal error while {doing}: {type(exc).__name__}: {str(exc)[:200]}"

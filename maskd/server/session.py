@@ -47,7 +47,7 @@ from maskd.server.json_schema import DocumentChecks, Verdict
 from maskd.server.plain_block import PlainBlock
 from maskd.server.quotas import Quotas
 from maskd.server.row_buffers import RowBuffers
-from maskd.server.sequence import RECENT_STEPS, Kept, SequenceState, internal_reason, keep_answer, record_step
+from maskd.server.sequence import RECENT_STEPS, Kept, SequenceState, keep_answer, record_step
 from maskd.server.step_answers import StepAnswers, refused_all
 from maskd.server.step_routing import AnswerReplay, Fill, StepRouter
 from maskd.v1 import maskd_pb2 as pb
@@ -262,7 +262,7 @@ class Session:
                     seq.tail = ()   # the tokens before are not known here: guesses start over
             except Exception as exc:   # an engine fault costs this sequence only
                 record_step(seq, msg, answers)
-                self._internal(answers, i, seq, "advancing", exc, refusals)
+                answers.fault(i, seq, "advancing", exc, refusals)
                 continue
             record_step(seq, msg, answers)
             job = Fill(i, seq, matcher, tokens, msg.drafts, msg.propose, msg.unmasked)
@@ -288,7 +288,7 @@ class Session:
                 allowed[job.i] = ((m.is_stopped() or m.is_accepting()) if job.tokens[0] in eos
                                   else m.validate(job.tokens) == 1)
             except Exception as exc:   # an engine fault costs this sequence only
-                self._internal(answers, job.i, job.seq, "checking a token sampled without its row", exc, refusals)
+                answers.fault(job.i, job.seq, "checking a token sampled without its row", exc, refusals)
         if checked:
             allowed.update(self._check_with_rows(checked, answers, refusals))
         for job in check:
@@ -315,7 +315,7 @@ class Session:
             try:
                 accepting = job.matcher.is_stopped() or job.matcher.is_accepting()
             except Exception as exc:   # an engine fault costs this sequence only
-                self._internal(answers, job.i, job.seq, "checking a token sampled without its row", exc, refusals)
+                answers.fault(job.i, job.seq, "checking a token sampled without its row", exc, refusals)
                 continue
             probes.set_status(k, READY, accepting)
             probes.first_row[k], probes.num_rows[k] = k, 1
@@ -330,7 +330,7 @@ class Session:
                     self.engine.fill_batch([job.matcher], [probe.i], None, out)
                     kept.append((probe, job))
                 except Exception as exc:
-                    self._internal(answers, job.i, job.seq, "checking a token sampled without its row", exc,
+                    answers.fault(job.i, job.seq, "checking a token sampled without its row", exc,
                                    refusals)
             pairs = kept
         checking = self.checks.start(probes, [probe for probe, _ in pairs])
@@ -381,7 +381,7 @@ class Session:
         for adv, reason in zip(consume, reasons):
             seq = adv.seq
             if isinstance(reason, Exception):
-                self._internal(answers, adv.i, seq, "consuming tokens", reason, refusals)
+                answers.fault(adv.i, seq, "consuming tokens", reason, refusals)
             elif reason is None:
                 seq.accepted += len(adv.tokens)
                 if seq.entry.drafting:
@@ -420,7 +420,7 @@ class Session:
                         seq.proposal = self.drafts.propose(self._drafts_key(seq), job.matcher, seq.tail, job.propose)
                         seq.proposal_step = seq.step
                 except Exception as exc:   # an engine fault costs this sequence only
-                    self._internal(answers, job.i, seq, "proposing drafts", exc, refusals)
+                    answers.fault(job.i, seq, "proposing drafts", exc, refusals)
                     continue
                 job.drafts = tuple(seq.proposal.drafts)
                 answers.proposed[job.i] = job.drafts
@@ -469,7 +469,7 @@ class Session:
                 drafts_valid = m.validate(d) if d else 0
                 forced = m.forced_tokens() if want_forced and not stopped else ()
             except Exception as exc:   # an engine fault costs this sequence only (and gets no rows)
-                self._internal(answers, i, seq, "reading the grammar state", exc, refusals)
+                answers.fault(i, seq, "reading the grammar state", exc, refusals)
                 continue
             seq.finished = stopped
             answers.set_status(i, FINISHED if stopped else READY, accepting)
@@ -512,7 +512,7 @@ class Session:
                         self.engine.fill_batch([adv.matcher], [r], [d] if d else None, out)
                     except Exception as exc:
                         failed[r: r + 1 + len(d)] = True
-                        self._internal(answers, adv.i, adv.seq, "filling its mask", exc, refusals)
+                        answers.fault(adv.i, adv.seq, "filling its mask", exc, refusals)
                 if block is not None:
                     for i in range(block.base, len(answers)):
                         if num_rows[i]:
@@ -521,7 +521,7 @@ class Session:
                                 self.engine.fill_batch([block.matcher_of(i)], [r], None, out)
                             except Exception as exc:
                                 failed[r] = True
-                                block.fault(i - block.base, "filling its mask", exc, refusals)
+                                answers.fault(i, block.seq_of(i), "filling its mask", exc, refusals)
                 if failed.any():   # the failed entries' rows go: the columnar rows must stay dense
                     row = _drop_rows(out, failed, answers)
             if checking is not None:
@@ -560,14 +560,6 @@ class Session:
         """The answer a live sequence keeps for a step (the ring must not lose its rows)."""
         seq = self.by_handle.get(handle)
         return None if seq is None or seq.closed else seq.kept(step)
-
-    @staticmethod
-    def _internal(answers: StepAnswers, i: int, seq: SequenceState, doing: str, exc: BaseException,
-                  refusals) -> None:
-        """An engine fault on one sequence: it fails (with the reason) and nothing else does."""
-        log.error("sequence %r: engine fault while %s", seq.seq_id, doing, exc_info=exc)
-        refusals["internal"] += 1
-        answers.fail(i, seq, internal_reason(doing, exc), Code.INTERNAL)
 
 
 # -- rows ----------------------------------------------------------------------------------------

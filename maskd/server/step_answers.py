@@ -15,12 +15,14 @@ Nothing here holds a sequence or a matcher: a kept answer never makes a cycle fo
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
 
 from maskd.v1.contract import ACCEPTING_BIT, RESAMPLE_BIT, STATUS_MASK, Code, SeqStatus
 
+log = logging.getLogger("maskd.server.session")
 FLAG_BITS = ACCEPTING_BIT | RESAMPLE_BIT
 _NO_INPUTS: tuple = ((), 0, 0, False)        # drafts, rollback, propose, unmasked
 
@@ -95,6 +97,13 @@ class StepAnswers:
         self.forced.pop(i, None)
         self.drafts_valid.pop(i, None)
 
+    def fault(self, i: int, seq: Any, doing: str, exc: BaseException, refusals) -> None:
+        """An engine fault on entry i's sequence: logged and counted, and that sequence fails
+        (INTERNAL, with the reason); nothing else does."""
+        log.error("sequence %r: engine fault while %s", seq.seq_id, doing, exc_info=exc)
+        refusals["internal"] += 1
+        self.fail(i, seq, internal_reason(doing, exc), Code.INTERNAL)
+
     def copy_answer(self, i: int, src: StepAnswers, k: int) -> None:
         """``src``'s answer k (a kept one) as entry i's answer; its rows' place is the caller's."""
         self.status[i] = src.status[k]
@@ -162,6 +171,11 @@ class StepAnswers:
 
     def rows_filled(self) -> int:
         return sum(self.num_rows)
+
+
+def internal_reason(doing: str, exc: BaseException) -> str:
+    """What a sequence that an engine fault ended answers (the fault itself goes to the log)."""
+    return f"internal error while {doing}: {type(exc).__name__}: {str(exc)[:200]}"
 
 
 def unanswered() -> StepAnswers:
