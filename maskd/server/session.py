@@ -42,6 +42,7 @@ from maskd.server import entries
 from maskd.server.config import Limits
 from maskd.server.drafts import CONTEXT, DraftModel
 from maskd.server.engines import Engine
+from maskd.server.engines.base import split_tokens
 from maskd.server.grammar_cache import GrammarCache
 from maskd.server.json_schema import DocumentChecks, Verdict
 from maskd.server.plain_block import PlainBlock
@@ -354,19 +355,24 @@ class Session:
     # -- phase 5: consuming -----------------------------------------------------------------------
     def _consume(self, consume: list[Fill], fill: list[Fill], answers: StepAnswers, refusals,
                  block: PlainBlock | None = None) -> None:
-        """Every entry's tokens in one engine call (a plain block's after the others')."""
+        """Every entry's tokens in one engine call, one flat array (a plain block's after the others')."""
         if not consume and block is None:
             return
         matchers = [a.matcher for a in consume]
-        tokens = [a.tokens for a in consume]
+        tokens = [t for a in consume for t in a.tokens]
+        counts: list[int] | None = None
+        if any(len(a.tokens) != 1 for a in consume):     # not the decode step's one token each
+            counts = [len(a.tokens) for a in consume]
         if block is not None:
             matchers += block.matchers
-            tokens += [[t] for t in block.tokens]
+            tokens += block.tokens
+            if counts is not None:
+                counts += [1] * len(block)
         try:
-            reasons: list = self.engine.consume_batch(matchers, tokens)
+            reasons: list = self.engine.consume_batch(matchers, tokens, counts)
         except Exception:   # find the sequence the engine chokes on; the others carry on
             reasons = []
-            for m, t in zip(matchers, tokens):
+            for m, t in zip(matchers, split_tokens(tokens, counts)):
                 try:
                     reasons.append(m.consume(t))
                 except Exception as exc:

@@ -94,7 +94,7 @@ def test_a_batch_mixing_both_engines_fills_and_consumes_each_sequence_with_its_o
         tokens = [[s[step]] if step < len(s) else [] for s in streams]
         if step == 1:
             tokens[1] = [deepseek.ll.tokenize_bytes(b"<")[0]]      # not what qwen's format allows here
-        reasons = served.consume_batch(matchers, tokens)
+        reasons = served.consume_batch(matchers, [t for ts in tokens for t in ts], [len(ts) for ts in tokens])
         for k, (m, t) in enumerate(zip(singles, tokens)):
             assert (reasons[k] is None) == (m.consume(t) is None), (step, k, reasons[k])
         if step == 1:

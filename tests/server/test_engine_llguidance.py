@@ -98,7 +98,8 @@ def test_batch_fill_matches_single_fills(engine, cl100k):
 def test_consume_batch_parallel(engine, cl100k):
     spec = GrammarSpec.create("regex", "[0-9]+")
     ms = [engine.new_matcher(engine.compile(spec)) for _ in range(4)]
-    reasons = engine.consume_batch(ms, [cl100k.encode("1"), cl100k.encode("x"), cl100k.encode("2"), []])
+    each = [cl100k.encode("1"), cl100k.encode("x"), cl100k.encode("2"), []]     # one flat array, and counts
+    reasons = engine.consume_batch(ms, [t for ts in each for t in ts], [len(ts) for ts in each])
     assert reasons[0] is None and reasons[2] is None and reasons[3] is None
     assert reasons[1]
 
@@ -111,9 +112,10 @@ def test_eos_after_a_stopped_document_alone_or_in_a_batch(engine, cl100k):
     eos = cl100k.eos_token_ids[0]
     for batch in (1, 2, 3):
         ms = [engine.new_matcher(compiled) for _ in range(batch)]
-        assert engine.consume_batch(ms, [cl100k.encode('{"a": 1}')] * batch) == [None] * batch
+        doc = cl100k.encode('{"a": 1}')
+        assert engine.consume_batch(ms, doc * batch, [len(doc)] * batch) == [None] * batch
         assert all(m.is_stopped() and m.is_accepting() for m in ms)
-        assert engine.consume_batch(ms, [[eos]] * batch) == [None] * batch, batch
+        assert engine.consume_batch(ms, [eos] * batch) == [None] * batch, batch     # one token each: no counts
     m = engine.new_matcher(compiled)
     assert m.consume(cl100k.encode('{"a": 1}')) is None and m.consume([eos]) is None
     # a stopped grammar still refuses anything but EOS

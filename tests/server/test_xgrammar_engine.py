@@ -200,11 +200,13 @@ def test_batch_fill_matches_single_fills(engine):
 def test_consume_batch(engine, cl100k):
     spec = GrammarSpec.create("regex", "[0-9]+")
     ms = [engine.new_matcher(engine.compile(spec)) for _ in range(5)]
-    reasons = engine.consume_batch(ms, [cl100k.encode("1"), cl100k.encode("x"), cl100k.encode("2"), [],
-                                        cl100k.encode("3") + cl100k.encode("4")])
+    each = [cl100k.encode("1"), cl100k.encode("x"), cl100k.encode("2"), [], cl100k.encode("3") + cl100k.encode("4")]
+    reasons = engine.consume_batch(ms, [t for ts in each for t in ts], [len(ts) for ts in each])
     assert reasons[0] is None and reasons[2] is None and reasons[3] is None and reasons[4] is None
     assert reasons[1] and "'x'" in reasons[1]
     assert [len(m.tokens) for m in ms] == [1, 0, 1, 0, 2]
+    assert engine.consume_batch(ms[:3:2], cl100k.encode("5") * 2) == [None, None]     # one token each: no counts
+    assert [len(m.tokens) for m in ms[:3:2]] == [2, 2]
 
 
 def test_same_masks_as_llguidance_along_a_json_instance(engine, llg, cl100k):

@@ -71,7 +71,8 @@ def test_openai_wrapper_unwrapped_rows_reject_what_any_json_allowed(cl100k):
     compiled = engine.compile(GrammarSpec.from_dict({"json_schema": {"name": "n", "schema": SCHEMA, "strict": True}}))
     for doc, ok in (('{"a": 1}', True), ('{"b": 1}', False), ("[1,2,3]", False), ('"str"', False)):
         m = engine.new_matcher(compiled)
-        reason = engine.consume_batch([m], [cl100k.encode(doc)])[0]
+        tokens = cl100k.encode(doc)
+        reason = engine.consume_batch([m], tokens, [len(tokens)])[0]
         accepted = reason is None and m.is_accepting()
         assert accepted == ok, doc
 

@@ -42,6 +42,41 @@ class CompiledGrammar:
     piece: Any = None
 
 
+def split_tokens(tokens: Sequence[int], counts: Sequence[int] | None) -> list[Sequence[int]]:
+    """A batch's flat tokens as each matcher's own (``counts`` None: one each)."""
+    if counts is None:
+        return [(t,) for t in tokens]
+    out: list[Sequence[int]] = []
+    start = 0
+    for c in counts:
+        out.append(tokens[start:start + c])
+        start += c
+    return out
+
+
+def single_tokens(matchers: Sequence[Any], tokens: Sequence[int], counts: Sequence[int] | None,
+                  kind: type) -> tuple[list[tuple[int, Any, int]], list[tuple[int, Sequence[int]]]]:
+    """A batch split for an engine's parallel one-token consume: (index, matcher, token) of the
+    matchers of exactly ``kind`` given one token, and (index, tokens) of every other one with tokens."""
+    singles: list[tuple[int, Any, int]] = []
+    rest: list[tuple[int, Sequence[int]]] = []
+    if counts is None:
+        for i, (m, t) in enumerate(zip(matchers, tokens)):
+            if type(m) is kind:
+                singles.append((i, m, t))
+            else:
+                rest.append((i, (t,)))
+        return singles, rest
+    start = 0
+    for i, (m, c) in enumerate(zip(matchers, counts)):
+        if c == 1 and type(m) is kind:
+            singles.append((i, m, tokens[start]))
+        elif c:
+            rest.append((i, tokens[start:start + c]))
+        start += c
+    return singles, rest
+
+
 class Matcher(abc.ABC):
     """Per-sequence grammar state; a pure function of (grammar, accepted tokens)."""
 
@@ -114,9 +149,12 @@ class Engine(abc.ABC):
         """What the engine builds once per process before serving (the server calls it at start);
         what it builds in the background runs at CPU priority ``nice`` (the server's compile_nice)."""
 
-    def consume_batch(self, matchers: Sequence[Matcher], tokens: Sequence[Sequence[int]]) -> list[str | None]:
-        """Advances every matcher over its tokens; a reason per rejected matcher."""
-        return [m.consume(t) for m, t in zip(matchers, tokens)]
+    def consume_batch(self, matchers: Sequence[Matcher], tokens: Sequence[int],
+                      counts: Sequence[int] | None = None) -> list[str | None]:
+        """Advances every matcher over its tokens, one flat array for the batch: matcher i's are
+        the next ``counts[i]`` of ``tokens`` (``counts`` None: one each, the decode step).
+        Returns a reason per rejected matcher (None where it consumed them all)."""
+        return [m.consume(t) if len(t) else None for m, t in zip(matchers, split_tokens(tokens, counts))]
 
     @abc.abstractmethod
     def fill_batch(self, matchers: Sequence[Matcher], rows: Sequence[int],

@@ -24,7 +24,14 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from maskd.server.engines.base import CompiledGrammar, Engine, GrammarCompileError, Matcher, UnsupportedSpec
+from maskd.server.engines.base import (
+    CompiledGrammar,
+    Engine,
+    GrammarCompileError,
+    Matcher,
+    UnsupportedSpec,
+    split_tokens,
+)
 from maskd.specs import GrammarSpec
 
 _SECONDARY_MAGIC = b"MASKD-XGR\x00"   # a serialized grammar the secondary engine compiled
@@ -125,14 +132,18 @@ class FallbackEngine(Engine):
             (second if isinstance(m, mine) else first).append(i)
         return first, second
 
-    def consume_batch(self, matchers: Sequence[Matcher], tokens: Sequence[Sequence[int]]) -> list[str | None]:
+    def consume_batch(self, matchers: Sequence[Matcher], tokens: Sequence[int],
+                      counts: Sequence[int] | None = None) -> list[str | None]:
         first, second = self._split(matchers)
         if not second:
-            return self.primary.consume_batch(matchers, tokens)
+            return self.primary.consume_batch(matchers, tokens, counts)
         reasons: list[str | None] = [None] * len(matchers)
+        each = split_tokens(tokens, counts)
         for engine, part in ((self.primary, first), (self.secondary, second)):
             if part:
-                for i, r in zip(part, engine.consume_batch([matchers[i] for i in part], [tokens[i] for i in part])):
+                flat = [t for i in part for t in each[i]]
+                for i, r in zip(part, engine.consume_batch([matchers[i] for i in part], flat,
+                                                           [len(each[i]) for i in part])):
                     reasons[i] = r
         return reasons
 

@@ -19,7 +19,14 @@ import llguidance
 import numpy as np
 from llguidance.gbnf_to_lark import any_to_lark
 
-from maskd.server.engines.base import CompiledGrammar, Engine, GrammarCompileError, Matcher, UnsupportedSpec
+from maskd.server.engines.base import (
+    CompiledGrammar,
+    Engine,
+    GrammarCompileError,
+    Matcher,
+    UnsupportedSpec,
+    single_tokens,
+)
 from maskd.server.engines.llguidance_lark import Specials, StructuralTagLark, TagInfo, reasoning_lark
 from maskd.server.engines.template_holes import HoleScanner, hole_tree
 from maskd.server.engines.tool_calls import (
@@ -520,21 +527,18 @@ class LLGuidanceEngine(Engine):
             proto = grammar.prototype = _Prototype(llguidance.LLMatcher(self.ll, grammar.handle, log_level=0))
         return LLGuidanceMatcher(proto.copy())
 
-    def consume_batch(self, matchers, tokens):
+    def consume_batch(self, matchers, tokens, counts=None):
         reasons: list[str | None] = [None] * len(matchers)
-        singles = [(i, m.m, t[0]) for i, (m, t) in enumerate(zip(matchers, tokens))
-                   if len(t) == 1 and type(m) is LLGuidanceMatcher]
-        if len(singles) > 1:
-            ok = self.executor.consume_token_par([(m, t) for _, m, t in singles])
+        singles, rest = single_tokens(matchers, tokens, counts, LLGuidanceMatcher)
+        if len(singles) > 1:     # one token each, in parallel on llguidance's threads
+            ok = self.executor.consume_token_par([(m.m, t) for _, m, t in singles])
             for (i, m, _), good in zip(singles, ok):
                 if not good:
-                    reasons[i] = _first_line(m.get_error())
-            done = {i for i, _, _ in singles}
+                    reasons[i] = _first_line(m.m.get_error())
         else:
-            done = set()
-        for i, (m, t) in enumerate(zip(matchers, tokens)):
-            if i not in done and t:
-                reasons[i] = m.consume(t)
+            rest += [(i, (t,)) for i, _, t in singles]
+        for i, each in rest:
+            reasons[i] = matchers[i].consume(each)
         return reasons
 
     def fill_batch(self, matchers, rows, drafts, out: np.ndarray) -> None:

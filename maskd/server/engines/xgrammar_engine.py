@@ -56,7 +56,7 @@ from collections.abc import Sequence
 import numpy as np
 import xgrammar as xgr
 
-from maskd.server.engines.base import CompiledGrammar, Engine, GrammarCompileError, Matcher
+from maskd.server.engines.base import CompiledGrammar, Engine, GrammarCompileError, Matcher, single_tokens
 from maskd.server.engines.revisions import xgrammar_engine_version
 from maskd.server.json_schema import ValidatorError, document_checker
 from maskd.specs import GrammarSpec
@@ -404,27 +404,28 @@ class XGrammarEngine(Engine):
     def new_matcher(self, grammar: CompiledGrammar) -> XGrammarMatcher:
         return XGrammarMatcher(self, xgr.GrammarMatcher(grammar.handle))
 
-    def consume_batch(self, matchers, tokens):
+    def consume_batch(self, matchers, tokens, counts=None):
         reasons: list[str | None] = [None] * len(matchers)
-        singles = [i for i, (m, t) in enumerate(zip(matchers, tokens))
-                   if len(t) == 1 and not m._terminated() and int(t[0]) not in self.blocked
-                   and 0 <= int(t[0]) < self.width]
-        if len(singles) > 1:
-            ok = xgr.BatchGrammarMatcher.batch_accept_token([matchers[i].m for i in singles],
-                                                            [int(tokens[i][0]) for i in singles])
-            for i, good in zip(singles, ok):
-                m = matchers[i]
+        singles, rest = single_tokens(matchers, tokens, counts, XGrammarMatcher)
+        batch = []
+        for i, m, token in singles:      # the batched accept takes live matchers and ids the grammar may see
+            t = int(token)
+            if not m._terminated() and t not in self.blocked and 0 <= t < self.width:
+                batch.append((i, m, t))
+            else:
+                rest.append((i, (t,)))
+        if len(batch) > 1:
+            ok = xgr.BatchGrammarMatcher.batch_accept_token([m.m for _, m, _ in batch], [t for _, _, t in batch])
+            for (i, m, t), good in zip(batch, ok):
                 if good:
-                    m.tokens.append(int(tokens[i][0]))
+                    m.tokens.append(t)
                     m._gen += 1
                 else:
-                    reasons[i] = m._reason(int(tokens[i][0]), 0, 1)
-            done = set(singles)
+                    reasons[i] = m._reason(t, 0, 1)
         else:
-            done = set()
-        for i, (m, t) in enumerate(zip(matchers, tokens)):
-            if i not in done and len(t):
-                reasons[i] = m.consume(t)
+            rest += [(i, (t,)) for i, _, t in batch]
+        for i, each in rest:
+            reasons[i] = matchers[i].consume(each)
         return reasons
 
     # -- masks -----------------------------------------------------------------------------------
