@@ -14,7 +14,7 @@ on the step path reads a StepRequest or writes a StepResponse's answers.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -108,12 +108,13 @@ def answers_for(request: pb.StepRequest) -> StepAnswers:
 
 
 def parse(request: pb.StepRequest, by_handle: dict[int, Any], answers: StepAnswers,
-          columnar: bool = True) -> tuple[list[Entry], int, str]:
-    """Every entry of a request: (entries, columnar entries whose handle is unknown (refused
-    NOT_FOUND in ``answers`` already), why the columnar part is refused whole or "").
-    ``columnar`` False: the SeqStep entries only (the columnar part is a plain block)."""
+          columnar: Sequence[int] | None = None) -> tuple[list[Entry], int, str]:
+    """The entries of a request that the per-entry phases take: (entries, columnar entries whose
+    handle is unknown (refused NOT_FOUND in ``answers`` already), why the columnar part is refused
+    whole or ""). Every SeqStep entry, and the columnar ones at the places ``columnar`` lists
+    (None: all of them; the others are a plain block's)."""
     found = [Entry.of_message(i, m) for i, m in enumerate(request.seqs)]
-    raw = request.handles if columnar else b""
+    raw = request.handles if columnar is None or columnar else b""
     if not raw:
         return found, 0, ""
     named = len(found)
@@ -140,14 +141,16 @@ def parse(request: pb.StepRequest, by_handle: dict[int, Any], answers: StepAnswe
         token_lists = [flat[a:b] for a, b in zip([0, *ends[:-1]], ends)]
     unknown = 0
     unmasked = request.columnar_sampled_unmasked
-    for i, (h, step, toks) in enumerate(zip(handles.tolist(), steps.tolist(), token_lists), named):
+    hs, ss = handles.tolist(), steps.tolist()
+    for j in range(n) if columnar is None else columnar:
+        i, h = named + j, hs[j]
         seq = by_handle.get(h)
         if seq is None:
             unknown += 1
             answers.status[i] = SeqStatus.ERROR
             answers.problems[i] = (Code.NOT_FOUND, f"unknown sequence handle {h}: never given on this session, or its "
                                    "sequence was closed or dropped with its stream; open it with a SeqStep")
-        entry = Entry(i, seq.seq_id if seq is not None else "", step, toks, seq)
+        entry = Entry(i, seq.seq_id if seq is not None else "", ss[j], token_lists[j], seq)
         entry.unmasked = unmasked
         found.append(entry)
     return found, unknown, ""

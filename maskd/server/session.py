@@ -130,7 +130,8 @@ class Session:
             # The decode step's common case as arrays; anything else entry by entry (plain_block.py).
             columns = entries.plain_columns(request) if request.handles else None
             block = PlainBlock.of(columns, self, answers) if columns is not None else None
-            found, unknown, problem = entries.parse(request, self.by_handle, answers, columnar=block is None)
+            found, unknown, problem = entries.parse(request, self.by_handle, answers,
+                                                    columnar=None if block is None else block.others)
             if problem:
                 for msg in found[answers.named:]:
                     answers.refuse(msg.index, refusals, Code.INVALID_ARGUMENT, problem)
@@ -149,7 +150,7 @@ class Session:
             marks.append(("consume", time.perf_counter()))
             rows, release = self._fill(fill, replays, answers, request.want_forced_tokens, refusals, block)
             marks.append(("fill", time.perf_counter()))
-            if block is not None and key is not None:     # kept for a rank that repeats the whole request
+            if block is not None and key is not None and not block.others:   # for a rank that repeats it whole
                 self.blocks[key] = _KeptStep(answers, block.handles, block.steps)
                 if len(self.blocks) > RECENT_STEPS:
                     self.blocks.popitem(last=False)
@@ -520,14 +521,14 @@ class Session:
                         failed[r: r + 1 + len(d)] = True
                         answers.fault(adv.i, adv.seq, "filling its mask", exc, refusals)
                 if block is not None:
-                    for i in range(block.base, len(answers)):
+                    for i, m, seq in zip(block.index, block.matchers, block.seqs):
                         if num_rows[i]:
                             r = first_row[i]
                             try:
-                                self.engine.fill_batch([block.matcher_of(i)], [r], None, out)
+                                self.engine.fill_batch([m], [r], None, out)
                             except Exception as exc:
                                 failed[r] = True
-                                answers.fault(i, block.seq_of(i), "filling its mask", exc, refusals)
+                                answers.fault(i, seq, "filling its mask", exc, refusals)
                 if failed.any():   # the failed entries' rows go: the columnar rows must stay dense
                     row = _drop_rows(out, failed, answers)
             if checking is not None:
@@ -539,6 +540,8 @@ class Session:
                     self._apply_verdict(verdict, answers, refusals)
                 if failed.any():
                     row = _drop_rows(out, failed, answers)
+        if block is not None and block.others:   # a block's rows and other columnar entries' interleave
+            _entry_order(out, answers)
         out = out[:row]
         if buffer < 0:
             return out, None
@@ -580,6 +583,20 @@ def _drop_rows(out: np.ndarray, dropped: np.ndarray, answers: StepAnswers) -> in
     kept = out[:len(dropped)][~dropped]
     out[:len(kept)] = kept
     return len(kept)
+
+
+def _entry_order(out: np.ndarray, answers: StepAnswers) -> None:
+    """Puts the step's rows in entry order (the wire's order): a plain block's rows were filled
+    after the other entries', and some of those are columnar entries among the block's."""
+    first_row, num_rows = answers.first_row, answers.num_rows
+    source: list[int] = []
+    for i, n in enumerate(num_rows):
+        if n:
+            first = first_row[i]
+            first_row[i] = len(source)
+            source.extend(range(first, first + n))
+    if source != list(range(len(source))):
+        out[:len(source)] = out[source]
 
 
 def _entry_index(job: Fill | AnswerReplay) -> int:

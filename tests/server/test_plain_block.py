@@ -117,6 +117,45 @@ def test_a_plain_block_answers_what_the_entries_get_one_by_one(stub, cl100k, blo
     ref_stream.close()
 
 
+def test_odd_entries_among_plain_ones_go_entry_by_entry_and_the_rest_stay_a_block(stub, cl100k, blocks):
+    """A columnar part with an unknown handle, a repeat of the step before (its rows from the kept
+    answer) and a token outside the vocabulary among plain entries: those three go through the
+    per-entry phases, the plain ones stay a block (``PlainBlock.of`` takes them), and every entry
+    gets what it gets alone: the same statuses, problems and rows, the rows in entry order."""
+    s, ref = Stream(stub), Stream(stub)
+    specs = {"a": LETTERS, "b": DIGITS, "c": LETTERS, "d": DIGITS}
+    mine = {sid: open_ready(s, sid, spec) for sid, spec in specs.items()}
+    theirs = {sid: open_ready(ref, sid, spec) for sid, spec in specs.items()}
+    one = {sid: cl100k.encode(t) for sid, t in zip("abcd", "a1b2")}
+    two = {sid: cl100k.encode(t) for sid, t in zip("abcd", "c3d4")}
+    first = s.send_request(columnar([(mine[x][0], mine[x][1] + 1, one[x]) for x in "abcd"]))
+    ref.send_request(columnar([(theirs[x][0], theirs[x][1] + 1, one[x]) for x in "abcd"]))
+    outside = 1 << 30
+    mixed = [(mine["a"][0], mine["a"][1] + 2, two["a"]),
+             (987654, 1, two["a"]),                                   # a handle never given
+             (mine["b"][0], mine["b"][1] + 1, one["b"]),              # b's step 1 again: a repeat
+             (mine["c"][0], mine["c"][1] + 2, [outside]),             # outside the vocabulary
+             (mine["d"][0], mine["d"][1] + 2, two["d"])]
+    r = s.send_request(columnar(mixed))
+    alone = ref.send_request(columnar([(theirs[x][0], theirs[x][1] + 2, two[x]) for x in "ad"]))
+    st, _ = statuses(r)
+    assert st == [pb.SEQ_STATUS_READY, pb.SEQ_STATUS_ERROR, pb.SEQ_STATUS_READY, pb.SEQ_STATUS_ERROR,
+                  pb.SEQ_STATUS_READY]
+    problems = {p.index: (p.code, p.reason) for p in r.problems}
+    assert sorted(problems) == [1, 3] and problems[1][0] == C.NOT_FOUND.value[0]
+    assert problems[3][0] == C.INVALID_ARGUMENT.value[0] and "outside the vocabulary" in problems[3][1]
+    rows, want = plain_rows(r), plain_rows(alone)
+    assert r.num_rows == 3 and rows[1] is None and rows[3] is None
+    assert np.array_equal(rows[0], want[0]) and np.array_equal(rows[4], want[1])
+    assert np.array_equal(rows[2], plain_rows(first)[1])                 # b's row of step 1, kept
+    assert not np.array_equal(rows[0], rows[2])                          # letters and digits: in entry order
+    assert blocks == [True, True, True, True]     # the mixed part too: its plain entries were a block
+    after = s.send_request(columnar([(mine[x][0], mine[x][1] + 2, two[x]) for x in "bc"]))
+    assert statuses(after)[0] == [pb.SEQ_STATUS_READY, pb.SEQ_STATUS_READY]   # the refused ones changed nothing
+    s.close()
+    ref.close()
+
+
 def test_an_engine_fault_in_a_blocks_fill_costs_that_entry_only(server, stub, cl100k, blocks, monkeypatch):
     """The engine raises on one matcher of the block's fill: that sequence fails with INTERNAL,
     the others get their rows (dense, in order; a rank repeating the step gets the same) and step on."""
