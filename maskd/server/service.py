@@ -1,6 +1,6 @@
 """The gRPC MaskService: Info, RegisterGrammar and the Session stream.
 
-The reply path is one method, ``_reply``: the step protocol's outcome (results and rows) is
+The reply path is one method, ``_reply``: the step protocol's outcome (answers and rows) is
 encoded into a StepResponse, timed from the request's arrival to the encoded reply (that time is
 ``server_seconds`` and ``maskd_step_seconds``), and recorded in the metrics.
 """
@@ -147,7 +147,7 @@ class MaskServicer(pb_grpc.MaskServiceServicer):
 
     def _reply(self, outcome: StepOutcome, encoder: RowBlockEncoder, t0: tuple[float, float, float, float],
                want_forced: bool) -> pb.StepResponse:
-        """The one reply path: results, columnar answers and the encoded rows into a StepResponse,
+        """The one reply path: the step's answers (entries.write_answers) and the encoded rows into a StepResponse,
         timed and recorded (a slow step logged with its phases: slow_steps.py)."""
         reply = pb.StepResponse(words_per_row=self.engine.words_per_row, num_rows=len(outcome.rows))
         entries.write_answers(outcome.answers, reply, want_forced)

@@ -437,9 +437,10 @@ class Session:
     # -- phase 6: filling -------------------------------------------------------------------------
     def _fill(self, fill: list[Fill], replays: list[AnswerReplay], answers: StepAnswers, want_forced: bool, refusals,
               block: PlainBlock | None = None) -> tuple[np.ndarray, Callable[[], None] | None]:
-        """Rows in entry order (SeqStep entries first, then columnar ones by index; a plain block's
-        last): filled by the engine in one call, or copied from the kept answer of a repeat.
-        Entries that ask for drafts get them proposed first (drafts.py)."""
+        """Rows in entry order (SeqStep entries first, then columnar ones by index): filled by the
+        engine in one call (a plain block's after the others', then put in entry order where they
+        interleave), or copied from the kept answer of a repeat. Entries that ask for drafts get
+        them proposed first (drafts.py)."""
         fill = self._propose(fill, answers, refusals)
         jobs: list[Fill | AnswerReplay] = [*fill, *replays]
         jobs.sort(key=_entry_index)

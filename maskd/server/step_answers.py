@@ -23,7 +23,6 @@ import numpy as np
 from maskd.v1.contract import ACCEPTING_BIT, RESAMPLE_BIT, STATUS_MASK, Code, SeqStatus
 
 log = logging.getLogger("maskd.server.session")
-FLAG_BITS = ACCEPTING_BIT | RESAMPLE_BIT
 _NO_INPUTS: tuple = ((), 0, 0, False)        # drafts, rollback, propose, unmasked
 
 
