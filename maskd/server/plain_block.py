@@ -158,8 +158,9 @@ class PlainBlock:
 
     def kept_rows(self) -> tuple[list[int], list[int]]:
         """(handles, steps) of the entries whose rows this step filled: the ring's record of them."""
-        num_rows = self.answers.num_rows
-        keep = [j for j, i in enumerate(self.index) if num_rows[i]]
-        if len(keep) == len(self.handles):
+        answers = self.answers
+        if not answers.problems:       # no entry of the step refused or failed: every block entry has its row
             return self.handles, self.steps
+        num_rows = answers.num_rows
+        keep = [j for j, i in enumerate(self.index) if num_rows[i]]
         return [self.handles[j] for j in keep], [self.steps[j] for j in keep]

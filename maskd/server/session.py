@@ -49,7 +49,7 @@ from maskd.server.plain_block import PlainBlock
 from maskd.server.quotas import Quotas
 from maskd.server.row_buffers import RowBuffers
 from maskd.server.sequence import RECENT_STEPS, Kept, SequenceState, keep_answer, record_step
-from maskd.server.step_answers import StepAnswers, refused_all
+from maskd.server.step_answers import StepAnswers
 from maskd.server.step_routing import AnswerReplay, Fill, StepRouter
 from maskd.v1 import maskd_pb2 as pb
 from maskd.v1.contract import Code, GrammarState, SeqStatus
@@ -180,9 +180,9 @@ class Session:
     def refuse_all(self, request: pb.StepRequest, reason: str) -> StepOutcome:
         """Every entry refused with INTERNAL: the answer when a step failed in a way no phase caught."""
         refusals: collections.Counter = collections.Counter()
-        seqs = request.seqs
-        answers = refused_all(len(seqs) + len(request.handles) // 4, len(seqs), [m.seq_id for m in seqs],
-                              [m.step for m in seqs], refusals, reason)
+        answers = entries.answers_for(request)
+        for i in range(len(answers)):
+            answers.refuse(i, refusals, Code.INTERNAL, reason, kind="internal")
         return StepOutcome(answers, self.engine.allocate(0), refusals)
 
     def close_all(self) -> int:

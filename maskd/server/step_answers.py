@@ -182,11 +182,3 @@ def unanswered() -> StepAnswers:
     answers = StepAnswers(1)
     answers.status[0] = SeqStatus.WAITING
     return answers
-
-
-def refused_all(n: int, named: int, seq_ids: list[str], steps: list[int], refusals, reason: str) -> StepAnswers:
-    """Every entry refused with INTERNAL (a step that failed in a way no phase caught)."""
-    answers = StepAnswers(n, named, seq_ids, steps)
-    for i in range(n):
-        answers.refuse(i, refusals, Code.INTERNAL, reason, kind="internal")
-    return answers
