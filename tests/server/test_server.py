@@ -446,3 +446,33 @@ def test_a_slow_step_is_logged_with_its_phases_and_counted(server, stub, caplog,
     s.close()
     text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics").read().decode()
     assert f"maskd_slow_steps_total {float(server.service.slow_steps.count)}" in text
+
+
+def test_a_step_that_fails_where_no_phase_catches_refuses_every_entry_and_the_stream_lives(server, stub,
+                                                                                            monkeypatch):
+    """A bug no phase caught (here: the advance phase raises): every entry of that step, SeqStep and
+    columnar, is answered ERROR with INTERNAL and the reason; the stream and the session serve on."""
+    from test_columnar import open_ready
+
+    from maskd.server.session import Session
+
+    s = Stream(stub, session="uncaught")
+    handle, n, _ = open_ready(s, "u", {"regex": "[0-9]+"})
+
+    def broken(self, moving, answers, refusals):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(Session, "_advance", broken)
+    req = pb.StepRequest(seqs=[pb.SeqStep(seq_id="v", step=0, spec=pb.GrammarSpec(regex="[a-z]+"))],
+                         handles=np.array([handle, 12345], "<u4").tobytes(),
+                         steps=np.array([n + 1, 1], "<u4").tobytes(),
+                         token_counts=np.ones(2, "<u4").tobytes(), tokens=np.array([15, 15], "<i4").tobytes())
+    reply = s.send_request(req)
+    assert [(x.seq_id, x.status, x.code) for x in reply.results] == [("v", pb.SEQ_STATUS_ERROR, C.INTERNAL.value[0])]
+    assert "internal error: RuntimeError: a bug" in reply.results[0].reason
+    assert list(reply.statuses) == [pb.SEQ_STATUS_ERROR] * 2 and reply.num_rows == 0
+    assert [(p.index, p.code) for p in reply.problems] == [(0, C.INTERNAL.value[0]), (1, C.INTERNAL.value[0])]
+    monkeypatch.undo()
+    again = s.send(step("u", n + 1, tokens=[15]))      # the refused step changed nothing: it applies now
+    assert again.results[0].status == pb.SEQ_STATUS_READY
+    s.close()
