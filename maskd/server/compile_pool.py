@@ -148,15 +148,24 @@ class _Worker:
         self.ready = False
 
     def call(self, request: Any, timeout_s: float | None) -> Any:
-        """The worker's answer. ``timeout_s`` is of the worker's CPU time for this request (the
-        wall clock where /proc does not tell), with ``wall_limit`` of it as a backstop. While the
-        worker loads an engine on the way ("loading" ... "loaded": the fallback's secondary engine,
-        seconds on a busy machine) the request's clock stops and the load has ENGINE_LOAD_LIMIT_S;
-        it starts again, from zero, after the load."""
-        assert self.proc.stdin is not None and self.proc.stdout is not None
+        """The worker's answer (``send``, then ``receive``)."""
+        return self.receive(self.send(request, timeout_s))
+
+    def send(self, request: Any, timeout_s: float | None) -> _Budget:
+        """Writes the request; returns its time limit: ``timeout_s`` of the worker's CPU time (the
+        wall clock where /proc does not tell), with ``wall_limit`` of it as a backstop."""
+        assert self.proc.stdin is not None
         write_message(self.proc.stdin, request)
+        return _Budget(self.proc.pid, timeout_s)
+
+    def receive(self, budget: _Budget) -> Any:
+        """The answer to the request sent. While the worker loads an engine on the way
+        ("loading" ... "loaded": the fallback's secondary engine, seconds on a busy machine) the
+        request's clock stops and the load has ENGINE_LOAD_LIMIT_S; it starts again, from zero,
+        after the load."""
+        assert self.proc.stdout is not None
         fd = self.proc.stdout.fileno()
-        budget = _Budget(self.proc.pid, timeout_s)
+        limit_s = budget.limit_s
         while True:
             header = self._header(fd, budget)
             (size,) = _HEADER.unpack(header)
@@ -164,7 +173,7 @@ class _Worker:
             if message == ("loading", None):
                 budget = _Budget(self.proc.pid, ENGINE_LOAD_LIMIT_S)
             elif message == ("loaded", None):
-                budget = _Budget(self.proc.pid, timeout_s)
+                budget = _Budget(self.proc.pid, limit_s)
             else:
                 return message
 
@@ -253,50 +262,53 @@ class CompilePool:
                          "the grammar crashed its compile worker ({how}): it is nested or chained too deeply, "
                          "or too large, for this server")
 
-    def compile_many(self, specs: list[GrammarSpec], timeout_s: float) -> list[bytes | GrammarCompileError]:
-        """Each spec's serialized grammar or its error, the specs split over the workers (one
-        batch each, at once). A batch its worker does not survive (CompileCrashed) or finish in
-        ``timeout_s`` per spec (CompileTimeout) gives that error for each of its specs: compile
-        them one at a time to find the one at fault. A batch has one compile's time limit: pieces
-        compile in milliseconds, a limit is for the one that does not."""
+    def compile_many(self, specs: list[GrammarSpec], timeout_s: float, wait: bool = True) -> PendingCompiles | None:
+        """Sends the specs to the compile workers and returns at once; ``results()`` of what it
+        returns waits for each spec's serialized grammar or its error, in order (the caller does
+        its own part meanwhile: a tool-call array's router is built while the workers compile its
+        new pieces). The specs are split over the idle workers, one batch each (at least one: it
+        waits for one where none is idle, and never holds one while it waits for another). A
+        batch its worker does not survive (CompileCrashed) or finish in ``timeout_s`` per spec
+        (CompileTimeout) gives that error for each of its specs: compile them one at a time to
+        find the one at fault. A batch has one compile's time limit: pieces compile in
+        milliseconds, a limit is for the one that does not. With ``wait`` False: None where no
+        worker is idle."""
         if not specs:
-            return []
-        n = max(1, min(self.workers, len(specs)))
+            return PendingCompiles(self, [], [], timeout_s)
+        first = self._take() if wait else self._take_idle()
+        if first is None:
+            return None
+        workers = [first]
+        while len(workers) < min(self.workers, len(specs)):
+            more = self._take_idle()
+            if more is None:
+                break
+            workers.append(more)
+        n = len(workers)
         chunks = [specs[i::n] for i in range(n)]
-        answers: list[Any] = [None] * n
+        sent = [self._send(w, ("compile_many", chunk), timeout_s) for w, chunk in zip(workers, chunks)]
+        return PendingCompiles(self, chunks, sent, timeout_s)
 
-        def run(i: int) -> None:
-            try:
-                answers[i] = self._batch(chunks[i], timeout_s)
-            except GrammarCompileError as exc:
-                answers[i] = exc
-
-        threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(1, n)]
-        for t in threads:
-            t.start()
-        run(0)
-        for t in threads:
-            t.join()
-        out: list[Any] = [None] * len(specs)
-        for i, answer in enumerate(answers):
-            for k, result in enumerate(answer if isinstance(answer, list) else [answer] * len(chunks[i])):
-                if isinstance(result, tuple):
-                    kind, value = result
-                    result = value if kind == "ok" else GrammarCompileError(value)
-                out[i + k * n] = result
-        return out
-
-    def _batch(self, specs: list[GrammarSpec], timeout_s: float) -> list[tuple[str, Any]]:
-        return self._ask(("compile_many", specs), timeout_s, f"a batch of {len(specs)} grammars",
-                         f"a batch of {len(specs)} grammars exceeded {timeout_s:g} s (stopped)",
-                         "a batch of grammars crashed its compile worker ({how})")
+    def _send(self, worker: _Worker, request: tuple[str, Any], timeout_s: float) -> tuple[_Worker, Any]:
+        """(the worker, its request's budget, or the error that writing the request raised)."""
+        try:
+            return worker, worker.send(request, timeout_s)
+        except (OSError, ValueError) as exc:      # the worker is gone: answered as a crash
+            return worker, exc
 
     def _ask(self, request: tuple[str, Any], timeout_s: float, what: str, timed_out: str, crashed: str) -> Any:
-        """One request to an idle worker: its answer, or the worker killed (a timeout) or replaced
-        (a crash) and CompileTimeout / CompileCrashed raised (``crashed`` is formatted with how)."""
-        worker = self._take()
+        """One request to an idle worker: its answer (``_answer``)."""
+        return self._answer(self._send(self._take(), request, timeout_s), what, timed_out, crashed)
+
+    def _answer(self, sent: tuple[_Worker, Any], what: str, timed_out: str, crashed: str) -> Any:
+        """A sent request's answer, the worker given back; or the worker killed (a timeout) or
+        replaced (a crash) and CompileTimeout / CompileCrashed raised (``crashed`` is formatted
+        with how)."""
+        worker, budget = sent
         try:
-            kind, value = worker.call(request, timeout_s)
+            if isinstance(budget, Exception):
+                raise budget
+            kind, value = worker.receive(budget)
         except TimeoutError:
             self.timeouts += 1
             worker.kill()
@@ -312,6 +324,11 @@ class CompilePool:
         if kind == "error":
             raise GrammarCompileError(value)
         return value
+
+    def _take_idle(self) -> _Worker | None:
+        """An idle worker, or None where none is idle now."""
+        with self._cond:
+            return self._idle.popleft() if self._idle and not self._closed else None
 
     def _take(self) -> _Worker:
         with self._cond:
@@ -349,6 +366,34 @@ class CompilePool:
             self._cond.notify_all()
         for worker in idle:
             worker.kill()
+
+
+class PendingCompiles:
+    """Batches of specs sent to compile workers, answered by ``results()`` (called once: it gives
+    each worker back, or replaces it)."""
+
+    def __init__(self, pool: CompilePool, chunks: list[list[GrammarSpec]], sent: list[tuple[_Worker, Any]],
+                 timeout_s: float) -> None:
+        self.pool, self.chunks, self.sent, self.timeout_s = pool, chunks, sent, timeout_s
+
+    def results(self) -> list[bytes | GrammarCompileError]:
+        """Each spec's serialized grammar or its error, in the order they were given."""
+        n = len(self.chunks)
+        out: list[Any] = [None] * sum(len(c) for c in self.chunks)
+        for i, (chunk, sent) in enumerate(zip(self.chunks, self.sent)):
+            try:
+                answer: Any = self.pool._answer(
+                    sent, f"a batch of {len(chunk)} grammars",
+                    f"a batch of {len(chunk)} grammars exceeded {self.timeout_s:g} s (stopped)",
+                    "a batch of grammars crashed its compile worker ({how})")
+            except GrammarCompileError as exc:
+                answer = [exc] * len(chunk)
+            for k, result in enumerate(answer):
+                if isinstance(result, tuple):
+                    kind, value = result
+                    result = value if kind == "ok" else GrammarCompileError(value)
+                out[i + k * n] = result
+        return out
 
 
 _POOLS: dict[tuple, CompilePool] = {}

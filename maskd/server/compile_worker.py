@@ -32,11 +32,24 @@ def main(argv: list[str]) -> int:
     json_schema_mode = argv[4] if len(argv) > 4 else "strict"
     nice = int(argv[5]) if len(argv) > 5 else 0
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    lowered = False
     out = os.fdopen(os.dup(1), "wb")        # the answers' channel ...
     os.dup2(2, 1)                           # ... and stdout (prints of any library) goes to stderr
-    inp = sys.stdin.buffer.fileno()
     threading.stack_size(stack)
+    status: list[int] = []
+    # One thread of STACK bytes serves every request (a thread started per request cost its start
+    # and a 64 MB stack's mapping on each compile's round trip).
+    thread = threading.Thread(target=lambda: status.append(_serve_all(backend, tokenizer, width, json_schema_mode,
+                                                                      nice, out)),
+                              name="maskd-compile-worker")
+    thread.start()
+    lower_priority(nice, thread=True)      # this thread only waits (the serving one lowers itself once warm)
+    thread.join()
+    return status[0] if status else 1
+
+
+def _serve_all(backend: str, tokenizer: str, width: int | None, json_schema_mode: str, nice: int, out) -> int:
+    inp = sys.stdin.buffer.fileno()
+    lowered = False
     engine: Any = None
 
     def load():
@@ -56,14 +69,12 @@ def main(argv: list[str]) -> int:
             return 0
         kind, payload = pickle.loads(read_exact(inp, size, None))
         if not lowered and not (kind == "warm" and payload):
-            lower_priority(nice)            # compiles take only what the server's step path leaves
+            lower_priority(nice, thread=True)   # compiles take only what the server's step path leaves
             lowered = True
         answer: list[Any] = []
-        thread = threading.Thread(target=_serve, args=(load, kind, payload, answer), name="maskd-compile-worker")
-        thread.start()
-        thread.join()
+        _serve(load, kind, payload, answer)
         if not lowered:                     # loaded at once (at the start, where nothing waits on a step)
-            lower_priority(nice)
+            lower_priority(nice, thread=True)
             lowered = True
         try:
             write_message(out, answer[0])

@@ -26,6 +26,7 @@ from maskd.server.compile_pool import (
     CompileCrashed,
     CompilePool,
     CompileTimeout,
+    PendingCompiles,
     wall_limit,
 )
 from maskd.server.engines import CompiledGrammar, Engine, GrammarCompileError
@@ -58,6 +59,18 @@ class CacheEntry:
     size: int = 0                   # bytes counted against the cache's limit
     drafting: bool = False          # a sequence asked for grammar drafts: its sequences teach the drafter
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    pieces: _PendingPieces | None = None   # a composed array's pieces, started at its lookup
+
+
+@dataclasses.dataclass
+class _PendingPieces:
+    """A composed array's pieces between ``_start_pieces`` and ``_end_pieces``: all of them in
+    order, those this compile owns, and what was sent to the compile workers for them (None:
+    nothing yet, or no pool; an exception: sending failed)."""
+    entries: list[CacheEntry]
+    mine: list[CacheEntry]
+    sent: PendingCompiles | BaseException | None
+    t0: float
 
 
 class SharedGrammarStore(Protocol):
@@ -140,9 +153,11 @@ class GrammarCache:
                                json_schema_mode=self.engine.json_schema_mode)
 
     # -- lookups ----------------------------------------------------------------------------------
-    def lookup(self, spec: GrammarSpec, tenant: str = "") -> CacheEntry:
+    def lookup(self, spec: GrammarSpec, tenant: str = "", start_pieces: bool = False) -> CacheEntry:
         """The entry for a spec, queueing its compile if it is new. Never blocks on a compile;
-        raises QueueFull when the tenant's (or the server's) compile queue is full."""
+        raises QueueFull when the tenant's (or the server's) compile queue is full. With
+        ``start_pieces`` (a register's thread, not a stream's: the step path does no compile's work),
+        a new composed array's new pieces go to a compile worker at once where one is idle."""
         gid = self.grammar_id(spec)
         with self._lock:
             entry = self._entries.get(gid)
@@ -165,7 +180,20 @@ class GrammarCache:
             log.debug("grammar %s (%s, tenant %r): queued", gid, spec.kind, tenant)
             entry = CacheEntry(gid, spec, tenant)
             self._entries[gid] = entry
-            self._enqueue(entry)
+            parts = (self.engine.composed_parts(spec) if start_pieces and self.pool is not None and self.shared is None
+                     else None)
+            if parts is None:
+                self._enqueue(entry)
+                self._evict()
+                return entry
+        # A composed array's new pieces go to an idle compile worker now, while the array waits for a
+        # compile thread (the queue's hop, and the thread's own work before it would send them).
+        entry.pieces = self._start_pieces(spec, parts.pieces, tenant, wait=False)
+        with self._lock:
+            if self._closed:
+                self._finish(entry, None, "the server is shutting down", 0.0)
+            else:
+                self._enqueue(entry)
             self._evict()
         return entry
 
@@ -311,29 +339,34 @@ class GrammarCache:
     # -- tool-call arrays composed from per-tool pieces (engines/tool_calls.py) ---------------------
     def _composed(self, entry: CacheEntry, t0: float) -> bool:
         """A ``tool_choice: "required"`` array made of its tools' pieces, each a grammar of this cache
-        (compiled once, here or by another replica through the shared store), and a router compiled
-        here meanwhile. False where the engine does not compose, or a piece does not compile alone
-        or only as a relaxation: the array is then compiled whole (which names the error, if any).
-        An array of new tools composes too: its pieces, in the compile workers at once, are ready
-        sooner than one whole compile (200 tools 98-103 against 192-293 ms;
-        docs/decisions/0013-tool-call-pieces.md)."""
+        (compiled once, here or by another replica through the shared store), and a router built
+        here while the compile workers compile the pieces it lacks. False where the engine does not
+        compose, or a piece does not compile alone or only as a relaxation: the array is then
+        compiled whole (which names the error, if any). An array of new tools composes too: its
+        pieces, in the compile workers at once, are ready sooner than one whole compile (200 tools
+        98-103 against 192-293 ms; docs/decisions/0013-tool-call-pieces.md)."""
         parts = self.engine.composed_parts(entry.spec)
         if parts is None:
             return False
-        routed: list = []
-        router = threading.Thread(target=self._route, args=(entry.spec, parts, routed), daemon=True,
-                                  name="maskd-compile-router")
-        router.start()
-        pieces = self._pieces(entry.spec, parts.pieces, entry.tenant)
-        router.join()
+        pending, entry.pieces = entry.pieces, None
+        if pending is None:
+            pending = self._start_pieces(entry.spec, parts.pieces, entry.tenant)
+        try:
+            # On this thread, while the workers compile: a router built on a thread of its own beside
+            # this one's Python waited for the GIL at each of llguidance's phases (1.9-2.1 ms for a
+            # 0.8 ms build; docs/decisions/0016-tool-call-router.md).
+            router: object = self.engine.router(entry.spec, parts)
+        except Exception as exc:
+            router = exc
+        pieces = self._end_pieces(pending)
         compiled = None
         grammars = [p.compiled for p in pieces if p.compiled is not None]
-        if routed and not isinstance(routed[0], Exception) and len(grammars) == len(pieces):
-            compiled = self.engine.compose(entry.spec, parts, grammars, routed[0])
+        if not isinstance(router, Exception) and len(grammars) == len(pieces):
+            compiled = self.engine.compose(entry.spec, parts, grammars, router)
         if compiled is None:
-            if routed and isinstance(routed[0], Exception):
+            if isinstance(router, Exception):
                 log.warning("grammar %s: the tool-call router does not compile (%s); compiling the array whole",
-                            entry.grammar_id, routed[0])
+                            entry.grammar_id, router)
             return False
         seconds = time.perf_counter() - t0
         self.compiles += 1
@@ -343,12 +376,6 @@ class GrammarCache:
         with self._lock:
             self._finish(entry, compiled, "", seconds)
         return True
-
-    def _route(self, spec: GrammarSpec, parts, out: list) -> None:
-        try:
-            out.append(self.engine.router(spec, parts))
-        except Exception as exc:
-            out.append(exc)
 
     def _piece_id(self, spec: GrammarSpec, text: str) -> str:
         """The id of the piece of ``text`` in ``spec``'s array (kept: the same tools come again)."""
@@ -362,10 +389,12 @@ class GrammarCache:
                     del self._piece_ids[next(iter(self._piece_ids))]
         return gid
 
-    def _pieces(self, spec: GrammarSpec, texts: tuple[str, ...], tenant: str) -> list[CacheEntry]:
+    def _start_pieces(self, spec: GrammarSpec, texts: tuple[str, ...], tenant: str,
+                      wait: bool = True) -> _PendingPieces:
         """The pieces of ``spec``'s tools (their parameters ``texts``), in order: found in this
-        cache or the shared store, else compiled on this thread now, together (not queued behind the
-        array that needs them), or waited for where another thread compiles them."""
+        cache or the shared store; those neither has sent to the compile workers now, together (not
+        queued behind the array that needs them; with ``wait`` False only where a worker is idle,
+        else by ``_end_pieces``); others' compiles waited for in ``_end_pieces``."""
         ids = [self._piece_id(spec, t) for t in texts]
         entries: list[CacheEntry] = []
         mine: list[CacheEntry] = []
@@ -393,36 +422,52 @@ class GrammarCache:
         if self.metrics is not None:
             self.metrics.tool_pieces.labels("cached").inc(len(entries) - len(mine))
             self.metrics.tool_pieces.labels("compiled").inc(len(mine))
-        if mine:
-            self._compile_pieces_or_fail(mine)
-        return [self.wait(e) if e.state is GrammarState.COMPILING else e for e in entries]
+        pending = _PendingPieces(entries, mine, None, time.perf_counter())
+        if mine and self.pool is not None:
+            self._send_pieces(pending, wait)
+        return pending
 
-    def _compile_pieces_or_fail(self, entries: list[CacheEntry]) -> None:
-        """``_compile_pieces``, where a failure must still finish every entry (other requests may
-        wait for them; the next lookup compiles them again) and the array then compiles whole."""
+    def _send_pieces(self, pending: _PendingPieces, wait: bool = True) -> None:
+        assert self.pool is not None
         try:
-            self._compile_pieces(entries)
+            pending.sent = self.pool.compile_many([e.spec for e in pending.mine], self.compile_timeout_s, wait=wait)
         except Exception as exc:
-            log.exception("compiling %d tool pieces failed", len(entries))
-            with self._lock:
-                for entry in entries:
-                    if not entry.done.is_set():
-                        self._finish(entry, None, f"internal compile error: {type(exc).__name__}: {exc}", 0.0)
-                        if self._entries.get(entry.grammar_id) is entry:
-                            self._remove(entry)
+            pending.sent = exc
 
-    def _compile_pieces(self, entries: list[CacheEntry]) -> None:
-        """Pieces compiled in one batch per compile worker (a batch a worker does not survive is
-        compiled again one piece at a time, so that only the piece at fault fails). A piece's
-        matcher is built when a call first needs it: a request names 200 tools and calls one or two
-        of them."""
+    def _end_pieces(self, pending: _PendingPieces) -> list[CacheEntry]:
+        """The pieces ``_start_pieces`` found or sent, each finished: the workers' answers loaded
+        (a batch a worker does not survive is compiled again one piece at a time, so that only the
+        piece at fault fails; a failure finishes every piece sent, as other requests may wait for
+        them and the next lookup compiles them again), others' compiles waited for."""
+        if pending.mine:
+            try:
+                self._load_pieces(pending)
+            except Exception as exc:
+                log.exception("compiling %d tool pieces failed", len(pending.mine))
+                with self._lock:
+                    for entry in pending.mine:
+                        if not entry.done.is_set():
+                            self._finish(entry, None, f"internal compile error: {type(exc).__name__}: {exc}", 0.0)
+                            if self._entries.get(entry.grammar_id) is entry:
+                                self._remove(entry)
+        return [self.wait(e) if e.state is GrammarState.COMPILING else e for e in pending.entries]
+
+    def _load_pieces(self, pending: _PendingPieces) -> None:
+        """The workers' pieces loaded (a piece's matcher is built when a call first needs it: a
+        request names 200 tools and calls one or two of them) and published to the shared store;
+        compiled here one by one without a pool."""
+        entries = pending.mine
         if self.pool is None:
             for entry in entries:
                 self._compile(entry)
             return
-        t0 = time.perf_counter()
-        results = self.pool.compile_many([e.spec for e in entries], self.compile_timeout_s)
-        seconds = (time.perf_counter() - t0) / len(entries)
+        if pending.sent is None:      # no worker was idle when they were found
+            self._send_pieces(pending)
+        if isinstance(pending.sent, BaseException):
+            raise pending.sent
+        assert isinstance(pending.sent, PendingCompiles)
+        results = pending.sent.results()
+        seconds = (time.perf_counter() - pending.t0) / len(entries)
         published = []
         for entry, result in zip(entries, results):
             if isinstance(result, (CompileCrashed, CompileTimeout)):

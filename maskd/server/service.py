@@ -90,7 +90,7 @@ class MaskServicer(pb_grpc.MaskServiceServicer):
         if problem:
             self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "grammar_too_large", problem)
         try:
-            entry = self.cache.lookup(spec, tenant)
+            entry = self.cache.lookup(spec, tenant, start_pieces=True)
         except QueueFull as exc:
             self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "compile_queue_full", str(exc))
         if request.wait and self._blocking_registers.acquire(blocking=False):
