@@ -363,6 +363,71 @@ def test_a_name_outside_the_set_is_refused_where_it_leaves_the_names(named, deep
         refused = m.consume(tokens)
         assert refused is not None and "tool-call array" in refused, (wrong, refused)
 
+
+# Many names with long shared starts, as real tool sets have (BFCL_java_25, BFCL_javascript_17,
+# Glaive's search_news_<hash>): the router takes any string there and the composed matcher holds the
+# name to the set, so its rows and forced tokens inside the names are the set's own, built from the
+# names (not a router compiled per set).
+FAMILIES = ["BFCL_java_", "BFCL_javascript_", "BFCL_parallel_", "BFCL_simple_", "Glaiveai2K---search_news_",
+            "Glaiveai2K---search_product_", "get_", "get_weather"]
+
+
+def many_names(count: int, rng: random.Random) -> list[str]:
+    names: set[str] = set()
+    while len(names) < count:
+        family = rng.choice(FAMILIES)
+        names.add(family + (rng.choice(["", str(rng.randrange(200)), f"{rng.randrange(1 << 16):04x}"])
+                            or "x"))
+    return sorted(names)
+
+
+@pytest.fixture(scope="module", params=["flexible", "compact"])
+def many_named(request, deepseek):
+    names = many_names(60, random.Random(11))
+    engine = LLGuidanceEngine(deepseek, threads=1, json_schema_mode="complete")
+    spec = GrammarSpec.from_request({"tools": named_tools(names), "tool_choice": "required",
+                                     "whitespace": request.param})
+    parts = engine.composed_parts(spec)
+    composed = engine.compose(spec, parts, [engine.compile(engine.piece_spec(spec, t)) for t in parts.pieces])
+    assert composed is not None and composed.handle.names is not None
+    return (engine, engine.compile(dataclasses.replace(spec, parts=None)), composed, request.param), names
+
+
+def test_sixty_names_with_long_shared_starts_give_the_whole_grammars_rows_and_forced_tokens(many_named, deepseek):
+    grammars, names = many_named
+    rng = random.Random(12)
+    assert valid_outputs(grammars, deepseek, rng, [named_call(names, n) for n in rng.sample(names, 12)],
+                         forced=True) > 400
+    random_walks(grammars, deepseek.ll, walks=40, steps=14, choose=lambda allowed: int(rng.choice(allowed)),
+                 forced=True)
+
+
+def test_one_router_serves_every_set_of_names(deepseek):
+    """The router depends on the bound and the whitespace, not on the names: a new set of tools is
+    composed from the router the server has (a 200-name router was 0.8 ms of llguidance per set)."""
+    engine = LLGuidanceEngine(deepseek, threads=1, json_schema_mode="strict")
+    specs = [GrammarSpec.from_request({"tools": named_tools(names), "tool_choice": "required"})
+             for names in (PREFIXED, SPACED, ["other"])]
+    routers = {id(engine.router(spec, engine.composed_parts(spec))) for spec in specs}
+    assert len(routers) == 1
+    single = GrammarSpec.from_request({"tools": named_tools(SPACED), "tool_choice": "required",
+                                       "parallel_tool_calls": False})
+    assert id(engine.router(single, engine.composed_parts(single))) not in routers
+
+
+def test_a_name_json_writes_with_an_escape_makes_the_array_compile_whole(deepseek):
+    """The composed matcher matches a name's bytes as they are: a name with a '"', a backslash or a
+    control character (which JSON writes escaped) is not composed, and the whole grammar serves it."""
+    engine = LLGuidanceEngine(deepseek, threads=1, json_schema_mode="strict")
+    for odd in ('say "hi"', "back\\slash", "tab\there"):
+        spec = GrammarSpec.from_request({"tools": named_tools(["plain", odd]), "tool_choice": "required"})
+        parts = engine.composed_parts(spec)
+        assert engine.compose(spec, parts, [engine.compile(engine.piece_spec(spec, t)) for t in parts.pieces]) is None
+        whole = engine.new_matcher(engine.compile(dataclasses.replace(spec, parts=None)))
+        call = json.dumps([{"name": odd, "parameters": {"q": "x"}}])
+        assert whole.consume(deepseek.ll.tokenize_bytes(call.encode())) is None, odd
+
+
 # -- through a real server ------------------------------------------------------------------------
 SHAPES = [
     lambda i: {"type": "object", "properties": {f"city_{i}": {"type": "string"}, "days": {"type": "integer"}},

@@ -36,6 +36,8 @@ from maskd.server.engines.tool_calls import (
     boundary_tables,
     fill_rows,
     fill_with_drafts,
+    name_set,
+    plain_names,
 )
 from maskd.server.json_schema import (
     CallArrayChecker,
@@ -485,10 +487,16 @@ class LLGuidanceEngine(Engine):
                 return None
             if checker is not None:
                 validators[name] = checker.validator
+        tables = boundary_tables(self.tokenizer, self.words_per_row)
+        names = None
+        if isinstance(parts, ToolCallParts):
+            if not plain_names(parts.names):
+                return None      # a name with a '"', a backslash or a control character: compiled whole
+            names = name_set(parts.names)
+            names.prepare(tables)
         text, prototype = router or self.router(spec, parts)
-        handle = ComposedGrammar(prototype, text, {n: Piece.of(p) for n, p in zip(parts.names, pieces)},
-                                 boundary_tables(self.tokenizer, self.words_per_row),
-                                 compact=spec.whitespace == "compact")
+        handle = ComposedGrammar(prototype, text, {n: Piece.of(p) for n, p in zip(parts.names, pieces)}, tables,
+                                 compact=spec.whitespace == "compact", names=names)
         checker = CallArrayChecker(validators, self.tokenizer) if validators else None
         if isinstance(parts, TemplateParts):
             handle.scanner = functools.partial(HoleScanner, hole_tree(parts.paths))
@@ -497,9 +505,9 @@ class LLGuidanceEngine(Engine):
         return CompiledGrammar(spec, handle, time.perf_counter() - t0, checker=checker)
 
     def router(self, spec: GrammarSpec, parts: ToolCallParts | TemplateParts) -> tuple[str, _Prototype]:
-        """The router: its grammar and prototype, kept for the last arrays' name sets (a set, not a
-        sequence: the same tools in another order are a new array, composed from the pieces and the
-        router it already has) and the last templates (one router for any arguments)."""
+        """The router: its grammar and prototype, kept by what it depends on: a call array's bound
+        and whitespace (its names are the composed matcher's: one router serves every set of
+        tools) and the last templates (one router for any arguments)."""
         key = (parts.router_key(), spec.whitespace, spec.max_whitespace)
         with self._routers_lock:
             found = self._routers.get(key)
