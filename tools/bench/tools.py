@@ -19,10 +19,11 @@ set drawn afresh:
   - ``same``: the same request again (a cache hit: nothing to compile or compose; what any request
     of that size costs the client, the wire and the first step, so the floor under ``shuffled``);
   - ``reordered``: the same tools in another order: a new array (its text and grammar id are new),
-    composed from the pieces and the router (built per set of names) the server has;
+    composed from the pieces and the router (one for every set of names) the server has;
   - ``shuffled``: all of the cold set's tools but one, in another order, plus one never seen: a
-    new array, which the server composes from the pieces it has (one per tool's parameters) and
-    the new tool's, with a router compiled for its names (issue 19's target: <= 5 ms at 200 tools).
+    new array, which the server composes from the pieces it has (one per tool's parameters), the
+    new tool's and its router (issue 19's target: <= 5 ms at 200 tools; issue 46's: within the
+    ``same`` request's + 2 ms).
 
   The cold set's register returns once its pieces are compiled, so no compile of them runs
   beside ``same`` and ``shuffled``.
@@ -54,14 +55,16 @@ SCENARIO_TITLES = {"cold": "maskd, cold", "same": "maskd, same set (cache hit)",
 DEFAULT_TOOLS, QUICK_TOOLS = "10,50,200", "10,50"
 DEFAULT_ROUNDS, QUICK_ROUNDS = 5, 2
 TARGET_MS = 5.0
+SAME_SET_MARGIN_MS = 2.0     # issue 46: shuffled within the same set's cache hit + 2 ms
 STEPS = ("spec", "register", "first_step")   # where a first row's time goes, as first_row() times it
 FLOOR_REQUEST = {"regex": "[0-9]+"}    # a grammar of one line, held by the server: nothing to build or compose
 FLOOR_TITLE = 'a one-line grammar the server holds (`{"regex": "[0-9]+"}`)'
 SERVER_KINDS = {"embedded": "MaskServer embedded in the bench's process",
                 "subprocess": "`maskd serve` in a process of its own"}
 BASELINE_NOTE = ("'shuffled' (all tools but one known, in another order, one new) is a new array composed from "
-                 "the known tools' pieces, the new tool's piece and a router for its names (before per-tool "
-                 "pieces it was compiled whole); issue 19's target: a 200-tool request ready in <= 5 ms")
+                 "the known tools' pieces, the new tool's piece and the router the server holds (one for every "
+                 "set of names; before per-tool pieces it was compiled whole); issue 19's target: a 200-tool "
+                 "request ready in <= 5 ms; issue 46's: within the same set's cache hit + 2 ms")
 
 
 def add_arguments(p) -> None:
@@ -333,16 +336,23 @@ def _stats(samples: list[dict[str, float]], key: str) -> dict:
 
 
 def _targets(results: list[dict], floor: dict) -> dict:
+    """Issue 19's (a 200-tool request, all but one known, shuffled, ready in 5 ms; below this
+    machine's floor: docs/decisions/0017-tool-request-floor.md) and issue 46's restatement of it
+    against the machine (within the same set's cache hit + 2 ms)."""
     for x in results:
         if x["tools"] == 200 and x["server"]["shuffled"]["first_row_ms"]["n"]:
             p50 = x["server"]["shuffled"]["first_row_ms"]["p50"]
             found = {"p50_ms": p50, "met": p50 <= TARGET_MS}
+            targets = {"n200_all_but_one_known_shuffled_first_row_at_most_5ms": found}
             same = x["server"]["same"]["first_row_ms"]
             if same.get("n"):   # the cache hit of the same size: what no composing takes off
                 found["same_set_cache_hit_p50_ms"] = same["p50"]
+                targets["n200_shuffled_first_row_within_2ms_of_the_same_sets"] = {
+                    "p50_ms": p50, "same_set_p50_ms": same["p50"], "over_ms": p50 - same["p50"],
+                    "met": p50 - same["p50"] <= SAME_SET_MARGIN_MS}
             if floor.get("n"):      # any request's first row through this server
                 found["server_floor_p50_ms"] = floor["p50"]
-            return {"n200_all_but_one_known_shuffled_first_row_at_most_5ms": found}
+            return targets
     return {}
 
 
