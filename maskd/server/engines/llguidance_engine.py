@@ -492,7 +492,7 @@ class LLGuidanceEngine(Engine):
         if isinstance(parts, ToolCallParts):
             if not plain_names(parts.names):
                 return None      # a name with a '"', a backslash or a control character: compiled whole
-            names = name_set(parts.names)
+            names = name_set(parts.names, tables)
             names.prepare(tables)
         text, prototype = router or self.router(spec, parts)
         handle = ComposedGrammar(prototype, text, {n: Piece.of(p) for n, p in zip(parts.names, pieces)}, tables,
