@@ -418,8 +418,8 @@ class NameSet:
 
 
 _NO_TOKENS = np.zeros(0, dtype=np.int64)
-_NAME_ROWS_KEPT = 64          # rows kept per set of names (16 KB each at 129k tokens)
-_NAME_SETS_KEPT = 32          # the sets whose rows are kept: 32 MB at most at 129k tokens
+_NAME_ROWS_KEPT = 16          # rows kept per set of names, 16 KB each at 129k tokens (a call passes a few)
+_NAME_SETS_KEPT = 32          # the sets kept here besides those the cache's grammars hold
 _NAME_SETS: collections.OrderedDict[tuple[int, frozenset], NameSet] = collections.OrderedDict()
 _NAME_SETS_LOCK = threading.Lock()
 
