@@ -152,20 +152,22 @@ class GrammarSpec:
         """The spec as plain data (strings, ints, bools, lists), read back by :meth:`from_plain`
         without parsing any JSON: how a vLLM API server hands the spec it admitted to its engine
         core (a 200-tool array costs ~5 ms to build from the request again)."""
-        plain: dict[str, Any] = {"kind": self.kind, "text": self.text, "whitespace": self.whitespace,
+        plain: dict[str, Any] = {"kind": self.kind, "whitespace": self.whitespace,
                                  "reasoning": [self.reasoning_start, self.reasoning_end],
                                  "max_whitespace": self.max_whitespace}
         if self.parts is not None:
-            plain.update(self.parts.to_plain())
+            plain.update(self.parts.to_plain())     # the text is the parts' (a 200-tool array's: once, not twice)
+        else:
+            plain["text"] = self.text
         return plain
 
     @classmethod
     def from_plain(cls, plain: Any) -> GrammarSpec:
         """The spec :meth:`to_plain` wrote. Its texts are taken as they are (they were canonical
-        where they were written); a value of the wrong shape raises SpecError."""
+        where they were written; a spec with parts has its parts' text); a value of the wrong shape
+        raises SpecError."""
         try:
             start, end = plain["reasoning"]
-            fields = (plain["kind"], plain["text"], plain["whitespace"], start, end)
             tools, template = plain.get("tools"), plain.get("template")
             parts: Any = None
             if template is not None:
@@ -175,12 +177,14 @@ class GrammarSpec:
                 from maskd.tool_specs import ToolCallParts  # here: maskd.tool_specs imports this module
                 names, params = tuple(tools["names"]), tuple(tools["params"])
                 calls = parts = ToolCallParts(names, params, tools["defs"], tools["single"])
-                fields += (*names, *params, calls.defs)
+                if not all(isinstance(f, str) for f in (*names, *params, calls.defs)):
+                    raise TypeError("names, params and defs must be strings")
                 if len(names) != len(params) or not names or not isinstance(calls.single, bool):
                     raise TypeError("names and params are non-empty lists of one length, single a bool")
-            if not all(isinstance(f, str) for f in fields):
+            text = plain["text"] if parts is None else parts.schema_text()
+            if not all(isinstance(f, str) for f in (plain["kind"], text, plain["whitespace"], start, end)):
                 raise TypeError("texts must be strings")
-            return cls(plain["kind"], plain["text"], plain["whitespace"], start, end, plain["max_whitespace"], parts)
+            return cls(plain["kind"], text, plain["whitespace"], start, end, plain["max_whitespace"], parts)
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, SpecError):
                 raise

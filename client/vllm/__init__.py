@@ -59,12 +59,12 @@ import os
 
 from maskd_client.engine_env import EngineConfigError
 from maskd_client.vllm import common, compat, worker_apply
-from maskd_client.vllm.common import BACKEND, EXTRA_ARGS_KEY, REGISTERED_KEY, SPEC_KEY, KnownSpecs, spec_of
+from maskd_client.vllm.common import BACKEND, EXTRA_ARGS_KEY, REGISTERED_KEY, SPEC_KEY, STAND_IN, KnownSpecs, spec_of
 from maskd_client.vllm.compat import VllmCompatError
 from maskd_client.vllm.drafts import GrammarDrafts
 from maskd_client.vllm.engine_core import STEP_DEADLINE_ENV, MaskdStructuredOutputs, VllmMaskdGrammar, mask_stride
 
-__all__ = ["BACKEND", "EXTRA_ARGS_KEY", "REGISTERED_KEY", "SPEC_KEY", "STEP_DEADLINE_ENV", "GrammarDrafts",
+__all__ = ["BACKEND", "EXTRA_ARGS_KEY", "REGISTERED_KEY", "SPEC_KEY", "STAND_IN", "STEP_DEADLINE_ENV", "GrammarDrafts",
            "KnownSpecs", "MaskdStructuredOutputs", "VllmCompatError", "VllmMaskdGrammar", "mask_stride", "register",
            "spec_of"]
 

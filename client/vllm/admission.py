@@ -7,7 +7,6 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import functools
-import json
 import os
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +22,7 @@ from maskd_client.vllm.common import (
     EXTRA_ARGS_KEY,
     REGISTERED_KEY,
     SPEC_KEY,
+    STAND_IN,
     KnownSpecs,
     _configured,
     _serves_all,
@@ -122,10 +122,8 @@ def _admit(params: Any, model_config: Any, so_config: Any, tokenizer: Any) -> bo
         raise VLLMValidationError("structured outputs need a tokenizer (skip_tokenizer_init is set)")
     try:
         if xargs is not None:
-            params.structured_outputs = so = StructuredOutputsParams(
-                grammar=xargs if isinstance(xargs, str) else json.dumps(xargs))
-            so._backend = BACKEND
             spec = spec_of(params)
+            params.structured_outputs = so = StructuredOutputsParams(grammar=STAND_IN)
         else:
             # the engine's --structured-outputs-config options hold for maskd's requests too
             so.disable_any_whitespace |= bool(getattr(so_config, "disable_any_whitespace", False))
@@ -133,15 +131,18 @@ def _admit(params: Any, model_config: Any, so_config: Any, tokenizer: Any) -> bo
             so._backend = BACKEND
             spec = spec_of(params)
         assert spec is not None
-        if spec.kind == "json_schema" and isinstance(so.json, dict):
-            # what the engine core gets: one string, not a tree of objects to decode (vLLM's IPC),
-            # and the spec itself (below): it parses nothing of the request again
-            so.json = spec.text
+        so._backend = BACKEND
+        # What the engine core gets: the spec once, as plain data (it parses nothing again), and
+        # the constraint's text nowhere else (``STAND_IN``; vllm_xargs' text dropped)
+        for field in ("json", "regex", "grammar", "structural_tag"):
+            if getattr(so, field, None) is not None:
+                setattr(so, field, STAND_IN)
         marks: dict[str, Any] = {SPEC_KEY: spec.to_plain()}
         grammar_id = _admission().check(spec, model_config.get_vocab_size())
         if grammar_id:
             marks[REGISTERED_KEY] = grammar_id
-        params.extra_args = {**(params.extra_args or {}), **marks}
+        kept = {k: v for k, v in (params.extra_args or {}).items() if k != EXTRA_ARGS_KEY}
+        params.extra_args = {**kept, **marks}
     except (ValueError, EngineConfigError) as exc:
         if so is not None:
             so._backend = None

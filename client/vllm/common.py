@@ -17,6 +17,11 @@ EXTRA_ARGS_KEY = "maskd"
 REGISTERED_KEY = "maskd_registered"   # set by admission: the id of this request's grammar, which the server holds
 SPEC_KEY = "maskd_spec"               # set by admission: the spec it admitted, as plain data
 ADMISSION_KEYS = (REGISTERED_KEY, SPEC_KEY)   # admission's words, never a client's
+# What an admitted request's structured_outputs say in place of its constraint's text: the spec
+# travels once, as SPEC_KEY (a 200-tool array's text is 141 KB, which vLLM's IPC carried to the
+# engine core three times, and its scheduler on to the worker). Not a constraint any backend
+# takes: anything that compiled it would fail, never run unconstrained.
+STAND_IN = "maskd: the constraint is this request's extra_args maskd_spec"
 BACKEND = "maskd"       # StructuredOutputsParams._backend of maskd's requests
 REQUESTS_ENV = "MASKD_VLLM_REQUESTS"
 log = logging.getLogger("maskd_client.vllm")
@@ -41,9 +46,13 @@ def _read_spec(value: Any) -> GrammarSpec:
 
 
 def spec_of(sampling_params: Any) -> GrammarSpec | None:
-    """The grammar a request asks maskd for: ``extra_args["maskd"]`` (a spec or its JSON text),
-    else its ``structured_outputs`` when they are maskd's. None: not a maskd request."""
+    """The grammar a request asks maskd for: the spec admission admitted (``SPEC_KEY``), else
+    ``extra_args["maskd"]`` (a spec or its JSON text), else its ``structured_outputs`` when they
+    are maskd's. None: not a maskd request."""
     extra = getattr(sampling_params, "extra_args", None) or {}
+    admitted = extra.get(SPEC_KEY)
+    if admitted is not None:
+        return GrammarSpec.from_plain(admitted)
     value = extra.get(EXTRA_ARGS_KEY)
     try:
         if value is not None:
@@ -52,6 +61,9 @@ def spec_of(sampling_params: Any) -> GrammarSpec | None:
             return _read_spec(value)
         so = getattr(sampling_params, "structured_outputs", None)
         if so is not None and getattr(so, "_backend", None) == BACKEND:
+            if STAND_IN in (so.json, so.regex, so.grammar, so.structural_tag):
+                raise SpecError("the request was admitted, but its spec (extra_args maskd_spec) is gone: "
+                                "it is read once, where the engine core takes the request in")
             return GrammarSpec.from_request(so)
     except SpecError as exc:
         where = f'vllm_xargs["{EXTRA_ARGS_KEY}"]' if value is not None else "structured_outputs"

@@ -176,8 +176,12 @@ class MaskdStructuredOutputs:
     def grammar(self, request: Any) -> concurrent.futures.Future:
         """A future of the request's VllmMaskdGrammar, done when the server has compiled its grammar."""
         marks = request.sampling_params.extra_args or {}
-        spec = GrammarSpec.from_plain(marks[SPEC_KEY]) if SPEC_KEY in marks else spec_of(request.sampling_params)
+        admitted = marks.get(SPEC_KEY)     # admission's spec: nothing of the request is parsed again
+        spec = GrammarSpec.from_plain(admitted) if admitted is not None else spec_of(request.sampling_params)
         assert spec is not None
+        # the spec stays here (the grammar holds it); the scheduler sends the request's params on to
+        # the worker, which needs none of it
+        marks.pop(SPEC_KEY, None)
         registered = marks.get(REGISTERED_KEY)
         if registered:
             self.known.add(spec, registered if isinstance(registered, str) else "")

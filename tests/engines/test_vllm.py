@@ -464,7 +464,8 @@ def _vllms_request(req_id: str, tag: int):
 def _ready(manager, requests) -> None:
     for request in requests.values():
         if common._is_maskd(request):
-            manager.grammar_init(request)
+            if request.structured_output_request._grammar is None:   # (vLLM inits a request's grammar once)
+                manager.grammar_init(request)
             request.structured_output_request._grammar.result(timeout=30)
             assert request.structured_output_request.is_grammar_ready
 
@@ -568,10 +569,12 @@ def test_the_engine_core_takes_the_spec_admission_built_and_parses_nothing(engin
     params = SamplingParams(structured_outputs=StructuredOutputsParams(json=schema), max_tokens=64)
     params._validate_structured_outputs(vocab(server), CONFIG, tokenizer=object())
     admitted = GrammarSpec.create("json_schema", schema)
-    # the schema goes on as one string (vLLM's IPC decodes no tree of objects), the spec as plain data
-    assert params.structured_outputs.json == admitted.text
+    # the spec goes on once, as plain data: the schema's text is not in the structured outputs
+    assert params.structured_outputs.json == plugin.STAND_IN and params.structured_outputs._backend == plugin.BACKEND
     assert params.extra_args[plugin.SPEC_KEY] == admitted.to_plain()
-    sent = MsgpackDecoder(SamplingParams).decode(MsgpackEncoder().encode(params))   # API server -> engine core
+    wire = MsgpackEncoder().encode(params)
+    assert sum(len(bytes(b)) for b in wire) < len(admitted.text) + 4096
+    sent = MsgpackDecoder(SamplingParams).decode(wire)   # API server -> engine core
 
     def parse_again(*args, **kwargs):
         raise AssertionError("the engine core parsed the request again")
@@ -581,8 +584,21 @@ def test_the_engine_core_takes_the_spec_admission_built_and_parses_nothing(engin
     engine.grammar_init(request)
     grammar = request.structured_output_request.grammar
     assert grammar.spec == admitted and grammar.spec.parts == admitted.parts
+    assert plugin.SPEC_KEY not in request.sampling_params.extra_args     # the worker gets none of it
     rows = engine.grammar_bitmask({"tools": request}, ["tools"], {})
     assert grammar.failure is None and grammar.opened and (rows[0] != -1).any()
+
+
+def test_an_admitted_request_whose_spec_is_gone_is_refused_not_read_from_the_stand_in(target, server):
+    # the engine core takes the spec out of the request as it reads it (the worker needs none of
+    # it); the structured outputs' stand-in is no constraint: read again, it is an error
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(regex="[0-9]{2}-stand-in"), max_tokens=8)
+    params._validate_structured_outputs(vocab(server), CONFIG, tokenizer=object())
+    assert params.structured_outputs.regex == plugin.STAND_IN
+    assert plugin.spec_of(params) == GrammarSpec.create("regex", "[0-9]{2}-stand-in")
+    del params.extra_args[plugin.SPEC_KEY]
+    with pytest.raises(ValueError, match=r"spec .* is gone"):
+        plugin.spec_of(params)
 
 
 def _server_rows(server, regex: str, tokens: list[int]) -> list:
