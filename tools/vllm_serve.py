@@ -57,6 +57,7 @@ class VllmServer:
         self.url = url
         self.proc = proc
         self.log = log
+        self.timeline: pathlib.Path | None = None     # where its processes stamp requests (bench --timeline)
 
     def post(self, body: Mapping[str, Any], path: str = "/v1/completions", timeout: float = 300) -> tuple[int, Any]:
         """(HTTP status, JSON body) of one request."""

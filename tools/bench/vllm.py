@@ -24,7 +24,8 @@ token and inter-token latency (between streamed chunks).
 while N requests with grammars never seen before arrive at once (a compile burst: vLLM compiles
 in its engine core's threads, maskd in its server): the decoding requests' tokens/s and ITL, the
 burst's TTFT. ``--profile S``: after the rounds, py-spy samples the engine core, the worker and
-the maskd server for S seconds while each mode decodes (vllm_profile.py).
+the maskd server for S seconds while each mode decodes (vllm_profile.py). ``--timeline``: each
+request's TTFT phase by phase, from stamps in vLLM's three processes (vllm_timeline.py).
 
 Placement: the maskd server (``maskd serve``, a child process, ``--json-schema-mode`` as a user
 runs it: complete by default) on ``--maskd-cpus``, vLLM's worker threads on ``--vllm-omp-cpus``
@@ -51,7 +52,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from maskd_tools.bench import common, vllm_drafts, vllm_http, vllm_quality, vllm_workloads
+from maskd_tools.bench import common, vllm_drafts, vllm_http, vllm_quality, vllm_timeline, vllm_workloads
 from maskd_tools.vllm_serve import MODEL  # the served model's name, whichever --model it is
 
 if TYPE_CHECKING:
@@ -115,6 +116,9 @@ def add_arguments(p) -> None:
     p.add_argument("--burst", type=int, default=0, metavar="N",
                    help="a compile-burst phase per round: N new grammars at once while the free-text workload "
                         "decodes (default 0: none)")
+    p.add_argument("--timeline", action="store_true",
+                   help="stamp each request's way through vLLM's three processes and maskd (vllm_timeline.py) and "
+                        "report its TTFT phase by phase (p50 per mode)")
     p.add_argument("--profile", type=float, default=0.0, metavar="SECONDS",
                    help="after the rounds, py-spy over the engine core, the worker and the maskd server for "
                         "SECONDS per mode (default 0: none)")
@@ -225,7 +229,8 @@ def run(args, log: Callable[[str], None] = print) -> dict:
                                 asked = mine[workload] if workload != "tools" or args.tool_sets == "held" \
                                     else vllm_workloads.tool_sets(tools_pool, args.tool_set, n,
                                                                   f"{engine_name}-{r}-{c}-{mode}")
-                                res = _drive(engine.url, mode, asked, c, n, max_tokens, compact=compact)
+                                res = _drive(engine.url, mode, asked, c, n, max_tokens, compact=compact,
+                                             timeline=engine.timeline)
                                 res.update(engine=engine_name, workload=workload, concurrency=c, round=r, mode=mode)
                                 report["runs"].append(res)
                                 log(f"{prog}: {engine_name} {workload} c={c} round {r} {mode}: "
@@ -290,12 +295,16 @@ def start_engine(args, out: pathlib.Path, server: common.ServerHandle, backend: 
     options = json.dumps({"backend": backend, "disable_any_whitespace": args.whitespace == "compact"})
     env = {"MASKD_TARGET": server.address, "MASKD_VLLM_REQUESTS": "xargs",
            "VLLM_CPU_OMP_THREADS_BIND": args.vllm_omp_cpus}
+    timeline = out / f"timeline-{name}" if getattr(args, "timeline", False) else None
+    if timeline is not None:
+        env[vllm_timeline.ENV] = str(timeline)
     real = args.model == "real"
     with vllm_engine(out, "--structured-outputs-config", options, "--max-num-seqs", str(seqs),
                      *(REAL_MODEL_ARGS if real else ()), *extra, *args.vllm_arg, env=env, name=name,
                      prefix=pathlib.Path(args.vllm_venv) if args.vllm_venv else None,
                      model=real_model_dir() if real else None,
                      cpus=[int(c) for c in args.vllm_cpus.split(",") if c.strip()] or None) as engine:
+        engine.timeline = timeline
         yield engine
 
 
@@ -354,9 +363,10 @@ def _profiles(engine, server, modes, schemas, workload, c, max_tokens, args, out
 
 def _drive(url: str, mode: str, schemas: list[dict], concurrency: int, n: int, max_tokens: int,
            streaming: threading.Event | None = None, stop: threading.Event | None = None,
-           compact: bool = True) -> dict:
+           compact: bool = True, timeline: pathlib.Path | None = None) -> dict:
     """``n`` requests (fewer once ``stop`` is set), ``concurrency`` at a time, request i asking for
-    ``schemas[i % len]``; ``streaming`` is set once a first token came back."""
+    ``schemas[i % len]``; ``streaming`` is set once a first token came back. ``timeline``: the
+    engine's stamps (``--timeline``), read into each request's TTFT phases (p50s: ``timeline``)."""
     def body(i: int) -> dict:
         return {"prompt": f"Request {i}: reply with the JSON asked for.", "max_tokens": max_tokens,
                 "temperature": 0.8, "seed": i, **vllm_http.constraint(mode, schemas[i % len(schemas)], compact)}
@@ -376,10 +386,13 @@ def _drive(url: str, mode: str, schemas: list[dict], concurrency: int, n: int, m
                 valid += validators[i % len(validators)].is_valid(json.loads(r["text"]))
             except ValueError:
                 pass
-    return {"requests": n, "wall_s": wall, "completion_tokens": tokens, "tokens_per_s": tokens / wall,
-            "ttft_ms": common.summarize(ttft), "itl_ms": common.summarize(itl), "valid": valid,
-            "structured": structured, "finish": vllm_http.count(r["finish"] for r in results),
-            "errors": [r["error"] for r in results if r["error"]]}
+    out = {"requests": n, "wall_s": wall, "completion_tokens": tokens, "tokens_per_s": tokens / wall,
+           "ttft_ms": common.summarize(ttft), "itl_ms": common.summarize(itl), "valid": valid,
+           "structured": structured, "finish": vllm_http.count(r["finish"] for r in results),
+           "errors": [r["error"] for r in results if r["error"]]}
+    if timeline is not None:
+        out["timeline"] = vllm_timeline.summarize(vllm_timeline.phases(vllm_timeline.read(timeline), results))
+    return out
 
 
 def _summarize(runs: list[dict]) -> list[dict]:
@@ -401,6 +414,9 @@ def _summarize(runs: list[dict]) -> list[dict]:
                      "itl_p99_ms": _over(max, rs, "itl_ms", "p99"),
                      "valid": sum(r["valid"] for r in rs), "structured": sum(r["structured"] for r in rs),
                      "errors": sum(len(r["errors"]) for r in rs)})
+        timelines = [r["timeline"] for r in rs if r.get("timeline", {}).get("requests")]
+        if timelines:   # each phase's p50, the median over rounds
+            rows[-1]["timeline"] = {k: statistics.median(t[k] for t in timelines) for k in timelines[0]}
     return rows
 
 
@@ -450,6 +466,17 @@ def _markdown(report: dict) -> str:
                                f"{_ms(r['itl_p50_ms'], 1)} / {_ms(r['itl_p99_ms'], 1)}",
                                f"{r['valid']}/{r['structured']}" if r["structured"] else "",
                                r["errors"]] for r in report["summary"]]), ""]
+    timed = [r for r in report["summary"] if r.get("timeline")]
+    if timed:
+        labels = [label for label, _, _ in vllm_timeline.PHASES] + ["TTFT"]
+        lines += ["## Time to first token, phase by phase (`--timeline`)", "",
+                  "Each request's stamps in vLLM's API server, engine core and worker and in the client "
+                  "(vllm_timeline.py); p50 ms over the requests of a run, median over rounds. The phases are "
+                  "p50s of their own: they need not add up to the TTFT's p50.", "",
+                  common.md_table(["phase"] + [f"{r['engine']} {r['workload']} c={r['concurrency']} {r['mode']}"
+                                               for r in timed],
+                                  [[label] + [_ms(r["timeline"].get(label), 1) for r in timed] for label in labels]
+                                  + [["requests timed"] + [_ms(r["timeline"].get("requests")) for r in timed]]), ""]
     if report["burst_summary"]:
         lines += ["## Compile burst", "",
                   "The free-text workload decoding while a burst of new grammars (16 tokens each) arrives at once "

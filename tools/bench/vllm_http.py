@@ -61,12 +61,13 @@ def stream(host: str, port: int, body: dict, streaming: threading.Event | None =
     """One streaming request (a chat request where the body has messages): completion tokens, the
     time to the first text (or tool-call delta, which a tool parser holds until it read the call's
     name), the gaps between the later ones, the text, the finish reason, the seconds to its end, an error;
-    where a chat request asks for logprobs, the text token by token (``pieces``)."""
+    where a chat request asks for logprobs, the text token by token (``pieces``); the response's ``id``
+    and when it was sent (``t0``, ``time.monotonic``)."""
     res: dict[str, Any] = {"tokens": 0, "ttft": None, "gaps": [], "text": "", "finish": None, "elapsed": None,
-                           "error": None, "pieces": []}
+                           "error": None, "pieces": [], "id": None, "t0": None}
     conn = http.client.HTTPConnection(host, port, timeout=600)
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-    t0 = time.perf_counter()
+    t0 = res["t0"] = time.monotonic()     # (the clock vllm_timeline's stamps use, in every process)
     try:
         conn.request("POST", path, json.dumps(body), {"content-type": "application/json"})
         reply = conn.getresponse()
@@ -80,7 +81,8 @@ def stream(host: str, port: int, body: dict, streaming: threading.Event | None =
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
-            now = time.perf_counter()
+            now = time.monotonic()
+            res["id"] = res["id"] or chunk.get("id")
             if chunk.get("usage"):
                 res["tokens"] = chunk["usage"]["completion_tokens"]
             for choice in chunk.get("choices", ()):
@@ -99,7 +101,7 @@ def stream(host: str, port: int, body: dict, streaming: threading.Event | None =
                 if choice.get("finish_reason"):
                     res["finish"] = choice["finish_reason"]
         res["text"] = "".join(parts)
-        res["elapsed"] = time.perf_counter() - t0
+        res["elapsed"] = time.monotonic() - t0
     except (OSError, http.client.HTTPException, ValueError) as exc:
         res["error"] = f"{type(exc).__name__}: {exc}"
     finally:
